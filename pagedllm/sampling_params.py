@@ -1,0 +1,136 @@
+"""How one request wants its tokens chosen and when it should stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_STOP_STRINGS = 64
+_MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling and stopping parameters of one request, validated on construction.
+
+    Defaults follow the OpenAI API and vLLM: temperature 1.0 samples from the model's
+    distribution; temperature 0 is greedy.
+    """
+
+    n: int = 1
+    """Number of sequences to return."""
+    best_of: int | None = None
+    """Sequences generated before choosing the `n` with the highest cumulative logprob."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int | None = None
+    """Keep only the k most likely tokens; None keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens seen in prompt or output."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of the given token ids before sampling."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context length."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are suppressed until this many tokens are generated."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; they are cut from the returned text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (kept in token_ids, cut from text when special)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    logprobs: int | None = None
+    """Return this many top logprobs per generated token (plus the sampled token's)."""
+    prompt_logprobs: int | None = None
+    """Return this many top logprobs per prompt token (plus the prompt token's)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenized text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or self.best_of < self.n:
+                raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be None (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if len(self.stop) > _MAX_STOP_STRINGS:
+            raise ValueError(f"at most {_MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {_MAX_LOGPROBS}], got {value!r}")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences are generated (best_of, or n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def token_ids_to_check(self) -> list[int]:
+        """Every token id these params mention, to be checked against the vocabulary."""
+        ids = list(self.stop_token_ids)
+        if self.logit_bias:
+            ids.extend(self.logit_bias)
+        return ids
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
