@@ -1,0 +1,36 @@
+"""``Attention``: the layer a model calls; it reads metadata and its KV cache from the forward context."""
+
+import torch
+from torch import nn
+
+from pagedllm.model.attention.paged import causal_attention_no_cache, paged_attention, write_kv_cache
+from pagedllm.model.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer: write this step's K/V, then attend through block tables."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ctx = get_forward_context()
+        metadata = ctx.attn_metadata if ctx is not None else None
+        if ctx is None or ctx.kv_caches is None or metadata is None:
+            # No cache (profiling / dummy run): attend over the current tokens only.
+            starts = metadata.query_start_loc if metadata is not None else None
+            return causal_attention_no_cache(query, key, value, self.scale, starts)
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return paged_attention(query, kv_cache, metadata, self.scale)

@@ -1,0 +1,1 @@
+"""Building blocks of Llama-family models: linears (TP-ready), RMSNorm, rotary, activations."""

@@ -1,0 +1,138 @@
+"""Linear layers that own their tensor-parallel sharding (tp_size=1 today: collectives are no-ops).
+
+* ``ColumnParallelLinear`` splits the output features: each rank holds rows ``[rank*n/tp, (rank+1)*n/tp)``.
+* ``RowParallelLinear`` splits the input features and all-reduces the partial outputs.
+* ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` fuse several column linears; their
+  ``weight_loader(param, loaded, shard_id)`` places one Hugging Face tensor into its slice.
+
+Parameters are allocated uninitialized (``torch.empty``): weights always come from a checkpoint.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_size: int, tp_rank: int):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+
+    def _make_params(self, out_features: int, in_features: int, bias: bool) -> None:
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
+        self._make_params(output_size, input_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W's rows (output features) split across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
+        self.output_size_per_partition = _divide(output_size, tp_size)
+        self._make_params(self.output_size_per_partition, input_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column linears with the same input fused into one matmul (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_size, tp_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        shard = _divide(self.output_sizes[shard_id], self.tp_size)
+        offset = sum(_divide(s, self.tp_size) for s in self.output_sizes[:shard_id])
+        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused; heads are split across ranks (K/V heads must divide tp_size)."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+        bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size)
+        self.num_kv_heads = _divide(num_kv_heads, tp_size)
+        output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, tp_size, tp_rank)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        offset, size = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W's columns (input features) split across ranks; partial sums all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
+        self.input_size_per_partition = _divide(input_size, tp_size)
+        self._make_params(output_size, self.input_size_per_partition, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: added once, after the reduction
+            param.data.copy_(loaded)
+            return
+        shard = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    assert param.shape == loaded.shape, f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}"
+    param.data.copy_(loaded)

@@ -1,0 +1,67 @@
+"""Rotary position embedding (non-interleaved "rotate half" form used by HF Llama checkpoints).
+
+Inverse frequencies and the attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS``
+(linear, llama3, yarn, longrope, ...); plain RoPE is ``1 / theta ** (2i / dim)``. cos/sin are
+precomputed for ``max_position_embeddings`` positions in float32.
+
+``dynamic`` (NTK) scaling changes frequencies with the running sequence length, which differs per
+sequence in a batch; we use its frequencies at the original context length, which equal HF's
+for sequences that fit in ``max_position_embeddings``.
+"""
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # older transformers: rope_theta + rope_scaling
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention_scaling) for ``config``."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, scaling = compute_inv_freq(config, head_dim)
+        max_positions = config.max_position_embeddings
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D]
+        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
+        query = query * cos + self._rotate_half(query) * sin
+        key = key * cos + self._rotate_half(key) * sin
+        return query, key

@@ -1,0 +1,26 @@
+"""Architecture name (``config.architectures[0]``) -> model class."""
+
+from torch import nn
+
+from pagedllm.errors import ModelLoadError
+from pagedllm.model.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """The class for the first supported name in ``architectures``; ModelLoadError if none."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ModelLoadError(
+        f"unsupported model architecture {architectures!r}; supported: {', '.join(supported_architectures())}"
+    )
