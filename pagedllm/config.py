@@ -1,0 +1,117 @@
+"""Frozen, validated configs, and the engine arguments they are made from."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_memory_size(value: str | int) -> int:
+    """'2GiB' -> 2147483648; '512MB' -> 512000000; plain integers are bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read a memory size from {value!r}; use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int = 1 << 30
+    """Bytes for the KV cache of all layers (ignored when num_kv_blocks is set)."""
+    num_kv_blocks: int | None = None
+    """An explicit block count, overriding kv_cache_memory."""
+    enable_prefix_caching: bool = True
+    """Reuse the cached KV of full blocks shared with earlier requests."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step; longer prompts are prefilled in chunks."""
+    max_model_len: int = 2048
+    """Longest sequence (prompt + output) served."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set when starting an engine; each field is also a CLI flag."""
+
+    model: str | None = None
+    """A Hugging Face model directory or a .gguf file; None for the embedded default."""
+    dtype: str = "float32"
+    """Weight and activation dtype (float32 on the CPU: bf16 matmuls are far slower there)."""
+    seed: int = 0
+    """Seed of the engine's shared random generator (unseeded sampling)."""
+    block_size: int = 16
+    kv_cache_memory: int | str = 1 << 30
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    """Defaults to the model's context length, capped at 4096."""
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=parse_memory_size(self.kv_cache_memory),
+            num_kv_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        max_model_len = self.max_model_len if self.max_model_len is not None else min(model_max_len, 4096)
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context length ({model_max_len})"
+            )
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+        parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
+        parser.add_argument("--num-kv-blocks", type=int, default=None)
+        parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        parser.add_argument("--max-num-seqs", type=int, default=128)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        parser.add_argument("--max-model-len", type=int, default=None)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

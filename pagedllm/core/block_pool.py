@@ -1,0 +1,161 @@
+"""Physical KV blocks: ref counts, an O(1) LRU free queue and the prefix-hash table.
+
+A block with ref_cnt 0 sits in the free queue. If it holds a cached prefix (it has a
+hash), it stays findable through `cached_blocks` until a fresh block is needed and it
+reaches the head of the queue: least recently freed goes first.
+
+    free queue:  head -> [evicted first] <-> ... <-> [freed last] <- tail
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedllm.core.block_hash import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One physical block; its id indexes every layer's K and V cache."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    """Set once the block is full and cached; cleared on eviction."""
+    token_ids: tuple[int, ...] | None = None
+    """The tokens the cached block holds, compared on a hit so a hash collision can never serve foreign KV."""
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """A doubly linked list of free blocks: pop the head, append at the tail, remove from anywhere in O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(block_id=-1)  # sentinels keep the link code branch-free
+        self._tail = KVBlock(block_id=-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        assert block is not self._tail, "pop from an empty free queue"
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, f"{block} is not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def block_ids(self) -> list[int]:
+        """The free block ids in eviction order (for tests and leak checks)."""
+        ids = []
+        block = self._head.next_free
+        while block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+class BlockPool:
+    """All physical blocks, who holds them, and which cached prefixes they contain."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached or not: all of them can be handed out."""
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by some request."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` blocks from the head of the free queue, evicting cached content."""
+        assert num_blocks <= self.num_free_blocks, f"asked for {num_blocks}, {self.num_free_blocks} free"
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
+        """The cached block with this hash *and* these tokens, or None."""
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference to cached blocks; a block that was free leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Register a full block under its hash. An existing entry for the hash wins."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached_blocks:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached_blocks[block_hash] = block
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the given order (the first freed is evicted first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is held."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.cached_blocks.clear()
+        return True

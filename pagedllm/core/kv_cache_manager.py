@@ -1,0 +1,136 @@
+"""Per-request block tables on top of the block pool.
+
+A request holds the blocks covering its computed and scheduled tokens, no more: a new
+block is taken only in the step the request first writes past its last block.
+
+    block_size = 4, 10 tokens computed or scheduled:
+    block table:  [ 7 | 2 | 9 ]
+                   ####  ####  ##..     '#' slot holds KV, '.' slot free for the next tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates, shares and frees the blocks of each request."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        """Prompt tokens looked up in the prefix cache."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens served from cached blocks."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The cached blocks of the request's longest cached prefix, and how many tokens they hold.
+
+        The last token is never counted as cached: it must be computed so its logits exist.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self.pool.get_cached_block(block_hash, tokens)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens of `request`; None if they do not fit.
+
+        `new_computed_blocks` are prefix-cache hits being attached at admission; they come
+        before any new block in the table. Returns the ids appended to the block table.
+        """
+        held = self.req_to_blocks.get(request.req_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = self.num_blocks_for_tokens(num_computed + num_new_tokens)
+        num_new_blocks = max(0, num_needed - len(held) - len(new_computed_blocks))
+        # A cache hit sitting in the free queue stops being available once we take it.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return None
+
+        self.pool.touch(new_computed_blocks)
+        new_blocks = list(new_computed_blocks) + self.pool.get_new_blocks(num_new_blocks)
+        blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return [block.block_id for block in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, tail first so its tail is evicted before shared heads."""
+        blocks = self.req_to_blocks.pop(request.req_id, [])
+        self._num_cached_blocks.pop(request.req_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def _update_block_hashes(self, request: Request) -> None:
+        extra_keys = (request.cache_salt,) if request.cache_salt is not None else ()
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra_keys)
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Register the blocks that `num_tokens` fills completely under their chain hashes."""
+        num_full = num_tokens // self.block_size
+        first = self._num_cached_blocks.get(request.req_id, 0)
+        if num_full <= first:
+            return
+        self._update_block_hashes(request)
+        bs = self.block_size
+        for i in range(first, num_full):
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(blocks[i], request.block_hashes[i], tokens)
+        self._num_cached_blocks[request.req_id] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_no_leaks(self) -> list[str]:
+        """With no request alive, every block must be free. Returns what is wrong (empty = fine)."""
+        problems = []
+        if self.req_to_blocks:
+            problems.append(f"requests still hold blocks: {sorted(self.req_to_blocks)}")
+        held = [b.block_id for b in self.pool.blocks if b.ref_cnt != 0]
+        if held:
+            problems.append(f"blocks with nonzero ref_cnt: {held[:20]}")
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            problems.append(f"{self.pool.num_blocks - self.pool.num_free_blocks} blocks missing from the free queue")
+        return problems

@@ -1,0 +1,96 @@
+"""The contracts between scheduler and runner: ids and integers, new data sent once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: new, or resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]
+    """Every known token: the prompt, plus the output so far for a resumed request."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose KV is already in the blocks (prefix-cache hits)."""
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already knows: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step: which requests run, and how many of their tokens."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> tokens to compute this step. Prefill, chunk and decode alike."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or aborted since the last step: the runner drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted this step: the runner drops their blocks; they return as new."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) block copies the runner applies before the forward pass (copy-on-write)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one position: column 0 is the chosen token, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+    """Rank of the chosen token in the model's distribution (1 = most likely)."""
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step produced, per request that sampled."""
+
+    sampled_token_ids: dict[str, list[int]]
+    """req_id -> tokens sampled this step (absent while a prompt is still being computed)."""
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    """req_id -> logprobs of the prompt positions computed this step (None for the first token)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """req_id -> error message, for requests that failed alone; the others carry on."""
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What the front end learns about one request after a step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None
+    """'stop', 'length' or 'abort' once finished; None while running."""
+    stop_reason: int | str | None = None
+    """The stop token id that ended the request, if any."""
+    error: str | None = None
+    """Set when this request failed alone; finish_reason is then 'abort'."""
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,235 @@
+"""The iteration-level scheduler: every step, hand out tokens from a budget.
+
+Each request has `num_computed_tokens` and `num_tokens`; a step gives each running request
+(oldest first), then each waiting one, as many of its missing tokens as the budget allows.
+A prompt, a chunk of a prompt, one decode token, or a preempted request's whole history
+are all the same kind of entry with different numbers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.errors import InvalidRequestError
+
+
+class Scheduler:
+    """FCFS admission, chunked prefill, and preemption of the newest request when blocks run out."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # --- admission -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or refuse it with InvalidRequestError if it could never be served."""
+        if request.req_id in self.requests:
+            raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        max_len = self.config.max_model_len
+        final_len = request.num_prompt_tokens + request.max_tokens
+        if final_len > max_len:
+            raise InvalidRequestError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = "
+                f"{final_len} exceeds max_model_len ({max_len}); shorten the prompt, lower max_tokens "
+                f"or raise max_model_len"
+            )
+        num_blocks = self.kv.num_blocks_for_tokens(final_len)
+        if num_blocks > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"this request needs up to {num_blocks} KV blocks ({final_len} tokens) but the whole "
+                f"cache has {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End live requests (abort, or a stop string found by the front end); frees their blocks now."""
+        assert status.is_finished
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    # --- one step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Running requests first (oldest first), then waiting ones."""
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            assert num_new > 0, f"{request.req_id} is running with nothing to compute"
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()  # the newest request is preempted first
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break  # the request preempted itself; everything after it is gone too
+            num_scheduled[request.req_id] = num_new
+            token_budget -= num_new
+            cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
+            i += 1
+
+        # Admitting new work in a step that had to preempt would just preempt it again.
+        if not preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_hit_tokens, token_budget)
+                if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                    break  # strict FCFS: the head of the queue waits for blocks
+                request.num_computed_tokens = num_hit_tokens
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                request.num_cached_tokens = num_hit_tokens
+                self.running.append(request)
+                num_scheduled[request.req_id] = num_new
+                token_budget -= num_new
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.req_id,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv.get_block_ids(request.req_id),
+                        num_computed_tokens=num_hit_tokens,
+                        eos_token_ids=request.eos_token_ids,
+                    )
+                )
+
+        for req_id, num in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids={r.req_id for r in preempted},
+        )
+        self._finished_req_ids = set()
+        return output
+
+    def update_from_output(
+        self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, stop finished requests and free their blocks at once."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id in sched_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            if req_id in runner_output.failed:
+                self.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="abort", error=runner_output.failed[req_id]))
+                continue
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
+            if not new_token_ids and prompt_logprobs is None:
+                continue  # a prompt chunk: nothing to tell yet
+            accepted = []
+            for token_id in new_token_ids:
+                request.append_output_token(token_id)
+                accepted.append(token_id)
+                if self._check_stop(request):
+                    break
+            logprobs = runner_output.logprobs.get(req_id)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=accepted,
+                    new_logprobs=logprobs[: len(accepted)] if logprobs is not None else None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+        return outputs
+
+    # --- state -----------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def _check_stop(self, request: Request) -> bool:
+        """Finish the request if its last token ends it. True if it finished."""
+        token_id = request.output_token_ids[-1]
+        params = request.sampling_params
+        if request.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        """Free every block of a running request; it goes back to the front of the queue, to be recomputed."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv.free(request)
+        self._finished_req_ids.add(request.req_id)
+        del self.requests[request.req_id]
