@@ -1,0 +1,366 @@
+"""Turn one step's logits into sampled tokens (and logprobs), one row per sequence.
+
+The sampler knows nothing of scheduling: the model runner describes each row it samples with a
+`SamplingRow`, packs them once per step into a `SamplingMetadata` of tensors, and calls `Sampler`.
+
+Processing order for every row (vLLM's, which users know):
+
+    raw logits ──► logprobs / ranks reported to the user (log_softmax of the raw logits)
+        │
+        ├─ logit_bias
+        ├─ min_tokens: eos + stop_token_ids to -inf while len(output) < min_tokens
+        ├─ penalties: repetition (prompt + output), frequency and presence (output only)
+        │
+        ├─ greedy rows ─────────────────────────────────────► argmax
+        └─ random rows: / temperature ─► top_k ─► top_p ─► min_p ─► exponential race
+
+Random rows draw their noise from their own `torch.Generator` when the request has a seed, so a
+seeded request's tokens depend on nothing else in the batch; unseeded rows share one draw from the
+default generator. Greedy rows draw nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32 logits, and
+# the distribution they describe is argmax anyway (vLLM uses the same cut-off).
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One sequence to sample a token for in this step."""
+
+    params: SamplingParams
+    """The request's sampling parameters."""
+    prompt_token_ids: list[int]
+    """Prompt tokens (the repetition penalty looks at them)."""
+    output_token_ids: list[int]
+    """Tokens generated so far (penalties and min_tokens look at them)."""
+    generator: torch.Generator | None = None
+    """The request's own generator when params.seed is set; the runner keeps it across steps."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """End-of-sequence ids, suppressed with stop_token_ids while len(output) < min_tokens."""
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Everything the sampler needs for one step, as tensors; build it with `from_requests`."""
+
+    num_rows: int
+    vocab_size: int
+    temperature: torch.Tensor
+    """[N] float32; 1.0 on greedy rows (never used there)."""
+    greedy_mask: torch.Tensor | None
+    """[N] bool, True on greedy rows; None when no row is greedy."""
+    all_greedy: bool
+    top_k: torch.Tensor | None
+    """[N] int64, vocab_size where off; None when no row uses top_k."""
+    max_top_k: int
+    """Largest top_k over the rows that use it (known on the host: no device sync to read it)."""
+    top_p: torch.Tensor | None
+    """[N] float32, > 1 where off; None when no row uses top_p."""
+    min_p: torch.Tensor | None
+    """[N] float32; None when no row uses min_p."""
+    generators: dict[int, torch.Generator]
+    """Row index -> generator, for random (non-greedy) seeded rows only."""
+    unseeded_random_rows: torch.Tensor | None
+    """[M] int64 row indices of random rows without a generator; None when there are none."""
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    """(row indices, token ids, biases), flat; None when no row has a bias."""
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None
+    """(row indices, token ids) set to -inf for min_tokens; None when nothing is suppressed."""
+    output_counts: torch.Tensor | None
+    """[N, vocab_size] float32 counts of each generated token; None when no row has penalties."""
+    prompt_mask: torch.Tensor | None
+    """[N, vocab_size] bool, token occurs in the prompt; None when no row has a repetition penalty."""
+    presence_penalty: torch.Tensor | None
+    """[N] float32; None when no row has penalties (likewise the next two)."""
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    max_num_logprobs: int | None
+    """Largest `logprobs` over the rows; None when no row asks for logprobs."""
+
+    @classmethod
+    def from_requests(cls, rows: list[SamplingRow], vocab_size: int, device) -> "SamplingMetadata":
+        """Pack the rows' parameters into tensors on `device`.
+
+        Token ids outside [0, vocab_size) in logit_bias, stop_token_ids or eos ids are ignored
+        here: the front end validates request token ids against the vocabulary.
+        """
+        num_rows = len(rows)
+        params = [row.params for row in rows]
+        greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
+        all_greedy = all(greedy)
+
+        temperature = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device
+        )
+        greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device) if any(greedy) else None
+
+        top_k = top_p = min_p = None
+        max_top_k = vocab_size
+        generators: dict[int, torch.Generator] = {}
+        unseeded_random_rows = None
+        if not all_greedy:
+            random_params = [p for p, g in zip(params, greedy) if not g]
+            if any(p.top_k is not None and p.top_k < vocab_size for p in random_params):
+                ks = [vocab_size if g or p.top_k is None else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+                max_top_k = max(ks)
+            if any(p.top_p < 1.0 for p in random_params):
+                # 2.0 switches top_p off exactly: float32 cumulative sums can exceed 1.0.
+                top_p = torch.tensor(
+                    [2.0 if g or p.top_p >= 1.0 else p.top_p for p, g in zip(params, greedy)],
+                    dtype=torch.float32,
+                    device=device,
+                )
+            if any(p.min_p > 0.0 for p in random_params):
+                min_p = torch.tensor(
+                    [0.0 if g else p.min_p for p, g in zip(params, greedy)], dtype=torch.float32, device=device
+                )
+            unseeded = []
+            for i, (row, g) in enumerate(zip(rows, greedy)):
+                if g:
+                    continue
+                if row.generator is not None:
+                    generators[i] = row.generator
+                else:
+                    unseeded.append(i)
+            if unseeded:
+                unseeded_random_rows = torch.tensor(unseeded, dtype=torch.int64, device=device)
+
+        # logit_bias: flat (row, token, bias) triples.
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                for token_id, bias in p.logit_bias.items():
+                    if 0 <= token_id < vocab_size:
+                        bias_rows.append(i)
+                        bias_tokens.append(token_id)
+                        bias_values.append(float(bias))
+        logit_bias = None
+        if bias_rows:
+            logit_bias = (
+                torch.tensor(bias_rows, dtype=torch.int64, device=device),
+                torch.tensor(bias_tokens, dtype=torch.int64, device=device),
+                torch.tensor(bias_values, dtype=torch.float32, device=device),
+            )
+
+        # min_tokens: eos + stop ids of rows that have not generated enough yet.
+        sup_rows: list[int] = []
+        sup_tokens: list[int] = []
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) < row.params.min_tokens:
+                ids = {t for t in (*row.eos_token_ids, *row.params.stop_token_ids) if 0 <= t < vocab_size}
+                sup_rows.extend([i] * len(ids))
+                sup_tokens.extend(ids)
+        suppressed = None
+        if sup_rows:
+            suppressed = (
+                torch.tensor(sup_rows, dtype=torch.int64, device=device),
+                torch.tensor(sup_tokens, dtype=torch.int64, device=device),
+            )
+
+        # Penalties: build the [N, V] tensors only when some row needs them.
+        output_counts = prompt_mask = None
+        presence = frequency = repetition = None
+        any_rep = any(p.repetition_penalty != 1.0 for p in params)
+        if any_rep or any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
+            repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+            output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
+            if any_rep:
+                prompt_mask = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device) > 0
+
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        max_num_logprobs = max(logprob_counts) if logprob_counts else None
+
+        return cls(
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            greedy_mask=greedy_mask,
+            all_greedy=all_greedy,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=generators,
+            unseeded_random_rows=unseeded_random_rows,
+            logit_bias=logit_bias,
+            suppressed=suppressed,
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            max_num_logprobs=max_num_logprobs,
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's sampled tokens, and logprobs when some row asked for them."""
+
+    sampled_token_ids: torch.Tensor
+    """[N] int64."""
+    logprob_token_ids: torch.Tensor | None
+    """[N, 1 + max_num_logprobs] int64: column 0 the sampled token, then the top ids (most likely first)."""
+    logprobs: torch.Tensor | None
+    """[N, 1 + max_num_logprobs] float32, the raw model logprobs of logprob_token_ids."""
+    sampled_token_ranks: torch.Tensor | None
+    """[N] int64: rank of the sampled token in the raw distribution (1 = most likely)."""
+
+
+class Sampler(nn.Module):
+    """Logits [N, V] + SamplingMetadata -> SamplerOutput. Stateless."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+
+        x = logits.to(torch.float32, copy=True)  # processed in place from here on
+        x = apply_logits_processors(x, metadata)
+
+        if metadata.all_greedy:
+            sampled = x.argmax(dim=-1)
+        else:
+            greedy_ids = x.argmax(dim=-1) if metadata.greedy_mask is not None else None
+            sampled = _sample_random(x, metadata)
+            if greedy_ids is not None:
+                sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def apply_logits_processors(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Apply logit_bias, min_tokens suppression and penalties to float32 logits `x` in place."""
+    vocab = x[:, : metadata.vocab_size]  # the model may pad its vocabulary; ids beyond are never biased
+    if metadata.logit_bias is not None:
+        rows, tokens, biases = metadata.logit_bias
+        vocab.index_put_((rows, tokens), biases, accumulate=True)
+    if metadata.suppressed is not None:
+        rows, tokens = metadata.suppressed
+        vocab[rows, tokens] = float("-inf")
+    if metadata.output_counts is not None:
+        counts = metadata.output_counts
+        if metadata.prompt_mask is not None:
+            seen = metadata.prompt_mask | (counts > 0)
+            penalty = torch.where(seen, metadata.repetition_penalty[:, None], 1.0)
+            vocab.copy_(torch.where(vocab > 0, vocab / penalty, vocab * penalty))
+        vocab -= metadata.frequency_penalty[:, None] * counts
+        vocab -= metadata.presence_penalty[:, None] * (counts > 0).to(torch.float32)
+    return x
+
+
+def _sample_random(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Sample every row of processed logits `x` as if it were random (greedy rows are fixed later)."""
+    x.div_(metadata.temperature[:, None])
+    if metadata.top_p is not None:
+        x = _apply_top_k_top_p(x, metadata.top_k, metadata.top_p)
+    elif metadata.top_k is not None:
+        x = _apply_top_k(x, metadata.top_k, metadata.max_top_k)
+    probs = torch.softmax(x, dim=-1)
+    if metadata.min_p is not None:
+        max_probs = probs.max(dim=-1, keepdim=True).values
+        probs.masked_fill_(probs < metadata.min_p[:, None] * max_probs, 0.0)
+    return _exponential_race(probs, metadata)
+
+
+def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep the top_k largest logits per row (ties at the threshold are kept too); no full sort."""
+    top_values = x.topk(max_k, dim=-1).values  # [N, max_k], descending
+    threshold = top_values.gather(1, (top_k - 1).clamp(max=max_k - 1)[:, None])
+    return x.masked_fill_(x < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """One descending sort serves both filters; top_p is taken over the top_k-renormalized probs."""
+    sorted_x, sorted_idx = x.sort(dim=-1, descending=True)
+    if top_k is not None:
+        positions = torch.arange(x.shape[1], device=x.device)
+        sorted_x.masked_fill_(positions[None, :] >= top_k[:, None], float("-inf"))
+    sorted_probs = torch.softmax(sorted_x, dim=-1)
+    # Drop a token once the tokens before it already reach top_p; the first is always kept.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove = mass_before >= top_p[:, None]
+    remove[:, 0] = False
+    sorted_x.masked_fill_(remove, float("-inf"))
+    return torch.empty_like(x).scatter_(1, sorted_idx, sorted_x)
+
+
+def _exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i].
+
+    Seeded rows draw q from their own generator, so their result depends only on that generator.
+    """
+    q = torch.ones_like(probs)  # greedy rows keep 1 and draw nothing
+    if metadata.unseeded_random_rows is not None:
+        rows = metadata.unseeded_random_rows
+        q[rows] = torch.empty((rows.shape[0], probs.shape[1]), dtype=probs.dtype, device=probs.device).exponential_()
+    for row, generator in metadata.generators.items():
+        q[row].exponential_(generator=generator)
+    # exponential_ can return 0; a zero-probability token must never win with 0 / 0.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logprobs [N, V] and chosen token_ids [N]: ids [N, 1+k], their logprobs [N, 1+k], ranks [N].
+
+    Column 0 is the chosen token; columns 1.. are the k most likely tokens, most likely first.
+    Rank is 1 + the number of tokens with a strictly greater logprob.
+    """
+    token_ids = token_ids.to(torch.int64)
+    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if num_logprobs > 0:
+        top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        ids = torch.cat([token_ids[:, None], top_ids], dim=1)
+        values = torch.cat([chosen, top_values], dim=1)
+    else:
+        ids, values = token_ids[:, None], chosen
+    return ids, values, ranks
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of each prompt token from the logits that predicted it.
+
+    logits [P, V] are the raw logits at positions 0..P-1; target_token_ids [P] the tokens at
+    positions 1..P. Returns (token_ids [P, 1+k], logprobs [P, 1+k] float32, ranks [P] int64), laid
+    out like SamplerOutput: column 0 the prompt token, then the top k.
+    """
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return gather_logprobs(logprobs, target_token_ids, num_logprobs)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[N, vocab_size] float32 occurrence counts, via one scatter_add over the flattened ids."""
+    num_rows = len(token_lists)
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device=device)
+    flat = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    # Out-of-vocabulary ids land in an extra column that is dropped.
+    flat = torch.where((flat >= 0) & (flat < vocab_size), flat, vocab_size)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    counts.view(-1).scatter_add_(0, rows * (vocab_size + 1) + flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts[:, :vocab_size]
