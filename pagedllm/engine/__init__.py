@@ -1,0 +1,1 @@
+"""Joins scheduler and runner (EngineCore), and makes text for the front ends."""

@@ -1,0 +1,129 @@
+"""EngineCore: the loop body of serving. Schedule, execute, update; nothing else.
+
+It owns the scheduler (with its KV cache manager) and the model runner. Front ends talk to it
+through EngineCoreRequest in and EngineCoreOutput out; text is made elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.worker.kv_cache import KVCacheSpec
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions: int
+
+
+class EngineCore:
+    """Scheduler + model runner, stepped by the caller (in-process) or a busy loop (its own process)."""
+
+    def __init__(self, engine_args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        dtype = _DTYPES[engine_args.dtype]
+        self.loaded = loaded if loaded is not None else load_model(engine_args.model, dtype=dtype)
+        hf_config = self.loaded.hf_config
+        model = self.loaded.model
+        self.cache_config: CacheConfig = engine_args.cache_config()
+        self.scheduler_config: SchedulerConfig = engine_args.scheduler_config(
+            getattr(hf_config, "max_position_embeddings", 4096)
+        )
+        self.kv_spec = KVCacheSpec(
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=self.cache_config.block_size,
+            dtype=dtype,
+        )
+        num_blocks = self.cache_config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(
+            self.cache_config.kv_cache_memory
+        )
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={self.cache_config.kv_cache_memory} bytes is less than one KV block "
+                f"({self.kv_spec.bytes_per_block} bytes); raise it"
+            )
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d KiB per block): at most %d tokens in flight",
+            num_blocks, self.cache_config.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20,
+            self.kv_spec.bytes_per_block // 1024, num_blocks * self.cache_config.block_size,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.runner = ModelRunner(
+            model, vocab_size=hf_config.vocab_size, kv_spec=self.kv_spec, num_blocks=num_blocks,
+            seed=engine_args.seed,
+        )
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; raises InvalidRequestError if it could never be served."""
+        self.scheduler.add_request(
+            Request(
+                req_id=req.req_id,
+                prompt_token_ids=list(req.prompt_token_ids),
+                sampling_params=req.sampling_params,
+                eos_token_ids=frozenset(req.eos_token_ids),
+                max_tokens=req.max_tokens,
+                arrival_time=req.arrival_time,
+                cache_salt=req.cache_salt,
+            )
+        )
+
+    def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests now and free their blocks; unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(req_ids, status)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one iteration; returns what each touched request produced."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        sched_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(sched_output)
+        return self.scheduler.update_from_output(sched_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_evictions=kv.pool.num_evictions,
+        )
+
+    def check_kv_leaks(self) -> list[str]:
+        """When idle, every block must be free or cached. Returns the problems found."""
+        if self.scheduler.has_unfinished_requests():
+            return []
+        return self.kv_cache_manager.check_no_leaks()

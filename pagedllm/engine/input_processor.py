@@ -1,0 +1,73 @@
+"""Front-end request preparation: tokenize, validate every token id, resolve defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.errors import InvalidRequestError
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+"""A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = list(eos_token_ids)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text if any, token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ints)")
+        if isinstance(prompt, Sequence):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
+                cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
+        """Validate and tokenize; raises InvalidRequestError naming what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        self.check_token_ids(token_ids, "prompt")
+        self.check_token_ids(params.token_ids_to_check(), "stop_token_ids/logit_bias")
+        num_prompt = len(token_ids)
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, which must leave "
+                f"room for at least one generated token"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
+            )
+        return text, EngineCoreRequest(
+            req_id=req_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            cache_salt=cache_salt,
+        )
+
+    def check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"{what} contains token id {t!r}, outside the vocabulary [0, {self.vocab_size})"
+                )

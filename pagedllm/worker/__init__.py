@@ -1,0 +1,1 @@
+"""Execution: turns scheduler outputs into tensors, runs the model, samples. Decides nothing."""

@@ -1,0 +1,200 @@
+"""The model runner: SchedulerOutput -> tensors -> model -> sampled tokens.
+
+It keeps a copy of each running request's tokens and block table, updated from the
+scheduler's diffs, so a step's inputs are built from what changed, not resent in full.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.model.attention.metadata import AttentionMetadata
+from pagedllm.model.forward_context import set_forward_context
+from pagedllm.model.sampler import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: list[int]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the per-request state needed to build inputs."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int,
+                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.kv_spec = kv_spec
+        self.block_size = kv_spec.block_size
+        self.device = torch.device(device)
+        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, RunnerRequestState] = {}
+        # Seeded requests keep their generator across preemption; dropped only when finished.
+        self.generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(seed)  # the shared stream of unseeded requests
+
+    # --- state updates from the scheduler's diffs ------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            self.requests[new.req_id] = RunnerRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                eos_token_ids=sorted(new.eos_token_ids),
+            )
+            seed = new.sampling_params.seed
+            if seed is not None and new.req_id not in self.generators:
+                self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(seed)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            assert state.num_computed_tokens == cached.num_computed_tokens, (
+                f"{cached.req_id}: runner at {state.num_computed_tokens}, scheduler at {cached.num_computed_tokens}"
+            )
+
+    def _apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for kv_cache in self.kv_caches:
+            kv_cache[:, dst] = kv_cache[:, src]
+
+    # --- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        self._apply_block_copies(sched.block_copies)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+
+        req_ids = list(sched.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+        input_ids, positions, metadata = self._prepare_inputs(states, num_scheduled)
+
+        with set_forward_context(metadata, self.kv_caches):
+            hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+
+        # Rows that reach the end of their known tokens sample the next one.
+        last_token_index = metadata.query_start_loc[1:] - 1
+        sampling_rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
+                         if s.num_computed_tokens + n == len(s.token_ids)]
+        output = ModelRunnerOutput(sampled_token_ids={})
+        self._compute_prompt_logprobs(states, num_scheduled, metadata, hidden_states, output)
+        for state, n in zip(states, num_scheduled):
+            state.num_computed_tokens += n
+        if not sampling_rows:
+            return output
+
+        logits = self.model.compute_logits(hidden_states[last_token_index[sampling_rows]])  # [num_rows, vocab]
+        rows = [
+            SamplingRow(
+                params=states[i].params,
+                prompt_token_ids=states[i].token_ids[: states[i].num_prompt_tokens],
+                output_token_ids=states[i].token_ids[states[i].num_prompt_tokens :],
+                generator=self.generators.get(states[i].req_id),
+                eos_token_ids=states[i].eos_token_ids,
+            )
+            for i in sampling_rows
+        ]
+        sampler_output = self.sampler(logits, SamplingMetadata.from_requests(rows, self.vocab_size, self.device))
+
+        sampled = sampler_output.sampled_token_ids.tolist()  # the step's one host sync
+        logprob_ids = logprob_values = ranks = None
+        if sampler_output.logprobs is not None:
+            logprob_ids = sampler_output.logprob_token_ids.tolist()
+            logprob_values = sampler_output.logprobs.tolist()
+            ranks = sampler_output.sampled_token_ranks.tolist()
+        for row, i in enumerate(sampling_rows):
+            state = states[i]
+            state.token_ids.append(sampled[row])
+            output.sampled_token_ids[state.req_id] = [sampled[row]]
+            num_logprobs = state.params.logprobs
+            if num_logprobs is not None and logprob_ids is not None:
+                output.logprobs[state.req_id] = [
+                    TokenLogprobs(logprob_ids[row][: num_logprobs + 1], logprob_values[row][: num_logprobs + 1], ranks[row])
+                ]
+        return output
+
+    def _prepare_inputs(self, states: list[RunnerRequestState], num_scheduled: list[int]):
+        """Flat token ids, positions and attention metadata, built with tensor ops.
+
+            query_start_loc: [0, n0, n0+n1, ...]      tokens of request i: qsl[i]:qsl[i+1]
+            position of token t of request i = num_computed[i] + (t - qsl[i])
+            slot of a position p = block_table[i][p // block_size] * block_size + p % block_size
+        """
+        input_id_list: list[int] = []
+        for state, n in zip(states, num_scheduled):
+            input_id_list.extend(state.token_ids[state.num_computed_tokens : state.num_computed_tokens + n])
+        device = self.device
+        num_tokens = torch.tensor(num_scheduled, dtype=torch.int64)
+        num_computed = torch.tensor([s.num_computed_tokens for s in states], dtype=torch.int64)
+        query_start_loc = torch.zeros(len(states) + 1, dtype=torch.int64)
+        torch.cumsum(num_tokens, 0, out=query_start_loc[1:])
+        req_index = torch.repeat_interleave(torch.arange(len(states)), num_tokens)
+        positions = torch.arange(len(input_id_list)) - query_start_loc[req_index] + num_computed[req_index]
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = torch.zeros(len(states), max_blocks, dtype=torch.int64)
+        for i, state in enumerate(states):
+            block_tables[i, : len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.int64)
+        bs = self.block_size
+        slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        seq_lens = num_computed + num_tokens
+
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=seq_lens.to(device),
+            block_tables=block_tables.to(device),
+            max_query_len=max(num_scheduled),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+        )
+        input_ids = torch.tensor(input_id_list, dtype=torch.int64, device=device)
+        return input_ids, positions.to(device), metadata
+
+    def _compute_prompt_logprobs(self, states, num_scheduled, metadata, hidden_states, output) -> None:
+        """Logprobs of the prompt tokens this step covers: position p predicts token p + 1."""
+        for i, (state, n) in enumerate(zip(states, num_scheduled)):
+            k = state.params.prompt_logprobs
+            start = state.num_computed_tokens
+            if k is None or start >= state.num_prompt_tokens:
+                continue
+            end = min(start + n, state.num_prompt_tokens - 1)  # the last prompt position predicts output
+            entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+            if end > start:
+                first = int(metadata.query_start_loc[i])
+                logits = self.model.compute_logits(hidden_states[first : first + end - start])
+                targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
+                ids, values, ranks = compute_prompt_logprobs(logits, targets, k)
+                for row_ids, row_values, rank in zip(ids.tolist(), values.tolist(), ranks.tolist()):
+                    entries.append(TokenLogprobs(row_ids, row_values, rank))
+            output.prompt_logprobs[state.req_id] = entries
