@@ -26,6 +26,10 @@ def tiny_config(kind: str):
             },
             **COMMON,
         )
+    if kind == "llama_tied":  # tied, explicit head_dim != hidden/heads, plain rope (GGUF tests)
+        return LlamaConfig(
+            num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, **COMMON
+        )
     if kind == "qwen2":  # q/k/v bias
         return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **COMMON)
     if kind == "mistral":
