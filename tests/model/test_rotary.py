@@ -1,0 +1,43 @@
+"""Rotary cos/sin against transformers' LlamaRotaryEmbedding for each supported rope type."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from pagedllm.model.layers.rotary import RotaryEmbedding
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+    },
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rotary_matches_hf(rope):
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=128, rope_parameters=ROPES[rope]
+    )
+    ours = RotaryEmbedding(config, head_dim=16)
+    hf = LlamaRotaryEmbedding(config)
+    positions = torch.tensor([0, 1, 5, 31, 32, 77, 127])
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions[None])
+    torch.testing.assert_close(ours.cos_cache[positions], cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.sin_cache[positions], sin[0], atol=1e-6, rtol=0)
+
+
+def test_apply_rotary_is_rotate_half():
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, max_position_embeddings=8)
+    rot = RotaryEmbedding(config, head_dim=8)
+    q = torch.randn(3, 2, 8)
+    k = torch.randn(3, 1, 8)
+    q2, k2 = rot(torch.tensor([0, 3, 7]), q, k)
+    torch.testing.assert_close(q2[0], q[0])  # position 0 is the identity
+    torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))  # a rotation keeps norms
+    torch.testing.assert_close(k2.norm(dim=-1), k.norm(dim=-1))
