@@ -37,11 +37,14 @@ def _gather_kv(
     block_size = metadata.block_size
     num_blocks_needed = -(-metadata.max_seq_len // block_size)
     tables = metadata.block_tables[:, :num_blocks_needed]  # [num_seqs, nb]
-    kv = kv_cache[:, tables]  # [2, num_seqs, nb, block_size, num_kv_heads, head_dim]
-    two, num_seqs, nb, _, num_kv_heads, head_dim = kv.shape
-    kv = kv.reshape(two, num_seqs, nb * block_size, num_kv_heads, head_dim)
-    kv = kv[:, :, : metadata.max_seq_len].transpose(2, 3)  # [2, S, Hkv, max_seq_len, D]
-    return kv[0], kv[1]
+    num_seqs = tables.shape[0]
+    flat_tables = tables.reshape(-1)
+    # index_select on whole blocks is several times faster than advanced indexing here.
+    key = kv_cache[0].index_select(0, flat_tables)  # [S * nb, block_size, Hkv, D]
+    value = kv_cache[1].index_select(0, flat_tables)
+    key = key.view(num_seqs, -1, *key.shape[2:])[:, : metadata.max_seq_len]  # [S, L, Hkv, D]
+    value = value.view(num_seqs, -1, *value.shape[2:])[:, : metadata.max_seq_len]
+    return key.transpose(1, 2), value.transpose(1, 2)  # [S, Hkv, L, D]
 
 
 def paged_attention(
