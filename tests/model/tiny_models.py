@@ -14,7 +14,14 @@ COMMON = dict(
 )
 
 
-def tiny_config(kind: str):
+def tiny_config(kind: str, **overrides):
+    config = _tiny_config(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _tiny_config(kind: str):
     if kind == "llama":  # GQA, untied
         return LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **COMMON)
     if kind == "llama_tied_scaled":  # tied, explicit head_dim != hidden/heads, llama3 rope scaling
@@ -37,9 +44,9 @@ def tiny_config(kind: str):
     raise ValueError(kind)
 
 
-def make_hf_model(kind: str, seed: int = 0):
+def make_hf_model(kind: str, seed: int = 0, **config_overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, **config_overrides), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # HF zero-initializes biases; make them matter

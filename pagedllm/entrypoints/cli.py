@@ -1,0 +1,119 @@
+"""The `pagedllm` command: generate, chat (and serve/bench as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm.config import EngineArgs
+from pagedllm.sampling_params import SamplingParams
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=None)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (--seed seeds the engine)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("-n", type=int, default=1, help="sequences per prompt")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt text (several are batched together)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    EngineArgs.add_cli_args(gen)
+    _add_sampling_args(gen)
+
+    chat = sub.add_parser("chat", help="an interactive chat, streaming tokens")
+    chat.add_argument("--system", default=None, help="a system message")
+    EngineArgs.add_cli_args(chat)
+    _add_sampling_args(chat)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    params = _sampling_params(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, output in zip(args.prompts, outputs):
+        for completion in output.outputs:
+            print(f"--- prompt: {prompt!r} [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
+            print(completion.text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    engine = llm.engine
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        request_id = f"chat-{turn}"
+        turn += 1
+        engine.add_request(request_id, {"prompt_token_ids": llm.encode_chat(messages)}, params, stream=True)
+        reply = []
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    for completion in output.outputs:
+                        reply.append(completion.text)
+                        print(completion.text, end="", flush=True)
+        except KeyboardInterrupt:
+            engine.abort_request(request_id)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    commands = {"generate": cmd_generate, "chat": cmd_chat}
+    try:
+        return commands[args.command](args)
+    except (ValueError,) as e:  # configuration and request errors: say what is wrong, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

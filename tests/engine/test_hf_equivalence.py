@@ -1,0 +1,134 @@
+"""Greedy outputs token-for-token identical to Hugging Face transformers, batched together,
+also under forced chunked prefill and forced preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from tests.hf_reference import assert_matches_reference, hf_greedy
+from tests.model.tiny_models import make_hf_model, save_hf_model
+
+MAX_NEW_TOKENS = 16
+# A step budget that is small and odd forces every long prompt through chunked prefill.
+CHUNKED = dict(max_num_batched_tokens=37)
+
+
+def _prompt_lengths() -> list[int]:
+    # 1 token to over 300; several around block boundaries (16, 32, ...)
+    return [1, 2, 5, 15, 16, 17, 31, 33, 47, 64, 100, 128, 129, 200, 257, 321]
+
+
+def _random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in _prompt_lengths()]
+
+
+def _run_engine(llm: LLM, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool):
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, logprobs=0, ignore_eos=ignore_eos)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
+        results.append((completion.token_ids, logprobs))
+    return results
+
+
+def _check_all(llm, prompts, references, label, ignore_eos=False):
+    results = _run_engine(llm, prompts, MAX_NEW_TOKENS, ignore_eos)
+    verdicts = []
+    for prompt, ref, (ids, logprobs) in zip(prompts, references, results):
+        verdicts.append(assert_matches_reference(ids, logprobs, ref, f"{label}, prompt of {len(prompt)} tokens"))
+    # Near-ties are tolerated, not expected: most prompts must match exactly.
+    assert verdicts.count("exact") >= len(verdicts) - 2, verdicts
+    assert llm.engine.core.check_kv_leaks() == []
+    return verdicts
+
+
+# --- tiny random models: Llama with GQA, Qwen2 with q/k/v bias ----------------------------
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_setup(request, tmp_path_factory):
+    hf_model = make_hf_model(request.param, seed=1, max_position_embeddings=1024)
+    hf_model.generation_config.eos_token_id = None
+    path = save_hf_model(hf_model, tmp_path_factory.mktemp(request.param))
+    prompts = _random_prompts(hf_model.config.vocab_size, seed=7)
+    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+    return request.param, path, prompts, references
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        pytest.param({}, id="one-batch"),
+        pytest.param(CHUNKED, id="chunked-prefill"),
+        # 24 blocks of 4 tokens: the 321-token prompt alone needs 85 -> use block_size 16:
+        pytest.param(dict(block_size=16, num_kv_blocks=26, max_num_batched_tokens=64), id="preemption"),
+    ],
+)
+def test_tiny_models_match_hf(tiny_setup, engine_kwargs):
+    kind, path, prompts, references = tiny_setup
+    llm = LLM(model=path, **engine_kwargs)
+    _check_all(llm, prompts, references, f"{kind} {engine_kwargs}", ignore_eos=True)
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.engine.core.scheduler.num_preemptions > 0, "the run was meant to preempt"
+
+
+# --- the embedded default model -------------------------------------------------------------
+
+DEFAULT_PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "Translate to French: The cat sits on the mat.",
+    "1, 2, 3, 4, 5,",
+    "The three primary colors are",
+    "Explain why the sky is blue in one sentence.",
+    "Water boils at",
+    "A haiku about memory pages:",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Q: What is the largest planet in our solar system?\nA:",
+    "Paged memory lets an operating system " * 8,
+    "In 1969, the first humans walked on the Moon. " * 20,
+]
+
+
+@pytest.fixture(scope="module")
+def default_setup():
+    llm = LLM()  # the embedded default model, converted once into the cache
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
+    prompts.insert(0, [tokenizer.encode("Hello")[0]])  # a one-token prompt
+    assert len(prompts) >= 16 and len(prompts[0]) == 1 and max(map(len, prompts)) > 300
+    hf_model = AutoModelForCausalLM.from_pretrained(llm.engine.core.loaded.model_path, dtype=torch.float32).eval()
+    eos = llm.engine.input_processor.eos_token_ids
+    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS, eos_token_id=eos) for p in prompts]
+    del hf_model
+    return llm, prompts, references
+
+
+def test_default_model_matches_hf_in_one_batch(default_setup):
+    llm, prompts, references = default_setup
+    _check_all(llm, prompts, references, "default model")
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        pytest.param(CHUNKED, id="chunked-prefill"),
+        pytest.param(dict(num_kv_blocks=30, max_num_batched_tokens=128), id="preemption"),
+    ],
+)
+def test_default_model_matches_hf_under_pressure(default_setup, engine_kwargs):
+    _, prompts, references = default_setup
+    llm = LLM(**engine_kwargs)
+    _check_all(llm, prompts, references, f"default model {engine_kwargs}")
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.engine.core.scheduler.num_preemptions > 0, "the run was meant to preempt"
