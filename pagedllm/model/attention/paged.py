@@ -39,11 +39,14 @@ def _gather_kv(
     tables = metadata.block_tables[:, :num_blocks_needed]  # [num_seqs, nb]
     num_seqs = tables.shape[0]
     flat_tables = tables.reshape(-1)
-    # index_select on whole blocks is several times faster than advanced indexing here.
-    key = kv_cache[0].index_select(0, flat_tables)  # [S * nb, block_size, Hkv, D]
-    value = kv_cache[1].index_select(0, flat_tables)
-    key = key.view(num_seqs, -1, *key.shape[2:])[:, : metadata.max_seq_len]  # [S, L, Hkv, D]
-    value = value.view(num_seqs, -1, *value.shape[2:])[:, : metadata.max_seq_len]
+    _, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
+    # index_select over rows of a 2-D view is far faster on CPU (measured ~100x on 2 threads)
+    # than index_select or advanced indexing over the 4-D block tensor.
+    blocks = kv_cache.reshape(2, num_blocks, -1)
+    key = blocks[0].index_select(0, flat_tables)  # [S * nb, block_size * Hkv * D]
+    value = blocks[1].index_select(0, flat_tables)
+    key = key.view(num_seqs, -1, num_kv_heads, head_dim)[:, : metadata.max_seq_len]  # [S, L, Hkv, D]
+    value = value.view(num_seqs, -1, num_kv_heads, head_dim)[:, : metadata.max_seq_len]
     return key.transpose(1, 2), value.transpose(1, 2)  # [S, Hkv, L, D]
 
 
