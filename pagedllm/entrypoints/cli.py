@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedllm.config import EngineArgs
+from pagedllm.errors import PagedLLMError
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"generate": cmd_generate, "chat": cmd_chat}
     try:
         return commands[args.command](args)
-    except (ValueError,) as e:  # configuration and request errors: say what is wrong, no traceback
+    except (ValueError, PagedLLMError) as e:  # config, model and request errors: say what is wrong, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 
