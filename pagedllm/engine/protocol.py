@@ -1,10 +1,22 @@
-"""Messages between the front end and the engine core (in-process, or msgpack over ZMQ)."""
+"""Messages between the front end and the engine core (in-process, or msgpack over ZMQ).
+
+Across a socket only the typed messages below travel, encoded with msgspec's msgpack
+(never pickle). Each direction has one tagged union, so a decoder rejects anything else:
+
+    front end -> core:  AddRequestMsg | AbortRequestsMsg | UtilityRequestMsg | ShutdownMsg
+    core -> front end:  ReadyMsg | OutputsMsg | RequestRejectedMsg | UtilityResultMsg | EngineDeadMsg
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Union
 
+import msgspec
+
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -19,3 +31,98 @@ class EngineCoreRequest:
     max_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+
+
+# --- front end -> core ----------------------------------------------------------------
+
+
+class AddRequestMsg(msgspec.Struct, tag="add"):
+    """Queue one core request (one sequence)."""
+
+    request: EngineCoreRequest
+
+
+class AbortRequestsMsg(msgspec.Struct, tag="abort"):
+    """End these core requests now and free their blocks (unknown ids are ignored)."""
+
+    req_ids: list[str]
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
+
+
+class UtilityRequestMsg(msgspec.Struct, tag="utility"):
+    """Ask the core for something outside the step loop; answered by a UtilityResultMsg."""
+
+    call_id: int
+    method: str
+    """One of UTILITY_METHODS."""
+
+
+class ShutdownMsg(msgspec.Struct, tag="shutdown"):
+    """Leave the busy loop and exit cleanly."""
+
+
+UTILITY_METHODS = ("stats", "check_kv_leaks", "ping")
+
+FrontendMessage = Union[AddRequestMsg, AbortRequestsMsg, UtilityRequestMsg, ShutdownMsg]
+
+
+# --- core -> front end ----------------------------------------------------------------
+
+
+class EngineStatsMsg(msgspec.Struct):
+    """A snapshot of the core's gauges and cumulative counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions: int
+    num_kv_leaks: int = 0
+    """Problems found by the last idle leak check (0 = every block free or cached)."""
+
+
+class ReadyMsg(msgspec.Struct, tag="ready"):
+    """Sent once the model is loaded: what the front end needs to tokenize and validate."""
+
+    model_path: str
+    """The Hugging Face directory actually loaded (tokenizer files live there)."""
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    block_size: int
+
+
+class OutputsMsg(msgspec.Struct, tag="outputs"):
+    """What one step produced, with the core's stats after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStatsMsg | None = None
+    timestamp: float = 0.0
+    """time.monotonic() in the core when the step ended."""
+
+
+class RequestRejectedMsg(msgspec.Struct, tag="rejected"):
+    """add_request failed for this core request; nothing was queued."""
+
+    req_id: str
+    message: str
+    invalid_request: bool = True
+    """True: the request itself is at fault (HTTP 400); False: an internal error (HTTP 500)."""
+
+
+class UtilityResultMsg(msgspec.Struct, tag="utility_result"):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineDeadMsg(msgspec.Struct, tag="dead"):
+    """The core hit a fatal error and is exiting; `error` says what happened."""
+
+    error: str
+
+
+CoreMessage = Union[ReadyMsg, OutputsMsg, RequestRejectedMsg, UtilityResultMsg, EngineDeadMsg]

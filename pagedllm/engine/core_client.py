@@ -1,0 +1,191 @@
+"""Clients of the engine core: in the same process, or in its own process over ZMQ.
+
+InprocCoreClient steps an EngineCore directly (the offline path, and tests). MPCoreClient
+spawns EngineCoreProc and talks to it over two ipc sockets in a private temporary directory
+(mode 0700, unique per instance); only msgspec-encoded protocol messages cross them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.protocol import (
+    AbortRequestsMsg,
+    AddRequestMsg,
+    CoreMessage,
+    EngineCoreRequest,
+    EngineDeadMsg,
+    ReadyMsg,
+    ShutdownMsg,
+    UtilityRequestMsg,
+)
+from pagedllm.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+"""Slice of each wait for output; between slices the client checks that the core is alive."""
+
+
+class InprocCoreClient:
+    """The core in this process: every call runs synchronously."""
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        from pagedllm.engine.core import EngineCore
+
+        self.core = EngineCore(engine_args)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; raises InvalidRequestError if it could never be served."""
+        self.core.add_request(request)
+
+    def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests now; their blocks are free on return."""
+        self.core.abort_requests(req_ids, status)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One engine iteration."""
+        return self.core.step()
+
+    def shutdown(self) -> None:
+        """Nothing to stop in-process (kept for symmetry with MPCoreClient)."""
+
+
+class MPCoreClient:
+    """The core in a spawned process. Sends are immediate and non-blocking; receives are awaited.
+
+    Construct it, then `await wait_ready()`; read outputs with `await get_output()`, which
+    raises EngineDeadError once the core has died (a dead signal, or the process vanished).
+    """
+
+    def __init__(self, engine_args: EngineArgs, log_level: str = "INFO") -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
+        os.chmod(self._ipc_dir, 0o700)
+        input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
+        output_address = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
+        self._ctx = zmq.Context()
+        self._input_socket = self._ctx.socket(zmq.PUSH)  # sync: sends never wait (no HWM)
+        self._input_socket.setsockopt(zmq.SNDHWM, 0)
+        self._input_socket.setsockopt(zmq.LINGER, 0)
+        self._input_socket.bind(input_address)
+        self._output_socket = zmq.asyncio.Socket.from_socket(self._ctx.socket(zmq.PULL))
+        self._output_socket.setsockopt(zmq.RCVHWM, 0)
+        self._output_socket.setsockopt(zmq.LINGER, 0)
+        self._output_socket.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self._call_ids = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+        self._closed = False
+
+        from pagedllm.engine.core_proc import run_engine_core
+
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core, name="pagedllm-engine-core",
+            args=(engine_args, input_address, output_address, log_level),
+        )
+        self.process.start()
+
+    @property
+    def ipc_dir(self) -> str:
+        return self._ipc_dir
+
+    # --- sending ------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request in the core; a refusal comes back as a RequestRejectedMsg."""
+        self._send(AddRequestMsg(request))
+
+    def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Ask the core to end these requests and free their blocks."""
+        if req_ids:
+            self._send(AbortRequestsMsg(list(req_ids), status))
+
+    def request_utility(self, method: str) -> int:
+        """Send a utility call; returns the call id its UtilityResultMsg will carry."""
+        call_id = next(self._call_ids)
+        self._send(UtilityRequestMsg(call_id, method))
+        return call_id
+
+    def _send(self, msg) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("the engine core client is shut down")
+        self._input_socket.send(self._encoder.encode(msg), zmq.NOBLOCK, copy=False)
+
+    # --- receiving ----------------------------------------------------------------------
+
+    async def get_output(self) -> CoreMessage:
+        """The next message from the core. Raises EngineDeadError when the core is gone."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        while True:
+            if await self._output_socket.poll(_POLL_MS, zmq.POLLIN):
+                msg = self._decoder.decode(await self._output_socket.recv())
+                if isinstance(msg, EngineDeadMsg):
+                    self.dead_error = EngineDeadError(msg.error)
+                    raise self.dead_error
+                return msg
+            if not self.process.is_alive():
+                # a dead signal sent just before exiting may still be in flight
+                if await self._output_socket.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+                self.dead_error = EngineDeadError(
+                    f"the engine core process exited unexpectedly (exit code {self.process.exitcode})"
+                )
+                raise self.dead_error
+
+    async def wait_ready(self, timeout_s: float = 900.0) -> ReadyMsg:
+        """Wait for the core to load its model. Raises EngineDeadError if it fails or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                msg = await asyncio.wait_for(self.get_output(), timeout=max(deadline - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                break
+            if isinstance(msg, ReadyMsg):
+                return msg
+            logger.warning("ignoring %s before the engine core was ready", type(msg).__name__)
+        self.shutdown()
+        raise EngineDeadError(f"the engine core was not ready within {timeout_s:.0f} s")
+
+    # --- shutdown -----------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the core to exit, wait for it, then kill it if needed; remove the ipc dir (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.is_alive():
+            try:
+                self._input_socket.send(self._encoder.encode(ShutdownMsg()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("engine core did not exit in %.0f s; terminating it", timeout_s)
+            self.process.terminate()
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._input_socket.close(linger=0)
+        self._output_socket.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

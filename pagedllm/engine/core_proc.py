@@ -1,0 +1,202 @@
+"""EngineCoreProc: the engine core in its own process, a busy loop behind two ZMQ sockets.
+
+    front end  --PUSH--> input socket  --> [poll, add/abort] -> step() -> output socket --PUSH--> front end
+
+The loop polls its input without blocking while it has work and blocks (in short slices, to
+notice a vanished parent) when idle. On going idle it checks that every KV block is free or
+cached and reports what it finds. A fatal error is sent as an EngineDeadMsg before exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.protocol import (
+    AbortRequestsMsg,
+    AddRequestMsg,
+    EngineDeadMsg,
+    EngineStatsMsg,
+    FrontendMessage,
+    OutputsMsg,
+    ReadyMsg,
+    RequestRejectedMsg,
+    ShutdownMsg,
+    UtilityRequestMsg,
+    UtilityResultMsg,
+)
+from pagedllm.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500
+"""How long one idle wait lasts before checking that the parent process is still there."""
+_SEND_LINGER_MS = 2000
+
+
+class EngineCoreProc:
+    """Owns an EngineCore and the core side of the sockets. The constructor returns; run_busy_loop() loops."""
+
+    def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str) -> None:
+        self._ctx = zmq.Context()
+        self.output_socket = self._ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)
+        self.output_socket.connect(output_address)
+        self.input_socket = self._ctx.socket(zmq.PULL)
+        self.input_socket.setsockopt(zmq.RCVHWM, 0)
+        self.input_socket.connect(input_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        self._parent_pid = os.getppid()
+        self._shutdown_requested = False
+        self._num_kv_leaks = 0
+        self.core: EngineCore | None = None
+        self._engine_args = engine_args
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model and announce readiness (an EngineDeadMsg if loading fails)."""
+        from pagedllm.engine.llm_engine import eos_token_ids_of
+
+        self.core = EngineCore(self._engine_args)
+        loaded = self.core.loaded
+        self._send(ReadyMsg(
+            model_path=loaded.model_path,
+            max_model_len=self.core.scheduler_config.max_model_len,
+            vocab_size=loaded.hf_config.vocab_size,
+            eos_token_ids=eos_token_ids_of(loaded.hf_config, loaded.tokenizer),
+            num_blocks=self.core.num_blocks,
+            block_size=self.core.cache_config.block_size,
+        ))
+
+    def run_busy_loop(self) -> None:
+        """Poll input, step, send outputs, until a ShutdownMsg arrives or the parent goes away."""
+        core = self.core
+        assert core is not None, "call start() first"
+        idle_checked = False
+        while not self._shutdown_requested:
+            if not core.has_unfinished_requests():
+                if not idle_checked:
+                    self._check_idle_leaks()
+                    idle_checked = True
+                if not self._wait_for_input():
+                    continue
+            self._drain_input()
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self._send(OutputsMsg(outputs, self._stats(), time.monotonic()))
+                idle_checked = False
+
+    def close(self) -> None:
+        """Close the sockets, flushing what was already sent (idempotent)."""
+        if not self._ctx.closed:
+            self.input_socket.close(linger=0)
+            self.output_socket.close()
+            self._ctx.term()
+
+    # --- input ------------------------------------------------------------------------
+
+    def _wait_for_input(self) -> bool:
+        """Block up to one idle slice; returns whether input is waiting."""
+        if self.input_socket.poll(_IDLE_POLL_MS, zmq.POLLIN):
+            return True
+        if os.getppid() != self._parent_pid:
+            logger.warning("the front-end process went away; engine core exiting")
+            self._shutdown_requested = True
+        return False
+
+    def _drain_input(self) -> None:
+        while not self._shutdown_requested:
+            try:
+                frame = self.input_socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self._decoder.decode(frame.buffer))
+
+    def _handle(self, msg) -> None:
+        core = self.core
+        if isinstance(msg, AddRequestMsg):
+            try:
+                core.add_request(msg.request)
+            except InvalidRequestError as e:
+                self._send(RequestRejectedMsg(msg.request.req_id, str(e)))
+            except Exception as e:  # this request fails alone
+                logger.exception("adding request %s failed", msg.request.req_id)
+                self._send(RequestRejectedMsg(msg.request.req_id, f"{type(e).__name__}: {e}", False))
+        elif isinstance(msg, AbortRequestsMsg):
+            core.abort_requests(msg.req_ids, msg.status)
+        elif isinstance(msg, UtilityRequestMsg):
+            self._send(self._run_utility(msg))
+        elif isinstance(msg, ShutdownMsg):
+            self._shutdown_requested = True
+
+    def _run_utility(self, msg: UtilityRequestMsg) -> UtilityResultMsg:
+        if msg.method == "stats":
+            return UtilityResultMsg(msg.call_id, self._stats())
+        if msg.method == "check_kv_leaks":
+            return UtilityResultMsg(msg.call_id, self.core.check_kv_leaks())
+        if msg.method == "ping":
+            return UtilityResultMsg(msg.call_id, "pong")
+        return UtilityResultMsg(msg.call_id, error=f"unknown utility method {msg.method!r}")
+
+    # --- output -----------------------------------------------------------------------
+
+    def _send(self, msg) -> None:
+        self.output_socket.send(self._encoder.encode(msg), copy=False)
+
+    def _stats(self) -> EngineStatsMsg:
+        s = self.core.stats()
+        return EngineStatsMsg(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+            num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_evictions=s.num_evictions,
+            num_kv_leaks=self._num_kv_leaks,
+        )
+
+    def _check_idle_leaks(self) -> None:
+        problems = self.core.check_kv_leaks()
+        if problems:
+            logger.error("KV cache leak while idle: %s", "; ".join(problems))
+        self._num_kv_leaks = len(problems)
+        self._send(OutputsMsg([], self._stats(), time.monotonic()))
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(engine_args: EngineArgs, input_address: str, output_address: str,
+                    log_level: str = "INFO") -> None:
+    """Process entry point: load, announce readiness, loop; a fatal error becomes an EngineDeadMsg."""
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s [core]: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    proc = EngineCoreProc(engine_args, input_address, output_address)
+    exit_code = 0
+    try:
+        proc.start()
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("engine core stopping on a signal")
+    except BaseException as e:
+        logger.exception("engine core failed")
+        summary = "".join(traceback.format_exception_only(type(e), e)).strip()
+        try:
+            proc._send(EngineDeadMsg(f"engine core failed: {summary}"))
+        except Exception:
+            pass
+        exit_code = 1
+    finally:
+        proc.close()
+    sys.exit(exit_code)

@@ -1,0 +1,164 @@
+"""The engine core in its own process: ZMQ client round trips, rejection, abort, death, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+import time
+
+import msgspec
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.core_client import InprocCoreClient, MPCoreClient
+from pagedllm.engine.protocol import (
+    AddRequestMsg,
+    CoreMessage,
+    EngineCoreRequest,
+    FrontendMessage,
+    OutputsMsg,
+    RequestRejectedMsg,
+    UtilityResultMsg,
+)
+from pagedllm.errors import EngineDeadError
+from pagedllm.sampling_params import SamplingParams
+from tests.engine.tiny_llama_dir import build_tiny_llama_dir
+
+NUM_BLOCKS = 32
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def engine_args(tmp_path_factory) -> EngineArgs:
+    model_dir = build_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
+    return EngineArgs(model=str(model_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=1024)
+
+
+def _request(req_id: str, prompt: list[int], max_tokens: int = 6, **params) -> EngineCoreRequest:
+    return EngineCoreRequest(req_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **params),
+                             eos_token_ids=[2], max_tokens=max_tokens)
+
+
+async def _next_of(client: MPCoreClient, kind, timeout_s: float = 60.0):
+    """The next message of type `kind` (others, e.g. idle stats, are skipped)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        msg = await asyncio.wait_for(client.get_output(), deadline - time.monotonic())
+        if isinstance(msg, kind):
+            return msg
+
+
+async def _run_to_completion(client: MPCoreClient, req_ids: set[str]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r: [] for r in req_ids}
+    pending = set(req_ids)
+    while pending:
+        msg = await _next_of(client, OutputsMsg)
+        for out in msg.outputs:
+            tokens[out.req_id].extend(out.new_token_ids)
+            if out.finished:
+                pending.discard(out.req_id)
+    return tokens
+
+
+async def _idle_stats(client: MPCoreClient):
+    """Wait for the stats the core sends after its idle leak check."""
+    while True:
+        msg = await _next_of(client, OutputsMsg)
+        if not msg.outputs and msg.stats.num_running == 0 and msg.stats.num_waiting == 0:
+            return msg.stats
+
+
+def test_messages_are_typed_msgpack():
+    """Both unions round-trip through msgpack and reject anything that is not one of their messages."""
+    encoder = msgspec.msgpack.Encoder()
+    msg = AddRequestMsg(_request("a", [1, 2, 3], logit_bias={7: 1.5}, stop=["x"]))
+    decoded = msgspec.msgpack.Decoder(FrontendMessage).decode(encoder.encode(msg))
+    assert decoded == msg
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.Decoder(CoreMessage).decode(encoder.encode(msg))
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.Decoder(FrontendMessage).decode(encoder.encode({"type": "add", "request": {"req_id": 1}}))
+
+
+def test_mp_client_matches_inproc_and_cleans_up(engine_args):
+    """Greedy tokens over ZMQ equal the in-process core's; rejection, abort and shutdown behave."""
+    inproc = InprocCoreClient(engine_args)
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [10, 20, 30]}
+    for req_id, prompt in prompts.items():
+        inproc.add_request(_request(req_id, prompt))
+    expected: dict[str, list[int]] = {r: [] for r in prompts}
+    while inproc.core.has_unfinished_requests():
+        for out in inproc.step():
+            expected[out.req_id].extend(out.new_token_ids)
+
+    async def scenario():
+        client = MPCoreClient(engine_args, log_level="WARNING")
+        try:
+            mode = stat.S_IMODE(os.stat(client.ipc_dir).st_mode)
+            assert mode == 0o700
+            ready = await client.wait_ready(120)
+            assert ready.num_blocks == NUM_BLOCKS and ready.max_model_len == 1024 and ready.eos_token_ids == [2]
+
+            for req_id, prompt in prompts.items():
+                client.add_request(_request(req_id, prompt))
+            assert await _run_to_completion(client, set(prompts)) == expected
+
+            # needs more blocks than the whole cache: refused, nothing queued
+            client.add_request(_request("huge", [5] * 600, max_tokens=400))
+            rejected = await _next_of(client, RequestRejectedMsg)
+            assert rejected.req_id == "huge" and "KV blocks" in rejected.message and rejected.invalid_request
+
+            # a long request aborted mid-way frees its blocks; the idle check finds no leak
+            client.add_request(_request("long", [3] * 40, max_tokens=300, ignore_eos=True))
+            first = await _next_of(client, OutputsMsg)
+            assert first.stats.num_running == 1 and first.stats.kv_cache_usage > 0
+            client.abort_requests(["long"])
+            stats = await _idle_stats(client)
+            assert stats.kv_cache_usage == 0 and stats.num_kv_leaks == 0
+
+            call_id = client.request_utility("check_kv_leaks")
+            result = await _next_of(client, UtilityResultMsg)
+            assert result.call_id == call_id and result.result == [] and result.error is None
+            client.request_utility("no_such_method")
+            assert "unknown utility" in (await _next_of(client, UtilityResultMsg)).error
+        finally:
+            client.shutdown()
+        assert client.process.exitcode == 0
+        assert not os.path.exists(client.ipc_dir)
+
+    asyncio.run(scenario())
+
+
+def test_killed_core_raises_engine_dead_promptly(engine_args):
+    async def scenario():
+        client = MPCoreClient(engine_args, log_level="WARNING")
+        try:
+            await client.wait_ready(120)
+            client.add_request(_request("x", [1, 2, 3], max_tokens=500, ignore_eos=True))
+            await _next_of(client, OutputsMsg)
+            os.kill(client.process.pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError, match="exited unexpectedly"):
+                while True:
+                    await asyncio.wait_for(client.get_output(), 10)
+            assert time.monotonic() - start < 3
+            with pytest.raises(EngineDeadError):
+                client.add_request(_request("y", [1]))
+        finally:
+            client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_failed_model_load_is_reported(tmp_path):
+    async def scenario():
+        client = MPCoreClient(EngineArgs(model=str(tmp_path / "missing")), log_level="CRITICAL")
+        try:
+            with pytest.raises(EngineDeadError, match="does not exist"):
+                await client.wait_ready(120)
+        finally:
+            client.shutdown()
+
+    asyncio.run(scenario())
