@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 _MAX_STOP_STRINGS = 64
@@ -119,6 +120,19 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """How many sequences are generated (best_of, or n)."""
         return self.best_of if self.best_of is not None else self.n
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The params of sequence `index` of an n > 1 / best_of request: one sequence each.
+
+        A seeded request gives each sequence its own seed (seed + index), so the samples differ
+        and stay reproducible. best_of ranks by cumulative logprob, so logprobs are computed.
+        """
+        changes: dict = {"n": 1, "best_of": None}
+        if self.seed is not None:
+            changes["seed"] = self.seed + index
+        if self.best_of is not None and self.best_of > self.n and self.logprobs is None:
+            changes["logprobs"] = 0
+        return dataclasses.replace(self, **changes)
 
     def token_ids_to_check(self) -> list[int]:
         """Every token id these params mention, to be checked against the vocabulary."""

@@ -34,6 +34,10 @@ class KVCacheManager:
         """Prompt tokens looked up in the prefix cache."""
         self.prefix_cache_hits = 0
         """Of those, tokens served from cached blocks."""
+        self.num_cow_copies = 0
+        # Copy-on-write results, drained by the scheduler into the step's output.
+        self._pending_copies: list[tuple[int, int]] = []
+        self._replaced: dict[str, dict[int, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -84,11 +88,16 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_needed = self.num_blocks_for_tokens(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_needed - len(held) - len(new_computed_blocks))
+        # The first new token lands in a partially filled last block that others share:
+        # this request gets a private copy first. The last sharer writes in place.
+        needs_cow = bool(held) and num_computed % self.block_size != 0 and held[-1].ref_cnt > 1
         # A cache hit sitting in the free queue stops being available once we take it.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+        if num_new_blocks + needs_cow > self.pool.num_free_blocks - num_free_hits:
             return None
 
+        if needs_cow:
+            self._copy_on_write(request.req_id, held)
         self.pool.touch(new_computed_blocks)
         new_blocks = list(new_computed_blocks) + self.pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
@@ -97,10 +106,42 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [block.block_id for block in new_blocks]
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's block table: every block shared, ref counts up, nothing copied.
+
+        The child's tokens must agree with the parent's on every computed position.
+        """
+        assert child.req_id not in self.req_to_blocks, f"{child.req_id} already holds blocks"
+        blocks = list(self.req_to_blocks.get(parent.req_id, []))
+        self.pool.touch(blocks)
+        self.req_to_blocks[child.req_id] = blocks
+        num_common_blocks = child.num_computed_tokens // self.block_size
+        self._num_cached_blocks[child.req_id] = min(self._num_cached_blocks.get(parent.req_id, 0), num_common_blocks)
+        child.block_hashes = parent.block_hashes[:num_common_blocks]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) copies decided since the last call; the runner applies them before the forward pass."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def take_replaced_blocks(self, req_id: str) -> dict[int, int]:
+        """Block-table entries of `req_id` replaced by copy-on-write since the last call: index -> new block id."""
+        return self._replaced.pop(req_id, {})
+
+    def _copy_on_write(self, req_id: str, blocks: list[KVBlock]) -> None:
+        shared = blocks[-1]
+        (private,) = self.pool.get_new_blocks(1)
+        self.pool.free_blocks([shared])
+        blocks[-1] = private
+        self._pending_copies.append((shared.block_id, private.block_id))
+        self._replaced.setdefault(req_id, {})[len(blocks) - 1] = private.block_id
+        self.num_cow_copies += 1
+
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first so its tail is evicted before shared heads."""
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
+        self._replaced.pop(request.req_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def _update_block_hashes(self, request: Request) -> None:

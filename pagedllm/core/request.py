@@ -68,6 +68,11 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     """Hash chain of this request's full blocks, extended as tokens arrive (prefix caching)."""
+    pending_forks: list[Request] = field(default_factory=list)
+    """Parallel samples (n > 1) not yet forked: they sample their first token from this
+    request's prompt logits, then take its block table (shared, copy-on-write)."""
+    fork_parent: Request | None = None
+    """Set while this request waits to be forked from `fork_parent`."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

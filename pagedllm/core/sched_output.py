@@ -20,6 +20,8 @@ class NewRequestData:
     num_computed_tokens: int
     """Tokens whose KV is already in the blocks (prefix-cache hits)."""
     eos_token_ids: frozenset[int] = frozenset()
+    fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    """Parallel samples to draw from this request's first sampling logits, one row each."""
 
 
 @dataclass(slots=True)
@@ -29,6 +31,8 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    replaced_block_ids: dict[int, int] = field(default_factory=dict)
+    """Copy-on-write: block-table index -> the private block that replaces a shared one."""
 
 
 @dataclass(slots=True)

@@ -34,14 +34,25 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
+        self._unsent_forks: set[str] = set()
+        """Forked requests the runner has not been told about yet."""
         self.num_preemptions = 0
 
     # --- admission -------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request, or refuse it with InvalidRequestError if it could never be served."""
-        if request.req_id in self.requests:
-            raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
+    def add_request(self, request: Request, parallel_samples: list[Request] = ()) -> None:
+        """Queue a request, or refuse it with InvalidRequestError if it could never be served.
+
+        `parallel_samples` (n > 1) share the request's prompt: they are forked from it when its
+        prompt is computed, each sampling its own first token from the same logits.
+        """
+        for req_id in [request.req_id] + [r.req_id for r in parallel_samples]:
+            if req_id in self.requests:
+                raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        if len(parallel_samples) + 1 > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"{len(parallel_samples) + 1} parallel sequences exceed max_num_seqs ({self.config.max_num_seqs})"
+            )
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty; give at least one token")
         max_len = self.config.max_model_len
@@ -61,6 +72,26 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        for child in parallel_samples:
+            child.fork_parent = request
+            child.status = RequestStatus.WAITING
+            self.requests[child.req_id] = child
+        request.pending_forks = list(parallel_samples)
+
+    def fork_request(self, parent_id: str, child: Request, last_token_id: int) -> None:
+        """Start `child` from a running parent's computed state with a different last token (beam search).
+
+        The parent's last token was sampled but not computed; the child replaces it with
+        `last_token_id` and shares every block of the parent (copy-on-write on its first write).
+        """
+        parent = self.requests[parent_id]
+        assert parent.status == RequestStatus.RUNNING and parent.num_computed_tokens == parent.num_tokens - 1
+        if child.req_id in self.requests:
+            raise InvalidRequestError(f"request id {child.req_id!r} is already in use")
+        child.prompt_token_ids = list(parent.prompt_token_ids)
+        child.output_token_ids = parent.output_token_ids[:-1] + [last_token_id]
+        child.all_token_ids = child.prompt_token_ids + child.output_token_ids
+        self._start_fork(parent, child, parent.num_computed_tokens)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End live requests (abort, or a stop string found by the front end); frees their blocks now."""
@@ -70,13 +101,18 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
+            if request.fork_parent is not None:  # a parallel sample not forked yet
+                request.fork_parent.pending_forks.remove(request)
+                request.fork_parent = None
+            elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
             finished.append(request)
+            # Samples waiting for this request's prompt can never start now.
+            finished.extend(self.finish_requests([c.req_id for c in list(request.pending_forks)], status))
         return finished
 
     # --- one step --------------------------------------------------------------------
@@ -106,13 +142,23 @@ class Scheduler:
                 break  # the request preempted itself; everything after it is gone too
             num_scheduled[request.req_id] = num_new
             token_budget -= num_new
-            cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
+            if request.req_id in self._unsent_forks:
+                self._unsent_forks.discard(request.req_id)
+                self.kv.take_replaced_blocks(request.req_id)  # the full table goes out below
+                new_reqs.append(self._new_request_data(request))
+            else:
+                cached_reqs.append(
+                    CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens,
+                                      self.kv.take_replaced_blocks(request.req_id))
+                )
             i += 1
 
         # Admitting new work in a step that had to preempt would just preempt it again.
         if not preempted:
-            while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and token_budget > 0:
                 request = self.waiting[0]
+                if len(self.running) + 1 + len(request.pending_forks) > self.config.max_num_seqs:
+                    break
                 hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_hit_tokens, token_budget)
                 if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
@@ -124,17 +170,7 @@ class Scheduler:
                 self.running.append(request)
                 num_scheduled[request.req_id] = num_new
                 token_budget -= num_new
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=request.req_id,
-                        token_ids=list(request.all_token_ids),
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        sampling_params=request.sampling_params,
-                        block_ids=self.kv.get_block_ids(request.req_id),
-                        num_computed_tokens=num_hit_tokens,
-                        eos_token_ids=request.eos_token_ids,
-                    )
-                )
+                new_reqs.append(self._new_request_data(request))
 
         for req_id, num in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num
@@ -146,6 +182,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={r.req_id for r in preempted},
+            block_copies=self.kv.take_block_copies(),
         )
         self._finished_req_ids = set()
         return output
@@ -167,6 +204,8 @@ class Scheduler:
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prompt chunk: nothing to tell yet
+            if request.pending_forks and new_token_ids:
+                self._fork_parallel_samples(request, runner_output, outputs)
             accepted = []
             for token_id in new_token_ids:
                 request.append_output_token(token_id)
@@ -220,9 +259,58 @@ class Scheduler:
             return True
         return False
 
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        """Everything the runner needs about a request it has no state for.
+
+        num_computed_tokens is the value before this step's tokens are added.
+        """
+        return NewRequestData(
+            req_id=request.req_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.req_id),
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_ids=request.eos_token_ids,
+            fork_children=[(c.req_id, c.sampling_params) for c in request.pending_forks],
+        )
+
+    def _fork_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,
+                               outputs: list[EngineCoreOutput]) -> None:
+        """The leader's prompt is computed and each pending sample drew its first token: fork them."""
+        for child in list(leader.pending_forks):
+            token_ids = runner_output.sampled_token_ids.get(child.req_id)
+            if not token_ids:
+                continue
+            leader.pending_forks.remove(child)
+            child.fork_parent = None
+            child.all_token_ids = list(leader.all_token_ids)  # the prompt (+ output after a preemption)
+            child.output_token_ids = list(leader.output_token_ids)
+            self._start_fork(leader, child, leader.num_computed_tokens)
+            child.append_output_token(token_ids[0])
+            self._check_stop(child)
+            logprobs = runner_output.logprobs.get(child.req_id)
+            outputs.append(EngineCoreOutput(child.req_id, [token_ids[0]], new_logprobs=logprobs,
+                                            finish_reason=child.status.finish_reason,
+                                            stop_reason=child.stop_reason,
+                                            num_cached_tokens=leader.num_cached_tokens))
+            if child.is_finished:
+                self.running.remove(child)
+                self._free_request(child)
+
+    def _start_fork(self, parent: Request, child: Request, num_computed_tokens: int) -> None:
+        child.num_computed_tokens = num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.kv.fork(parent, child)
+        self.requests[child.req_id] = child
+        self.running.append(child)
+        self._unsent_forks.add(child.req_id)
+
     def _preempt(self, request: Request) -> None:
         """Free every block of a running request; it goes back to the front of the queue, to be recomputed."""
         self.kv.free(request)
+        self._unsent_forks.discard(request.req_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -231,5 +319,6 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv.free(request)
+        self._unsent_forks.discard(request.req_id)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]

@@ -82,18 +82,22 @@ class EngineCore:
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request; raises InvalidRequestError if it could never be served."""
-        self.scheduler.add_request(
+        """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served."""
+        sequence_ids = req.sequence_ids or [req.req_id]
+        params = req.sampling_params
+        requests = [
             Request(
-                req_id=req.req_id,
+                req_id=seq_id,
                 prompt_token_ids=list(req.prompt_token_ids),
-                sampling_params=req.sampling_params,
+                sampling_params=params if len(sequence_ids) == 1 else params.for_sequence(index),
                 eos_token_ids=frozenset(req.eos_token_ids),
                 max_tokens=req.max_tokens,
                 arrival_time=req.arrival_time,
                 cache_salt=req.cache_salt,
             )
-        )
+            for index, seq_id in enumerate(sequence_ids)
+        ]
+        self.scheduler.add_request(requests[0], parallel_samples=requests[1:])
 
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End requests now and free their blocks; unknown or finished ids are ignored."""

@@ -5,7 +5,6 @@ add_request() tokenizes and validates; step() runs one core iteration and return
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -28,20 +27,6 @@ def eos_token_ids_of(hf_config, tokenizer) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
-def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of sequence `index` of an n > 1 / best_of request: one sequence each.
-
-    Seeded requests give each sequence its own seed (seed + index), so the n samples differ
-    and are still reproducible. best_of ranks by cumulative logprob, so logprobs are computed.
-    """
-    changes: dict = {"n": 1, "best_of": None}
-    if params.seed is not None:
-        changes["seed"] = params.seed + index
-    if params.best_of is not None and params.best_of > params.n and params.logprobs is None:
-        changes["logprobs"] = 0
-    return dataclasses.replace(params, **changes)
 
 
 class LLMEngine:
@@ -69,18 +54,9 @@ class LLMEngine:
         text, core_request = self.input_processor.process(request_id, prompt, params, cache_salt)
         num_sequences = params.num_sequences
         seq_ids = [request_id] if num_sequences == 1 else [f"{request_id}#{i}" for i in range(num_sequences)]
-        added = []
-        try:
-            for index, seq_id in enumerate(seq_ids):
-                seq_request = dataclasses.replace(
-                    core_request, req_id=seq_id,
-                    sampling_params=params if num_sequences == 1 else sequence_params(params, index),
-                )
-                self.core.add_request(seq_request)
-                added.append(seq_id)
-        except Exception:
-            self.core.abort_requests(added)
-            raise
+        core_request.req_id = seq_ids[0]
+        core_request.sequence_ids = seq_ids if num_sequences > 1 else None
+        self.core.add_request(core_request)
         self.output_processor.add_request(request_id, text, core_request.prompt_token_ids, params, seq_ids, stream)
 
     def step(self) -> list[RequestOutput]:

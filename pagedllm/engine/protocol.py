@@ -31,6 +31,9 @@ class EngineCoreRequest:
     max_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    sequence_ids: list[str] | None = None
+    """n > 1 / best_of: one id per sequence (the first is req_id). The sequences share the
+    prompt's blocks and each samples with `sampling_params.for_sequence(index)`."""
 
 
 # --- front end -> core ----------------------------------------------------------------

@@ -30,6 +30,8 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: list[int]
+    fork_children: list[tuple[str, SamplingParams]]
+    """Parallel samples drawn from this request's first sampling logits (then forked by the scheduler)."""
 
 
 class ModelRunner:
@@ -66,16 +68,23 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_ids=sorted(new.eos_token_ids),
+                fork_children=list(new.fork_children),
             )
-            seed = new.sampling_params.seed
-            if seed is not None and new.req_id not in self.generators:
-                self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(seed)
+            self._ensure_generator(new.req_id, new.sampling_params)
+            for child_id, child_params in new.fork_children:
+                self._ensure_generator(child_id, child_params)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            for index, block_id in cached.replaced_block_ids.items():
+                state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids)
             assert state.num_computed_tokens == cached.num_computed_tokens, (
                 f"{cached.req_id}: runner at {state.num_computed_tokens}, scheduler at {cached.num_computed_tokens}"
             )
+
+    def _ensure_generator(self, req_id: str, params: SamplingParams) -> None:
+        if params.seed is not None and req_id not in self.generators:
+            self.generators[req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
 
     def _apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -113,16 +122,25 @@ class ModelRunner:
         if not sampling_rows:
             return output
 
-        logits = self.model.compute_logits(hidden_states[last_token_index[sampling_rows]])  # [num_rows, vocab]
+        # One sampling row per sequence; parallel samples about to fork reuse their leader's hidden row.
+        row_owner: list[tuple[RunnerRequestState, str, SamplingParams]] = []
+        hidden_rows: list[int] = []
+        for i in sampling_rows:
+            state = states[i]
+            for req_id, params in [(state.req_id, state.params)] + state.fork_children:
+                row_owner.append((state, req_id, params))
+                hidden_rows.append(i)
+            state.fork_children = []
+        logits = self.model.compute_logits(hidden_states[last_token_index[hidden_rows]])  # [num_rows, vocab]
         rows = [
             SamplingRow(
-                params=states[i].params,
-                prompt_token_ids=states[i].token_ids[: states[i].num_prompt_tokens],
-                output_token_ids=states[i].token_ids[states[i].num_prompt_tokens :],
-                generator=self.generators.get(states[i].req_id),
-                eos_token_ids=states[i].eos_token_ids,
+                params=params,
+                prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+                output_token_ids=state.token_ids[state.num_prompt_tokens :],
+                generator=self.generators.get(req_id),
+                eos_token_ids=state.eos_token_ids,
             )
-            for i in sampling_rows
+            for state, req_id, params in row_owner
         ]
         sampler_output = self.sampler(logits, SamplingMetadata.from_requests(rows, self.vocab_size, self.device))
 
@@ -132,13 +150,13 @@ class ModelRunner:
             logprob_ids = sampler_output.logprob_token_ids.tolist()
             logprob_values = sampler_output.logprobs.tolist()
             ranks = sampler_output.sampled_token_ranks.tolist()
-        for row, i in enumerate(sampling_rows):
-            state = states[i]
-            state.token_ids.append(sampled[row])
-            output.sampled_token_ids[state.req_id] = [sampled[row]]
-            num_logprobs = state.params.logprobs
+        for row, (state, req_id, params) in enumerate(row_owner):
+            if req_id == state.req_id:
+                state.token_ids.append(sampled[row])
+            output.sampled_token_ids[req_id] = [sampled[row]]
+            num_logprobs = params.logprobs
             if num_logprobs is not None and logprob_ids is not None:
-                output.logprobs[state.req_id] = [
+                output.logprobs[req_id] = [
                     TokenLogprobs(logprob_ids[row][: num_logprobs + 1], logprob_values[row][: num_logprobs + 1], ranks[row])
                 ]
         return output
