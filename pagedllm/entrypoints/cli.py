@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat)
+
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="start the OpenAI-compatible HTTP server"))
     return parser
 
 
@@ -104,11 +108,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import cmd_serve as run_serve
+
+    return run_serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": cmd_generate, "chat": cmd_chat}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
     try:
         return commands[args.command](args)
     except (ValueError, PagedLLMError) as e:  # config, model and request errors: say what is wrong, no traceback

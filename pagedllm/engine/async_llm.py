@@ -1,0 +1,296 @@
+"""AsyncLLM: the asyncio front end of a server, with the engine core in its own process.
+
+    generate() ── InputProcessor ──> MPCoreClient ──ZMQ──> EngineCoreProc
+        ^                                                      │
+        └── per-request asyncio.Queue <── OutputProcessor <── output handler task
+
+Tokenization and validation happen here (InvalidRequestError before anything is queued);
+text, stop strings, n > 1 and logprobs are made by the same OutputProcessor the offline
+engine uses. Closing a generate() stream early aborts its request in the core. When the
+core dies, every waiting stream and every later call raises EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.request import RequestStatus
+from pagedllm.engine.core_client import MPCoreClient
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.protocol import (
+    EngineStatsMsg,
+    OutputsMsg,
+    ReadyMsg,
+    RequestRejectedMsg,
+    UtilityResultMsg,
+)
+from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.metrics import ServerMetrics
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not serve one request (an internal error); others are unaffected."""
+
+
+def load_tokenizer(model_path: str):
+    """The tokenizer of a Hugging Face directory, or None when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        logger.warning("no tokenizer in %s: only token-id prompts can be served", model_path)
+        return None
+
+
+class RequestStream:
+    """The outputs of one request, in order. close() (idempotent) aborts it unless it finished."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stop listening; abort the request in the core if it has not finished."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine._queues.pop(self.request_id, None)
+        if not self.finished:
+            self.engine._abort_in_core(self.request_id)
+
+
+class AsyncLLM:
+    """Serve many concurrent requests from one event loop. Build it with `await AsyncLLM.start(args)`."""
+
+    def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_path = ready.model_path
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.num_kv_blocks = ready.num_blocks
+        self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.metrics = metrics
+        self.latest_stats: EngineStatsMsg | None = None
+        self.dead_error: EngineDeadError | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._output_task = asyncio.get_running_loop().create_task(self._run_output_handler())
+
+    @classmethod
+    async def start(cls, engine_args: EngineArgs, metrics: ServerMetrics | None = None,
+                    log_level: str = "INFO", ready_timeout_s: float = 900.0) -> AsyncLLM:
+        """Spawn the engine core, wait until its model is loaded, and load the tokenizer here."""
+        client = MPCoreClient(engine_args, log_level)
+        try:
+            ready = await client.wait_ready(ready_timeout_s)
+            tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(client, ready, tokenizer, metrics)
+
+    # --- requests ----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    cache_salt: str | None = None, stream: bool = True) -> RequestStream:
+        """Validate, tokenize and queue a request; iterate the returned stream for its outputs.
+
+        Raises InvalidRequestError (nothing queued) for a request that can never be served, and
+        EngineDeadError when the core is gone.
+        """
+        self._check_alive()
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send token ids as the prompt")
+        text, core_request = self.input_processor.process(request_id, prompt, params, cache_salt)
+        num_sequences = params.num_sequences
+        seq_ids = [request_id] if num_sequences == 1 else [f"{request_id}#{i}" for i in range(num_sequences)]
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.output_processor.add_request(request_id, text, core_request.prompt_token_ids, params, seq_ids, stream)
+        if self.metrics is not None:
+            self.metrics.record_request_added(request_id, len(core_request.prompt_token_ids),
+                                              core_request.arrival_time)
+        request_stream = RequestStream(self, request_id, queue)
+        # n > 1 / best_of: one core request whose sequences share the prompt's blocks
+        core_request.req_id = seq_ids[0]
+        core_request.sequence_ids = seq_ids if num_sequences > 1 else None
+        try:
+            self.client.add_request(core_request)
+        except BaseException:
+            request_stream.close()
+            raise
+        return request_stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutputs until the request finishes (deltas when `stream`, else cumulative).
+
+        Raises like add_request, and RequestFailedError when this request failed alone. Closing
+        the generator before it finishes aborts the request in the core.
+        """
+        request_stream = self.add_request(request_id, prompt, params, cache_salt, stream)
+        try:
+            async for output in request_stream:
+                yield output
+        finally:
+            request_stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id now (no-op when unknown or finished); its stream ends."""
+        queue = self._queues.pop(request_id, None)
+        self._abort_in_core(request_id)
+        if queue is not None:
+            queue.put_nowait(RequestFailedError(f"request {request_id} was aborted"))
+
+    def _abort_in_core(self, request_id: str) -> None:
+        seq_ids = self.output_processor.abort_request(request_id)
+        if self.metrics is not None:
+            self.metrics.record_request_finished(request_id, "abort")
+        if seq_ids and self.dead_error is None:
+            try:
+                self.client.abort_requests(seq_ids)
+            except EngineDeadError:
+                pass
+
+    # --- health and utilities -------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    async def call_utility(self, method: str, timeout_s: float = 30.0) -> Any:
+        """Run a utility method in the core (see protocol.UTILITY_METHODS) and return its result."""
+        self._check_alive()
+        call_id = self.client.request_utility(method)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError unless the core is alive."""
+        self._check_alive()
+        if not self.client.process.is_alive():
+            raise EngineDeadError("the engine core process is not running")
+
+    async def shutdown(self) -> None:
+        """Stop the output handler and the core process (idempotent)."""
+        self._output_task.cancel()
+        try:
+            await self._output_task
+        except (asyncio.CancelledError, Exception):
+            pass
+        await asyncio.to_thread(self.client.shutdown)
+
+    # --- the output handler ---------------------------------------------------------------
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                msg = await self.client.get_output()
+                if isinstance(msg, OutputsMsg):
+                    self._handle_outputs(msg)
+                elif isinstance(msg, RequestRejectedMsg):
+                    self._handle_rejected(msg)
+                elif isinstance(msg, UtilityResultMsg):
+                    future = self._utility_calls.get(msg.call_id)
+                    if future is not None and not future.done():
+                        if msg.error is not None:
+                            future.set_exception(RuntimeError(msg.error))
+                        else:
+                            future.set_result(msg.result)
+        except EngineDeadError as e:
+            self._set_dead(e)
+        except Exception as e:  # a bug here must not leave requests hanging
+            logger.exception("the output handler failed")
+            self._set_dead(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
+
+    def _handle_outputs(self, msg: OutputsMsg) -> None:
+        if msg.stats is not None:
+            self.latest_stats = msg.stats
+            if self.metrics is not None:
+                self.metrics.record_engine_stats(msg.stats)
+        if not msg.outputs:
+            return
+        now = time.monotonic()
+        if self.metrics is not None:
+            new_tokens: dict[str, int] = {}
+            for out in msg.outputs:
+                entry = self.output_processor.seq_to_request.get(out.req_id)
+                if entry is not None and out.new_token_ids:
+                    request_id = entry[0].request_id
+                    new_tokens[request_id] = new_tokens.get(request_id, 0) + len(out.new_token_ids)
+            for request_id, num_tokens in new_tokens.items():
+                self.metrics.record_new_tokens(request_id, num_tokens, now)
+        request_outputs, to_stop = self.output_processor.process_outputs(msg.outputs)
+        if to_stop:
+            self.client.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        for output in request_outputs:
+            if output.finished and self.metrics is not None:
+                reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+                self.metrics.record_request_finished(output.request_id, reasons[0] if reasons else None, now)
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _handle_rejected(self, msg: RequestRejectedMsg) -> None:
+        entry = self.output_processor.seq_to_request.get(msg.req_id)
+        if entry is None:
+            return
+        request_id = entry[0].request_id
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            error_cls = InvalidRequestError if msg.invalid_request else RequestFailedError
+            queue.put_nowait(error_cls(msg.message))
+
+    def _set_dead(self, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error("engine core is dead: %s", error)
+        self.dead_error = error
+        if self.metrics is not None:
+            self.metrics.record_engine_dead()
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)

@@ -1,0 +1,221 @@
+"""The OpenAI-compatible server: FastAPI routes over an AsyncLLM whose core runs in its own process.
+
+    python -m pagedllm.entrypoints.openai.api_server [MODEL] [--port 8000] ...   (or `pagedllm serve`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.cli_args import ServerConfig, add_serve_args, configs_from_args
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
+from pagedllm.entrypoints.openai.serving_common import (
+    APIError,
+    ServingContext,
+    api_error_from,
+    find_api_key,
+    now_s,
+    parse_model,
+    read_json_body,
+)
+from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.errors import EngineDeadError, PagedLLMError
+from pagedllm.metrics import ServerMetrics
+from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
+
+logger = logging.getLogger(__name__)
+
+
+class APIKeyMiddleware:
+    """Bearer-token auth on /v1/*: a 401 unless the token matches a key (the key lands in scope state)."""
+
+    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_keys = api_keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.api_keys and (path == "/v1" or path.startswith("/v1/")):
+            key = find_api_key(Request(scope), self.api_keys)
+            if key is None:
+                response = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                                    code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})["api_key"] = key
+        await self.app(scope, receive, send)
+
+
+def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+    """The FastAPI app: routes, OpenAI-style error bodies, auth."""
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
+    engine = ctx.engine
+    max_body = config.max_request_body_bytes
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(PagedLLMError)
+    async def _engine_error(_: Request, exc: PagedLLMError):
+        return api_error_from(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        return APIError(400, str(exc.errors()[0].get("msg", exc))).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    def require_engine() -> None:
+        if engine.is_dead:
+            raise APIError(503, f"the engine is not available: {engine.dead_error}", code="engine_dead")
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request):
+        require_engine()
+        request = parse_model(CompletionRequest, await read_json_body(raw_request, max_body))
+        return await create_completion(request, raw_request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw_request: Request):
+        require_engine()
+        request = parse_model(ChatCompletionRequest, await read_json_body(raw_request, max_body))
+        return await create_chat_completion(request, raw_request, ctx)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": engine.model_path,
+             "max_model_len": engine.max_model_len}
+            for name in ctx.served_model_names
+        ]}
+
+    @app.get("/health")
+    async def health():
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            return APIError(503, f"unhealthy: {e}", code="engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedllm.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request):
+        request = parse_model(TokenizeRequest, await read_json_body(raw_request, max_body))
+        ctx.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'")
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if request.messages is not None:
+            tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
+        else:
+            tokens = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request):
+        request = parse_model(DetokenizeRequest, await read_json_body(raw_request, max_body))
+        ctx.check_model(request.model)
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        engine.input_processor.check_token_ids(request.tokens, "tokens")
+        return {"prompt": engine.tokenizer.decode(request.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    return app
+
+
+def default_served_model_name(engine_args: EngineArgs) -> str:
+    if engine_args.model is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(engine_args.model).expanduser().name or engine_args.model
+
+
+def _ignore_signal(signum, frame) -> None:
+    logger.info("received signal %d; shutting down", signum)
+
+
+async def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
+    """Start the engine core, serve HTTP until SIGINT/SIGTERM, then stop both."""
+    names = list(config.served_model_names) or [default_served_model_name(engine_args)]
+    metrics = ServerMetrics(names[0])
+    engine = await AsyncLLM.start(engine_args, metrics, log_level=config.log_level)
+    try:
+        logger.info("engine core ready (%d KV blocks, max_model_len %d); serving %s on http://%s:%d",
+                    engine.num_kv_blocks, engine.max_model_len, names, config.host, config.port)
+        if not config.api_keys:
+            logger.warning("no API key set: /v1/* is open to anyone who can reach %s", config.host)
+        app = build_app(ServingContext(engine, names, config.share_prefix_cache_across_keys), config, metrics)
+        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                                        access_log=False, timeout_graceful_shutdown=5, lifespan="off")
+        # uvicorn turns SIGINT/SIGTERM into a graceful exit, then re-raises the signal to whatever
+        # handler was installed before it: make that a no-op so the engine shutdown below runs.
+        previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            await uvicorn.Server(uvicorn_config).serve()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    finally:
+        logger.info("shutting down the engine core")
+        await engine.shutdown()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The `serve` subcommand."""
+    engine_args, config = configs_from_args(args)
+    asyncio.run(run_server(engine_args, config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server")
+    parser.add_argument("--log-level", default="INFO")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_serve(args)
+    except (ValueError, PagedLLMError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and how they become SamplingParams.
+
+Field names and defaults follow OpenAI's API; the extras (top_k, min_p, ...) follow vLLM.
+Range checks that SamplingParams already makes are left to it, so each rule lives once;
+only bounds SamplingParams has no notion of (n, best_of, seed, list lengths) are here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pagedllm.errors import InvalidRequestError
+from pagedllm.sampling_params import SamplingParams
+
+MAX_N = 64
+"""Most sequences one request may ask for (n and best_of)."""
+MAX_PROMPTS = 64
+"""Most prompts in one /v1/completions request."""
+_INT64 = 2**63 - 1
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored (as vLLM does); a field of the wrong type is a 400.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """The sampling fields both endpoints share."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Optional[int] = Field(None, ge=-_INT64 - 1, le=_INT64)
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    # extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens: int = 0
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: Optional[str] = Field(None, max_length=256)
+
+    def make_sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
+        """Build validated SamplingParams; a bad value raises InvalidRequestError naming it."""
+        logit_bias = None
+        if self.logit_bias:
+            logit_bias = {}
+            for key, bias in self.logit_bias.items():
+                try:
+                    logit_bias[int(key)] = bias
+                except ValueError:
+                    raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
+        top_k = self.top_k
+        if top_k is not None and top_k in (0, -1):
+            top_k = None  # vLLM's "disabled"
+        try:
+            return SamplingParams(
+                n=self.n,
+                best_of=extra.pop("best_of", None),
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=top_k,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=logit_bias,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                **extra,
+            )
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptField = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptField
+    max_tokens: Optional[int] = 16
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt):
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+        elif not prompt:
+            raise ValueError("the prompt list is empty")
+        elif isinstance(prompt[0], list) and any(not p for p in prompt):
+            raise ValueError("a token-id prompt is empty")
+        elif isinstance(prompt[0], str) and any(not p for p in prompt):
+            raise ValueError("a prompt string is empty")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError("best_of > n cannot be streamed; set stream to false")
+        return self.make_sampling_params(
+            self.max_tokens, self.logprobs, best_of=self.best_of,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+        )
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(f"only text content parts are supported, got type {part.type!r}")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.make_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]

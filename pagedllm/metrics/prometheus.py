@@ -1,0 +1,123 @@
+"""Prometheus metrics of one server: engine gauges, token counters, latency histograms.
+
+Each ServerMetrics owns its own CollectorRegistry, so several servers (or tests) in one
+process never share counters. Engine counters arrive as cumulative values from the core
+and are turned into increments here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagedllm.engine.protocol import EngineStatsMsg
+
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0)
+
+
+@dataclass(slots=True)
+class _RequestTiming:
+    arrival_time: float
+    last_token_time: float | None = None
+
+
+class ServerMetrics:
+    """Collects what the engine and the front end report; `render()` gives the Prometheus text."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labelnames=list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self.num_running = gauge("pagedllm_num_requests_running", "Requests running in the engine core")
+        self.num_waiting = gauge("pagedllm_num_requests_waiting", "Requests waiting for admission")
+        self.kv_cache_usage = gauge("pagedllm_kv_cache_usage_ratio", "Fraction of KV blocks held by requests")
+        self.kv_leaks = gauge("pagedllm_kv_cache_leaks", "Problems found by the last idle KV leak check (0 = none)")
+        self.engine_healthy = gauge("pagedllm_engine_healthy", "1 while the engine core is alive, 0 once it died")
+        self.prefix_queries = counter("pagedllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("pagedllm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = counter("pagedllm_num_preemptions", "Requests preempted for lack of KV blocks")
+        self.prompt_tokens = counter("pagedllm_prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("pagedllm_generation_tokens", "Tokens generated")
+        self.request_success = Counter("pagedllm_request_success", "Finished requests by finish reason",
+                                       labelnames=["model_name", "finish_reason"], registry=r)
+        self._model_name = model_name
+        self.time_to_first_token = histogram("pagedllm_time_to_first_token_seconds",
+                                             "Arrival to first generated token", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("pagedllm_inter_token_latency_seconds",
+                                             "Time between consecutive outputs of a request", _LATENCY_BUCKETS)
+        self.e2e_latency = histogram("pagedllm_e2e_request_latency_seconds",
+                                     "Arrival to the last token", _E2E_BUCKETS)
+        self.engine_healthy.set(1)
+        self._last_stats: EngineStatsMsg | None = None
+        self._timings: dict[str, _RequestTiming] = {}
+
+    # --- engine core ----------------------------------------------------------------------
+
+    def record_engine_stats(self, stats: EngineStatsMsg) -> None:
+        """Gauges are set; cumulative core counters become increments."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_leaks.set(stats.num_kv_leaks)
+        last = self._last_stats
+        for counter, name in ((self.prefix_queries, "prefix_cache_queries"),
+                              (self.prefix_hits, "prefix_cache_hits"),
+                              (self.preemptions, "num_preemptions")):
+            delta = getattr(stats, name) - (getattr(last, name) if last is not None else 0)
+            if delta > 0:
+                counter.inc(delta)
+        self._last_stats = stats
+
+    def record_engine_dead(self) -> None:
+        self.engine_healthy.set(0)
+
+    # --- requests -----------------------------------------------------------------------
+
+    def record_request_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self._timings[request_id] = _RequestTiming(arrival_time)
+
+    def record_new_tokens(self, request_id: str, num_tokens: int, now: float | None = None) -> None:
+        """A step produced `num_tokens` tokens for this request (all of its sequences together)."""
+        now = time.monotonic() if now is None else now
+        self.generation_tokens.inc(num_tokens)
+        timing = self._timings.get(request_id)
+        if timing is None:
+            return
+        if timing.last_token_time is None:
+            self.time_to_first_token.observe(now - timing.arrival_time)
+        else:
+            self.inter_token_latency.observe(now - timing.last_token_time)
+        timing.last_token_time = now
+
+    def record_request_finished(self, request_id: str, finish_reason: str | None, now: float | None = None) -> None:
+        """Count a finished (or aborted: reason 'abort') request and observe its end-to-end latency."""
+        now = time.monotonic() if now is None else now
+        timing = self._timings.pop(request_id, None)
+        if timing is None:
+            return
+        self.request_success.labels(self._model_name, finish_reason or "abort").inc()
+        if finish_reason != "abort":
+            self.e2e_latency.observe(now - timing.arrival_time)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

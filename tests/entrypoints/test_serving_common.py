@@ -1,0 +1,76 @@
+"""Server helpers without a server: error mapping, API-key matching, tenant salts, request models."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.requests import Request
+
+from pagedllm.engine.async_llm import RequestFailedError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.serving_common import (
+    APIError,
+    api_error_from,
+    check_failed,
+    find_api_key,
+    parse_model,
+    tenant_cache_salt,
+)
+from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+
+def _request_with(headers: dict[str, str]) -> Request:
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": raw})
+
+
+def test_errors_map_to_openai_statuses():
+    assert api_error_from(InvalidRequestError("temperature must be >= 0")).status == 400
+    assert api_error_from(InvalidRequestError("temperature must be >= 0")).param == "temperature"
+    assert api_error_from(EngineDeadError("gone")).status == 503
+    failed = api_error_from(RequestFailedError("sampler blew up"))
+    assert failed.status == 500 and "sampler blew up" in failed.message
+    assert set(APIError(404, "x").body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_sequence_that_failed_alone_is_a_500_naming_its_error():
+    output = RequestOutput("r", "p", [1], [CompletionOutput(0, "", [], None, None, "abort", error="NaN logits")], True)
+    with pytest.raises(APIError) as info:
+        check_failed(output)
+    assert info.value.status == 500 and "NaN logits" in info.value.message
+
+
+def test_api_key_matching():
+    keys = ("alpha", "beta")
+    assert find_api_key(_request_with({"Authorization": "Bearer beta"}), keys) == "beta"
+    assert find_api_key(_request_with({"Authorization": "bearer alpha"}), keys) == "alpha"
+    for header in ({}, {"Authorization": "Bearer gamma"}, {"Authorization": "Basic alpha"},
+                   {"Authorization": "Bearer "}, {"Authorization": "Bearer alph"}):
+        assert find_api_key(_request_with(header), keys) is None
+
+
+def test_tenant_salts_isolate_keys_unless_shared():
+    a, b = tenant_cache_salt("alpha", None, False), tenant_cache_salt("beta", None, False)
+    assert a != b and "alpha" not in a
+    assert tenant_cache_salt("alpha", "s", False) not in (a, "s")
+    assert tenant_cache_salt("alpha", "s", False) != tenant_cache_salt("beta", "s", False)
+    assert tenant_cache_salt("alpha", None, True) is None
+    assert tenant_cache_salt("alpha", "s", True) == "s"
+    assert tenant_cache_salt(None, "s", False) == "s"
+
+
+def test_request_models_validate_and_convert():
+    req = parse_model(CompletionRequest, {"prompt": [[1, 2], [3]], "logit_bias": {"5": 2}, "top_k": -1, "n": 2})
+    params = req.to_sampling_params()
+    assert req.prompts() == [[1, 2], [3]] and params.logit_bias == {5: 2.0} and params.top_k is None
+    chat = parse_model(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 5,
+        "max_tokens": 9, "logprobs": True, "top_logprobs": 2})
+    assert chat.messages[0].text() == "ab"
+    chat_params = chat.to_sampling_params()
+    assert chat_params.max_tokens == 5 and chat_params.logprobs == 2
+    with pytest.raises(APIError) as info:
+        parse_model(CompletionRequest, {"prompt": "x", "n": "lots"})
+    assert info.value.status == 400 and info.value.param == "n"
+    with pytest.raises(InvalidRequestError, match="best_of"):
+        parse_model(CompletionRequest, {"prompt": "x", "best_of": 3, "stream": True}).to_sampling_params()
