@@ -77,6 +77,11 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     """Defaults to the model's context length, capped at 4096."""
+    kv_allocation_policy: str = "paged"
+    """'paged', or a contiguous-reservation baseline for benchmarks: 'max', 'pow2' or 'oracle'
+    (core/contiguous_allocator.py)."""
+    kv_allocator: str = "first_fit"
+    """Placement of contiguous reservations: 'first_fit' or 'buddy' (unused by 'paged')."""
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -110,6 +115,10 @@ class EngineArgs:
         parser.add_argument("--max-num-seqs", type=int, default=128)
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
         parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--kv-allocation-policy", default="paged", choices=["paged", "max", "pow2", "oracle"],
+                            help="KV allocation: paged, or a contiguous-reservation baseline (benchmarks)")
+        parser.add_argument("--kv-allocator", default="first_fit", choices=["first_fit", "buddy"],
+                            help="placement of contiguous reservations (non-paged policies)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -75,6 +75,13 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
         )
+        if engine_args.kv_allocation_policy != "paged":  # contiguous-reservation baselines (benchmarks)
+            from pagedllm.core.contiguous_allocator import ContiguousKVCacheManager
+
+            self.kv_cache_manager = ContiguousKVCacheManager(
+                num_blocks, self.cache_config.block_size, engine_args.kv_allocation_policy,
+                self.scheduler_config.max_model_len, engine_args.kv_allocator,
+            )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(
             model, vocab_size=hf_config.vocab_size, kv_spec=self.kv_spec, num_blocks=num_blocks,

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="start the OpenAI-compatible HTTP server"))
+
+    from pagedllm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -114,11 +118,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedllm.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except (ValueError, PagedLLMError) as e:  # config, model and request errors: say what is wrong, no traceback

@@ -1,0 +1,350 @@
+"""`pagedllm bench ...`: argument parsing and orchestration of each benchmark.
+
+    pagedllm bench throughput --workload fixed --num-requests 64 --input-len 128 --output-len 128 --hf-batch-size 32
+    pagedllm bench memory --workload sharegpt --mode both
+    pagedllm bench serving --rates 0.5,1,2 --policies paged,max
+    pagedllm bench roofline --batch-sizes 1,16,64,128
+    pagedllm bench attention
+    pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from pathlib import Path
+
+from pagedllm.bench.common import format_table, write_result
+from pagedllm.bench.workloads import add_workload_args, make_workload, spec_from_args, trace_stats
+
+logger = logging.getLogger(__name__)
+
+# Default model (SmolLM2-135M) KV bytes per token in fp32: 2 (K, V) * 30 layers * 3 KV heads * 64 * 4 bytes.
+DEFAULT_KV_BYTES_PER_TOKEN = 46080
+
+
+def _engine_args(args) -> dict:
+    from pagedllm.config import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    fields = {k: v for k, v in vars(engine_args).items() if k not in ("kv_allocation_policy", "kv_allocator")}
+    return fields
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _common(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    from pagedllm.config import EngineArgs
+
+    p.add_argument("--out", default="bench_results", help="directory for JSON results and PNG plots")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    if engine:
+        EngineArgs.add_cli_args(p)
+
+
+def add_bench_parser(sub) -> None:
+    """Add `bench` and its benchmarks to the `pagedllm` command's subparsers."""
+    bench = sub.add_parser("bench", help="benchmarks: throughput, memory, serving, roofline, attention, all")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bsub.add_parser("throughput", help="engine vs HF generate (static batches) vs HF continuous batching")
+    _common(p)
+    add_workload_args(p)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--hf-max-requests", type=int, default=None, help="run the HF baselines on the first K requests")
+    p.add_argument("--no-hf", dest="run_hf", action="store_false", help="skip HF static generate")
+    p.add_argument("--no-hf-cb", dest="run_hf_cb", action="store_false", help="skip HF continuous batching")
+
+    p = bsub.add_parser("memory", help="KV memory efficiency: paged vs max / pow2 / oracle reservation")
+    _common(p)
+    add_workload_args(p)
+    p.add_argument("--policies", default="paged,max,pow2,oracle")
+    p.add_argument("--allocator", default="first_fit", choices=["first_fit", "buddy"])
+    p.add_argument("--mode", default="simulate", choices=["simulate", "real", "both"],
+                   help="simulate: scheduler + KV manager only; real: the model runs too (throughput)")
+    p.add_argument("--sim-num-requests", type=int, default=None, help="trace size for simulate (default --num-requests)")
+
+    p = bsub.add_parser("serving", help="Poisson arrivals over HTTP against `pagedllm serve`, per policy")
+    _common(p)
+    add_workload_args(p)
+    p.add_argument("--rates", default="0.5,1,2", help="request rates (req/s) to sweep; inf = all at once")
+    p.add_argument("--policies", default="paged,max")
+    p.add_argument("--url", default=None, help="an already running OpenAI-compatible server (skips launching)")
+
+    p = bsub.add_parser("roofline", help="decode step time vs this machine's bandwidth and matmul ceilings")
+    _common(p)
+    p.add_argument("--batch-sizes", default="1,16,64,128")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=8)
+
+    p = bsub.add_parser("attention", help="paged attention vs SDPA on contiguous K/V, decode and prefill")
+    _common(p, engine=False)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--shapes", default=None, help="phase:seqs:len,... e.g. decode:64:512,prefill:4:256")
+
+    p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
+    _common(p)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (a smoke test of the whole pipeline)")
+
+
+# --- each benchmark ---------------------------------------------------------------------------
+
+
+def bench_throughput(args, engine_args: dict) -> dict:
+    from pagedllm.bench.plots import plot_throughput
+    from pagedllm.bench.throughput import run_throughput, throughput_table
+
+    max_len = engine_args.get("max_model_len") or 2048
+    requests = make_workload(spec_from_args(args, 100, max_len))
+    result = run_throughput(requests, engine_args, args.hf_batch_size, args.hf_max_requests, args.run_hf,
+                            args.run_hf_cb, args.progress)
+    name = f"throughput_{args.workload}"
+    result["workload"] = args.workload
+    result["length_scale"] = args.length_scale
+    result["engine_args"] = engine_args
+    out = Path(args.out)
+    write_result(out, name, result)
+    plot_throughput(result, out / f"{name}.png", f"{args.workload}: {len(requests)} requests "
+                    f"(in {result['trace']['mean_input_len']:.0f}, out {result['trace']['mean_output_len']:.0f} mean)")
+    headers, rows = throughput_table(result)
+    print(format_table(headers, rows))
+    for system, error in result["errors"].items():
+        print(f"{system}: not measured: {error}")
+    return result
+
+
+def bench_memory(args, engine_args: dict) -> dict:
+    from pagedllm.bench.memory import memory_table, run_real, simulate, strip_private
+    from pagedllm.bench.plots import plot_memory
+
+    policies = [p for p in args.policies.split(",") if p]
+    max_len = engine_args.get("max_model_len") or 2048
+    block_size = engine_args.get("block_size", 16)
+    result = {"workload": args.workload, "length_scale": args.length_scale, "allocator": args.allocator,
+              "engine_args": engine_args}
+    llm = None
+    if args.mode in ("real", "both"):
+        from pagedllm.bench.engine_utils import build_llm
+
+        llm = build_llm(**{**engine_args, "enable_prefix_caching": False})
+        llm.engine.core._bench_allocator = args.allocator
+        num_blocks = llm.engine.core.num_blocks
+    elif engine_args.get("num_kv_blocks"):
+        num_blocks = engine_args["num_kv_blocks"]
+    else:
+        from pagedllm.config import parse_memory_size
+
+        num_blocks = parse_memory_size(engine_args["kv_cache_memory"]) // (DEFAULT_KV_BYTES_PER_TOKEN * block_size)
+    result["num_kv_blocks"] = num_blocks
+    sched_kwargs = dict(block_size=block_size, max_model_len=max_len, max_num_seqs=engine_args["max_num_seqs"],
+                        max_num_batched_tokens=engine_args["max_num_batched_tokens"], allocator=args.allocator)
+    out = Path(args.out)
+    if args.mode in ("simulate", "both"):
+        sim_spec = spec_from_args(args, 1000, max_len)
+        if args.sim_num_requests:
+            sim_spec.num_requests = args.sim_num_requests
+        sim_requests = make_workload(sim_spec)
+        rows = [simulate(sim_requests, p, num_blocks, progress=args.progress, **sched_kwargs) for p in policies]
+        result["simulated"] = {"trace": trace_stats(sim_requests), "rows": rows}
+        plot_memory(rows, out / f"memory_{args.workload}_simulated.png",
+                    f"{args.workload}, {len(sim_requests)} requests, {num_blocks * block_size} KV slots (simulated)")
+        headers, table = memory_table(rows, real=False)
+        print(f"simulated: {len(sim_requests)} requests, {num_blocks} blocks of {block_size}")
+        print(format_table(headers, table))
+    if llm is not None:
+        requests = make_workload(spec_from_args(args, 64, max_len))
+        rows = []
+        for p in policies:
+            rows.append(run_real(requests, p, llm, progress=args.progress))
+        reference = rows[0]["_outputs"]
+        for r in rows:
+            r["outputs_match_first_policy"] = r["_outputs"] == reference
+        result["real"] = {"trace": trace_stats(requests), "rows": [strip_private(r) for r in rows]}
+        plot_memory(rows, out / f"memory_{args.workload}_real.png",
+                    f"{args.workload}, {len(requests)} requests, {num_blocks * block_size} KV slots (model runs)")
+        headers, table = memory_table(rows, real=True)
+        print(f"with the model: {len(requests)} requests, {num_blocks} blocks of {block_size}")
+        print(format_table(headers, table))
+    write_result(out, f"memory_{args.workload}", result)
+    return result
+
+
+def bench_serving(args, engine_args: dict) -> dict:
+    from pagedllm.bench.plots import plot_lines
+    from pagedllm.bench.serving import run_sweep, serving_table
+
+    max_len = engine_args.get("max_model_len") or 2048
+    requests = make_workload(spec_from_args(args, 32, max_len))
+    rates = _floats(args.rates)
+    serve_args = _serve_args(engine_args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_sweep(requests, rates, [p for p in args.policies.split(",") if p], serve_args, str(out),
+                       url=args.url, seed=args.workload_seed, progress=args.progress)
+    result.update({"workload": args.workload, "trace": trace_stats(requests), "rates": rates,
+                   "engine_args": engine_args, "length_scale": args.length_scale})
+    write_result(out, f"serving_{args.workload}", result)
+    series = {p: ([r["request_rate"] for r in sweep], [r["normalized_latency_s_per_token"]["mean"] or math.nan
+                                                       for r in sweep])
+              for p, sweep in result["policies"].items()}
+    plot_lines(series, out / f"serving_{args.workload}.png", "request rate (req/s)",
+               "mean normalized latency (s/token)", f"{args.workload}: {len(requests)} requests per rate", logy=True)
+    headers, rows = serving_table(result)
+    print(format_table(headers, rows, floatfmt="{:.3f}"))
+    return result
+
+
+def _serve_args(engine_args: dict) -> list[str]:
+    flags = []
+    for key, value in engine_args.items():
+        if value is None or key in ("model",):
+            continue
+        if key == "enable_prefix_caching":
+            if not value:
+                flags.append("--no-prefix-caching")
+            continue
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    if engine_args.get("model"):
+        flags += ["--model", engine_args["model"]]
+    return flags
+
+
+def bench_roofline(args, engine_args: dict) -> dict:
+    from pagedllm.bench.engine_utils import build_llm
+    from pagedllm.bench.plots import plot_lines
+    from pagedllm.bench.roofline import roofline_table, run_roofline
+
+    batch_sizes = _ints(args.batch_sizes)
+    engine_args = {**engine_args, "max_num_seqs": max(engine_args["max_num_seqs"], max(batch_sizes))}
+    llm = build_llm(**engine_args)
+    result = run_roofline(llm, batch_sizes, args.prompt_len, args.decode_steps, args.progress)
+    result["engine_args"] = engine_args
+    out = Path(args.out)
+    write_result(out, "roofline", result)
+    rows = result["rows"]
+    plot_lines({"engine decode": ([r["batch_size"] for r in rows], [r["engine_decode_tok_s"] for r in rows]),
+                "matmuls alone": ([r["batch_size"] for r in rows],
+                                  [r["batch_size"] / r["matmuls_alone_ms"] * 1e3 for r in rows]),
+                "roofline ceiling": ([r["batch_size"] for r in rows], [r["ceiling_tok_s"] for r in rows])},
+               out / "roofline.png", "batch size", "decode tokens / s",
+               f"bandwidth {result['bandwidth_gb_s']:.1f} GB/s, matmul {result['matmul_gflop_s']:.0f} GFLOP/s")
+    print(f"bandwidth {result['bandwidth_gb_s']:.2f} GB/s, fp32 matmul {result['matmul_gflop_s']:.1f} GFLOP/s")
+    headers, table = roofline_table(result)
+    print(format_table(headers, table))
+    return result
+
+
+def bench_attention(args, engine_args: dict | None = None) -> dict:
+    from pagedllm.bench.attention import DEFAULT_SHAPES, attention_table, run_attention
+
+    shapes = DEFAULT_SHAPES
+    if getattr(args, "shapes", None):
+        shapes = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2])) for s in args.shapes.split(",")]
+    result = run_attention(shapes, repeats=args.repeats, progress=args.progress)
+    write_result(Path(args.out), "attention", result)
+    headers, table = attention_table(result)
+    print(format_table(headers, table))
+    return result
+
+
+# --- all ---------------------------------------------------------------------------------------
+
+# The sizes `bench all` runs (docs/benchmarks.md). Chosen so the whole run fits ~20 minutes on a
+# 2-core CPU; the smoke sizes run the same pipeline in seconds with a tiny model.
+ALL_SIZES = {
+    "full": {
+        "throughput": [
+            dict(workload="sharegpt", num_requests=24, length_scale=0.25, hf_batch_size=8),
+            dict(workload="alpaca", num_requests=48, length_scale=1.0, hf_batch_size=16),
+        ],
+        "memory": dict(workload="sharegpt", num_requests=24, length_scale=0.25, sim_num_requests=1000,
+                       kv_cache_memory=str(4096 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=1024),
+        "memory_alpaca": dict(workload="alpaca", sim_num_requests=1000,
+                              kv_cache_memory=str(8192 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=2048),
+        "serving": dict(workload="alpaca", num_requests=16, length_scale=0.5, rates="1,4", policies="paged,max",
+                        kv_cache_memory=str(4096 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=512),
+        "roofline": dict(batch_sizes="1,16,64,128", prompt_len=64, decode_steps=6),
+        "attention": dict(repeats=5),
+    },
+}
+
+
+def bench_all(args, engine_args: dict) -> dict:
+    base = vars(args).copy()
+
+    def ns(**overrides) -> argparse.Namespace:
+        d = {**base, "workload": "sharegpt", "num_requests": None, "input_len": 128, "output_len": 128,
+             "prefix_len": 256, "length_scale": 1.0, "n": 1, "workload_seed": 0, "hf_batch_size": 32,
+             "hf_max_requests": None, "run_hf": True, "run_hf_cb": True, "policies": "paged,max,pow2,oracle",
+             "allocator": "first_fit", "mode": "both", "sim_num_requests": None, "rates": "1",
+             "url": None, "batch_sizes": "1,16,64", "prompt_len": 64, "decode_steps": 8, "repeats": 5,
+             "shapes": None}
+        d.update(overrides)
+        return argparse.Namespace(**d)
+
+    sizes = ALL_SIZES["full"]
+    if args.smoke:
+        sizes = smoke_sizes()
+    results = {}
+    for i, t in enumerate(sizes["throughput"]):
+        results[f"throughput_{t['workload']}"] = bench_throughput(ns(**t), engine_args)
+    for key in ("memory", "memory_alpaca"):
+        m = dict(sizes[key])
+        ea = _with_memory(engine_args, m)
+        mode = m.pop("mode", "both" if key == "memory" else "simulate")
+        results[key] = bench_memory(ns(mode=mode, **m), ea)
+    s = dict(sizes["serving"])
+    ea = _with_memory(engine_args, s)
+    try:
+        results["serving"] = bench_serving(ns(**s), ea)
+    except Exception as e:  # the server is a separate component: report, do not lose the other results
+        logger.exception("serving benchmark failed")
+        results["serving"] = {"error": f"{type(e).__name__}: {e}"}
+    results["roofline"] = bench_roofline(ns(**sizes["roofline"]), engine_args)
+    results["attention"] = bench_attention(ns(**sizes["attention"]))
+    summary = Path(args.out) / "summary.json"
+    summary.write_text(json.dumps({k: sorted(v) if isinstance(v, dict) else None for k, v in results.items()},
+                                  indent=1) + "\n")
+    return results
+
+
+def _with_memory(engine_args: dict, sizes: dict) -> dict:
+    """engine_args with the benchmark's own KV budget and max_model_len (None keeps the given ones)."""
+    ea = dict(engine_args)
+    for key in ("kv_cache_memory", "max_model_len"):
+        value = sizes.pop(key, None)
+        if value is not None:
+            ea[key] = value
+    return ea
+
+
+def smoke_sizes() -> dict:
+    return {
+        "throughput": [dict(workload="alpaca", num_requests=4, length_scale=0.2, hf_batch_size=2)],
+        "memory": dict(workload="sharegpt", num_requests=4, length_scale=0.05, sim_num_requests=50,
+                       kv_cache_memory=None, max_model_len=None, mode="both"),
+        "memory_alpaca": dict(workload="alpaca", sim_num_requests=50, length_scale=0.3,
+                              kv_cache_memory=None, max_model_len=None, mode="simulate"),
+        "serving": dict(workload="alpaca", num_requests=3, length_scale=0.2, rates="inf", policies="paged",
+                        kv_cache_memory=None, max_model_len=None),
+        "roofline": dict(batch_sizes="1,4", prompt_len=8, decode_steps=3),
+        "attention": dict(repeats=1, shapes="decode:2:32,prefill:1:32"),
+    }
+
+
+def run_bench(args) -> int:
+    engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
+    commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,
+                "roofline": bench_roofline, "attention": bench_attention, "all": bench_all}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    commands[args.bench_command](args, engine_args)
+    print(f"results in {Path(args.out).resolve()}")
+    return 0

@@ -1,0 +1,158 @@
+"""Offline throughput: the engine vs Hugging Face transformers on the same requests, in one run.
+
+Three systems run the same trace back to back, each greedy, each generating exactly every
+request's own output length (the engine with ignore_eos; Hugging Face as below):
+
+    engine     pagedllm's offline LLM: continuous batching over the paged KV cache
+    hf_static  transformers `generate` in static batches of --hf-batch-size requests, in trace
+               order, prompts padded on the left; a batch runs until its longest request is
+               done (min_new_tokens = max_new_tokens, so EOS never stops it early) and only
+               each request's own output length counts as useful tokens
+    hf_cb      transformers' continuous batching manager (the engine behind `generate_batch`),
+               each request with its own max_new_tokens; skipped with the error if it fails
+
+Reported per system: elapsed seconds, useful output tokens/s, total (prompt + output) tokens/s,
+and the engine's ratio over each baseline. --hf-max-requests runs the baselines on the first
+K requests only (the rate is per token, but a smaller trace is a different trace: the result
+says so).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedllm.bench.engine_utils import build_llm, engine_prompts, request_params
+from pagedllm.bench.workloads import BenchRequest, trace_stats
+
+
+def run_engine(llm, requests: list[BenchRequest], progress: bool = True) -> dict:
+    llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}],
+                 request_params(BenchRequest([], 2)), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    expected = sum(r.output_len * r.n for r in requests)
+    assert num_out == expected, f"the engine generated {num_out} tokens, expected {expected}"
+    return _rates("engine", requests, num_out, elapsed, num_preemptions=llm.engine.core.scheduler.num_preemptions)
+
+
+def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float, **extra) -> dict:
+    num_in = sum(r.prompt_len for r in requests)
+    return {"system": name, "num_requests": len(requests), "elapsed_s": elapsed, "num_output_tokens": num_out,
+            "output_tok_s": num_out / elapsed, "total_tok_s": (num_in + num_out) / elapsed, **extra}
+
+
+def load_hf_model(model_path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_token_id: int,
+                  progress: bool = True) -> dict:
+    def generate(batch: list[BenchRequest]) -> None:
+        max_prompt = max(r.prompt_len for r in batch)
+        input_ids = torch.full((len(batch), max_prompt), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for i, r in enumerate(batch):
+            input_ids[i, max_prompt - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
+            mask[i, max_prompt - r.prompt_len:] = 1
+        max_new = max(r.output_len for r in batch)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, pad_token_id=pad_token_id)
+        assert out.shape[1] == max_prompt + max_new
+
+    generate([BenchRequest(requests[0].prompt_token_ids[:8], 2)])  # warm-up
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    start = time.perf_counter()
+    for batch in tqdm(batches, desc=f"HF generate (batch {batch_size})", disable=not progress, unit="batch"):
+        generate(batch)
+    elapsed = time.perf_counter() - start
+    num_out = sum(r.output_len for r in requests)
+    padded = sum(len(b) * max(r.output_len for r in b) for b in batches)
+    return _rates("hf_static", requests, num_out, elapsed, batch_size=batch_size,
+                  generated_incl_padding=padded)
+
+
+@torch.inference_mode()
+def run_hf_continuous(model, requests: list[BenchRequest], kv_tokens: int, max_batch_tokens: int,
+                      progress: bool = True, timeout_s: float = 3600) -> dict:
+    """The clock starts once the manager is up (its KV cache allocated), at the first request."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests))
+    page_size = 256
+    cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=max(1, kv_tokens // page_size),
+                                         max_batch_tokens=max_batch_tokens)
+    no_eos = [-1]  # an id no model emits: every request runs to its max_new_tokens
+    num_out = 0
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5, warmup=False,
+                                                   continuous_batching_config=cb_config) as manager:
+        start = time.perf_counter()
+        ids = [manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len,
+                                   eos_token_id=no_eos) for i, r in enumerate(requests)]
+        pending = set(ids)
+        bar = tqdm(total=len(ids), desc="HF continuous batching", disable=not progress, unit="req")
+        while pending:
+            if time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"HF continuous batching did not finish in {timeout_s} s")
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("the HF continuous batching thread stopped")
+                continue
+            if result.is_finished() and result.request_id in pending:
+                if result.error is not None:
+                    raise RuntimeError(f"HF continuous batching failed a request: {result.error}")
+                pending.discard(result.request_id)
+                num_out += len(result.generated_tokens)
+                bar.update(1)
+        bar.close()
+        elapsed = time.perf_counter() - start
+    return _rates("hf_cb", requests, num_out, elapsed, kv_tokens=kv_tokens,
+                  expected_output_tokens=sum(r.output_len for r in requests))
+
+
+def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_size: int = 32,
+                   hf_max_requests: int | None = None, run_hf: bool = True, run_hf_cb: bool = True,
+                   progress: bool = True) -> dict:
+    llm = build_llm(**engine_args)
+    systems = [run_engine(llm, requests, progress)]
+    core = llm.engine.core
+    kv_tokens = core.num_blocks * core.cache_config.block_size
+    max_batch_tokens = core.scheduler_config.max_num_batched_tokens
+    model_path = llm.engine.core.loaded.model_path
+    pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
+    pad = pad if pad is not None else 0
+    del llm
+    hf_requests = requests[:hf_max_requests] if hf_max_requests else requests
+    errors = {}
+    if run_hf or run_hf_cb:
+        model = load_hf_model(model_path)
+        if run_hf:
+            systems.append(run_hf_static(model, hf_requests, hf_batch_size, pad, progress))
+        if run_hf_cb:
+            try:
+                systems.append(run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens, progress))
+            except Exception as e:  # the baseline is optional; say why it is missing
+                errors["hf_cb"] = f"{type(e).__name__}: {e}"
+    engine = systems[0]
+    for s in systems:
+        s["engine_output_ratio"] = engine["output_tok_s"] / s["output_tok_s"]
+        s["engine_total_ratio"] = engine["total_tok_s"] / s["total_tok_s"]
+    return {"trace": trace_stats(requests), "hf_trace": trace_stats(hf_requests), "systems": systems,
+            "errors": errors, "hf_batch_size": hf_batch_size}
+
+
+def throughput_table(result: dict) -> tuple[list[str], list[list]]:
+    headers = ["system", "requests", "output tokens", "seconds", "output tok/s", "total tok/s", "engine / system (output)"]
+    rows = [[s["system"] + (f" (batch {s['batch_size']})" if "batch_size" in s else ""), s["num_requests"],
+             s["num_output_tokens"], s["elapsed_s"], s["output_tok_s"], s["total_tok_s"], s["engine_output_ratio"]]
+            for s in result["systems"]]
+    return headers, rows
