@@ -1,0 +1,90 @@
+"""Every benchmark end to end in a smoke size, through `pagedllm bench`: JSON results, plots, sanity."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pagedllm.bench.workloads import TRACE_STATS, WorkloadSpec, make_workload, trace_stats
+from pagedllm.entrypoints.cli import main
+
+
+def test_workloads_are_seeded_and_shaped_like_the_published_traces():
+    a = make_workload(WorkloadSpec("sharegpt", 2000, seed=7))
+    assert a == make_workload(WorkloadSpec("sharegpt", 2000, seed=7))
+    for name, (mean_in, mean_out, _) in TRACE_STATS.items():
+        stats = trace_stats(make_workload(WorkloadSpec(name, 4000, max_model_len=2048)))
+        assert stats["mean_input_len"] == pytest.approx(mean_in, rel=0.1)
+        assert stats["mean_output_len"] == pytest.approx(mean_out, rel=0.1)
+        assert stats["p50_output_len"] < stats["mean_output_len"]  # long-tailed
+    for r in make_workload(WorkloadSpec("sharegpt", 500, max_model_len=256)):
+        assert r.prompt_len + r.output_len <= 256 and r.output_len >= 1
+    poisson = make_workload(WorkloadSpec("alpaca", 200, request_rate=4.0))
+    times = [r.arrival_time for r in poisson]
+    assert times == sorted(times) and times[0] == 0.0
+    assert 200 / 4.0 * 0.7 < times[-1] < 200 / 4.0 * 1.3
+    shared = make_workload(WorkloadSpec("shared_prefix", 3, prefix_len=32, input_len=8))
+    assert all(r.prompt_token_ids[:32] == shared[0].prompt_token_ids[:32] and r.prompt_len == 40 for r in shared)
+
+
+@pytest.fixture(scope="module")
+def smoke_results(tiny_engine_args, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_out")
+    argv = ["--log-level", "WARNING", "bench", "all", "--smoke", "--no-progress", "--out", str(out),
+            "--model", tiny_engine_args["model"], "--num-kv-blocks", str(tiny_engine_args["num_kv_blocks"]),
+            "--max-model-len", str(tiny_engine_args["max_model_len"]), "--max-num-seqs", "16"]
+    assert main(argv) == 0
+    return out
+
+
+def _load(out, name):
+    result = json.loads((out / f"{name}.json").read_text())
+    assert result["benchmark"] == name and result["machine"]["num_cpus"] >= 1 and result["machine"]["date"]
+    return result
+
+
+def test_throughput_smoke(smoke_results):
+    result = _load(smoke_results, "throughput_alpaca")
+    systems = {s["system"]: s for s in result["systems"]}
+    assert set(systems) >= {"engine", "hf_static"}
+    assert "hf_cb" in systems or "hf_cb" in result["errors"]
+    for s in systems.values():
+        assert s["output_tok_s"] > 0 and s["total_tok_s"] > s["output_tok_s"]
+        assert s["num_output_tokens"] == result["hf_trace"]["total_output_tokens"] or s["system"] == "engine"
+    assert systems["engine"]["engine_output_ratio"] == 1.0
+    assert (smoke_results / "throughput_alpaca.png").stat().st_size > 0
+
+
+def test_memory_smoke(smoke_results):
+    result = _load(smoke_results, "memory_sharegpt")
+    for mode in ("simulated", "real"):
+        rows = result[mode]["rows"]
+        assert [r["policy"] for r in rows] == ["paged", "max", "pow2", "oracle"]
+        for r in rows:
+            assert sum(r["fractions"].values()) == pytest.approx(1.0)
+            assert r["max_running"] >= 1 and r["steps"] > 0
+    assert all(r["outputs_match_first_policy"] and r["output_tok_s"] > 0 for r in result["real"]["rows"])
+    assert (smoke_results / "memory_sharegpt_real.png").exists()
+    assert "simulated" in _load(smoke_results, "memory_alpaca")
+
+
+def test_serving_smoke(smoke_results):
+    result = _load(smoke_results, "serving_alpaca")
+    (row,) = result["policies"]["paged"]
+    assert row["num_ok"] == row["num_requests"] == 3, row["errors"]
+    assert row["output_tok_s"] > 0 and math.isinf(row["request_rate"])
+    assert 0 < row["ttft_s"]["p50"] <= row["latency_s"]["p50"]
+    assert row["normalized_latency_s_per_token"]["p50"] > 0
+
+
+def test_roofline_and_attention_smoke(smoke_results):
+    roofline = _load(smoke_results, "roofline")
+    assert roofline["bandwidth_gb_s"] > 0 and roofline["matmul_gflop_s"] > 0
+    assert [r["batch_size"] for r in roofline["rows"]] == [1, 4]
+    for r in roofline["rows"]:
+        assert 0 < r["achieved_fraction_of_floor"] and r["step_ms"] > 0 and 0 < r["schedule_prepare_fraction"] < 1
+    attention = _load(smoke_results, "attention")
+    assert {r["phase"] for r in attention["rows"]} == {"decode", "prefill"}
+    assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in attention["rows"])
