@@ -31,8 +31,16 @@ class CacheConfig:
     """An explicit block count, overriding kv_cache_memory."""
     enable_prefix_caching: bool = True
     """Reuse the cached KV of full blocks shared with earlier requests."""
+    preemption_mode: str = "recompute"
+    """How a preempted request gets its KV back: 'recompute' it, or 'swap' it out to host memory."""
+    swap_space: int = 1 << 30
+    """Bytes of host memory for swapped-out blocks (used with preemption_mode='swap')."""
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:
@@ -73,6 +81,8 @@ class EngineArgs:
     kv_cache_memory: int | str = 1 << 30
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int | str = 1 << 30
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -89,6 +99,8 @@ class EngineArgs:
             kv_cache_memory=parse_memory_size(self.kv_cache_memory),
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            preemption_mode=self.preemption_mode,
+            swap_space=parse_memory_size(self.swap_space),
         )
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
@@ -112,6 +124,8 @@ class EngineArgs:
         parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
         parser.add_argument("--num-kv-blocks", type=int, default=None)
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+        parser.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out KV blocks")
         parser.add_argument("--max-num-seqs", type=int, default=128)
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
         parser.add_argument("--max-model-len", type=int, default=None)

@@ -24,7 +24,8 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Allocates, shares and frees the blocks of each request."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -38,6 +39,10 @@ class KVCacheManager:
         # Copy-on-write results, drained by the scheduler into the step's output.
         self._pending_copies: list[tuple[int, int]] = []
         self._replaced: dict[str, dict[int, int]] = {}
+        # Swap space: host blocks holding preempted requests' KV.
+        self.num_host_blocks = num_host_blocks
+        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.req_to_host_blocks: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -137,8 +142,49 @@ class KVCacheManager:
         self._replaced.setdefault(req_id, {})[len(blocks) - 1] = private.block_id
         self.num_cow_copies += 1
 
-    def free(self, request: Request) -> None:
+    # --- swapping -----------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move a request's KV to host blocks; None (nothing changed) if the host pool cannot hold it.
+
+        Returns the (device block, host block) copies to make before the device blocks are reused.
+        The device blocks are freed (shared ones only lose this request's reference).
+        """
+        blocks = self.req_to_blocks.get(request.req_id, [])
+        if len(blocks) > len(self.free_host_blocks):
+            return None
+        host_blocks = [self.free_host_blocks.pop() for _ in blocks]
+        self.req_to_host_blocks[request.req_id] = host_blocks
+        mapping = [(block.block_id, host) for block, host in zip(blocks, host_blocks)]
+        self.free(request, keep_host_blocks=True)
+        return mapping
+
+    def is_swapped_out(self, request: Request) -> bool:
+        return request.req_id in self.req_to_host_blocks
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back into fresh device blocks, plus room for `num_new_tokens`.
+
+        Returns the (host block, device block) copies, or None (nothing changed) if it does not fit.
+        """
+        host_blocks = self.req_to_host_blocks[request.req_id]
+        num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+        if num_needed > self.pool.num_free_blocks:
+            return None
+        device_blocks = self.pool.get_new_blocks(len(host_blocks))
+        self.req_to_blocks[request.req_id] = device_blocks
+        mapping = [(host, block.block_id) for host, block in zip(host_blocks, device_blocks)]
+        self._release_host_blocks(request.req_id)
+        assert self.allocate_slots(request, num_new_tokens) is not None
+        return mapping
+
+    def _release_host_blocks(self, req_id: str) -> None:
+        self.free_host_blocks.extend(reversed(self.req_to_host_blocks.pop(req_id, [])))
+
+    def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         """Release every block of the request, tail first so its tail is evicted before shared heads."""
+        if not keep_host_blocks:
+            self._release_host_blocks(request.req_id)
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
         self._replaced.pop(request.req_id, None)
@@ -174,4 +220,6 @@ class KVCacheManager:
             problems.append(f"blocks with nonzero ref_cnt: {held[:20]}")
         if self.pool.num_free_blocks != self.pool.num_blocks:
             problems.append(f"{self.pool.num_blocks - self.pool.num_free_blocks} blocks missing from the free queue")
+        if self.req_to_host_blocks or len(self.free_host_blocks) != self.num_host_blocks:
+            problems.append(f"host (swap) blocks still held: {sorted(self.req_to_host_blocks)}")
         return problems

@@ -50,6 +50,10 @@ class SchedulerOutput:
     """Requests preempted this step: the runner drops their blocks; they return as new."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) block copies the runner applies before the forward pass (copy-on-write)."""
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, host block) copies, made first: the device blocks may be reused this step."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, device block) copies, made after swap_out and before the forward pass."""
 
     @property
     def is_empty(self) -> bool:

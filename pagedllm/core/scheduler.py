@@ -27,7 +27,11 @@ from pagedllm.errors import InvalidRequestError
 class Scheduler:
     """FCFS admission, chunked prefill, and preemption of the newest request when blocks run out."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 preemption_mode: str = "recompute") -> None:
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        self.preemption_mode = preemption_mode
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
@@ -37,6 +41,9 @@ class Scheduler:
         self._unsent_forks: set[str] = set()
         """Forked requests the runner has not been told about yet."""
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
 
     # --- admission -------------------------------------------------------------------
 
@@ -159,11 +166,19 @@ class Scheduler:
                 request = self.waiting[0]
                 if len(self.running) + 1 + len(request.pending_forks) > self.config.max_num_seqs:
                     break
-                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_hit_tokens, token_budget)
-                if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
-                    break  # strict FCFS: the head of the queue waits for blocks
-                request.num_computed_tokens = num_hit_tokens
+                if self.kv.is_swapped_out(request):
+                    num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+                    mapping = self.kv.swap_in(request, num_new)
+                    if mapping is None:
+                        break
+                    self._swap_in.extend(mapping)
+                    num_hit_tokens = request.num_computed_tokens
+                else:
+                    hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+                    num_new = min(request.num_tokens - num_hit_tokens, token_budget)
+                    if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                        break  # strict FCFS: the head of the queue waits for blocks
+                    request.num_computed_tokens = num_hit_tokens
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 request.num_cached_tokens = num_hit_tokens
@@ -183,7 +198,10 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={r.req_id for r in preempted},
             block_copies=self.kv.take_block_copies(),
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
         )
+        self._swap_out, self._swap_in = [], []
         self._finished_req_ids = set()
         return output
 
@@ -308,11 +326,20 @@ class Scheduler:
         self._unsent_forks.add(child.req_id)
 
     def _preempt(self, request: Request) -> None:
-        """Free every block of a running request; it goes back to the front of the queue, to be recomputed."""
-        self.kv.free(request)
+        """Free every device block of a running request; it goes back to the front of the queue.
+
+        With swapping, its KV moves to host blocks and comes back before it resumes; without
+        swapping (or when the host pool is full) it is recomputed from its tokens.
+        """
+        mapping = self.kv.swap_out(request) if self.preemption_mode == "swap" else None
+        if mapping is not None:
+            self._swap_out.extend(mapping)
+            self.num_swap_outs += 1
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         self._unsent_forks.discard(request.req_id)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -72,8 +72,13 @@ class EngineCore:
             num_blocks, self.cache_config.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20,
             self.kv_spec.bytes_per_block // 1024, num_blocks * self.cache_config.block_size,
         )
+        num_host_blocks = 0
+        if self.cache_config.preemption_mode == "swap":
+            num_host_blocks = self.kv_spec.num_blocks_for_memory(self.cache_config.swap_space)
+            logger.info("Swap space: %d host blocks", num_host_blocks)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
+            num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
         )
         if engine_args.kv_allocation_policy != "paged":  # contiguous-reservation baselines (benchmarks)
             from pagedllm.core.contiguous_allocator import ContiguousKVCacheManager
@@ -82,10 +87,10 @@ class EngineCore:
                 num_blocks, self.cache_config.block_size, engine_args.kv_allocation_policy,
                 self.scheduler_config.max_model_len, engine_args.kv_allocator,
             )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode)
         self.runner = ModelRunner(
             model, vocab_size=hf_config.vocab_size, kv_spec=self.kv_spec, num_blocks=num_blocks,
-            seed=engine_args.seed,
+            seed=engine_args.seed, num_host_blocks=num_host_blocks,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:

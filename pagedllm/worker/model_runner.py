@@ -38,13 +38,15 @@ class ModelRunner:
     """Owns the model, the KV cache tensors and the per-request state needed to build inputs."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int,
-                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, num_host_blocks: int = 0) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
         self.block_size = kv_spec.block_size
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device)
+        # Swap space in host memory (pinned when the device is a GPU), same layout as the device cache.
+        self.host_kv_caches = allocate_kv_caches(kv_spec, num_host_blocks, "cpu") if num_host_blocks else []
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded requests keep their generator across preemption; dropped only when finished.
@@ -86,6 +88,16 @@ class ModelRunner:
         if params.seed is not None and req_id not in self.generators:
             self.generators[req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
 
+    @staticmethod
+    def _swap_blocks(mapping: list[tuple[int, int]], src_caches: list[torch.Tensor],
+                     dst_caches: list[torch.Tensor]) -> None:
+        if not mapping:
+            return
+        src = torch.tensor([s for s, _ in mapping])
+        dst = torch.tensor([d for _, d in mapping])
+        for src_cache, dst_cache in zip(src_caches, dst_caches):
+            dst_cache[:, dst.to(dst_cache.device)] = src_cache[:, src.to(src_cache.device)].to(dst_cache.device)
+
     def _apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -99,6 +111,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
+        # Order matters: blocks swapped out may be the very blocks swapped in or copied into now.
+        self._swap_blocks(sched.swap_out, self.kv_caches, self.host_kv_caches)
+        self._swap_blocks(sched.swap_in, self.host_kv_caches, self.kv_caches)
         self._apply_block_copies(sched.block_copies)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
