@@ -46,7 +46,7 @@ def client(server):
 def post(server, path: str, body, headers=AUTH_A, **kwargs) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return httpx.post(f"{server.url}{path}", content=content,
-                      headers={"Content-Type": "application/json", **headers}, timeout=60, **kwargs)
+                      headers={"Content-Type": "application/json", **headers}, **{"timeout": 60, **kwargs})
 
 
 def test_greedy_equals_offline_llm(server, client, model_dir):
@@ -256,6 +256,11 @@ def test_disconnect_mid_stream_aborts_request(server):
     start = time.monotonic()
     server.wait_idle_without_leaks(timeout_s=10)
     assert time.monotonic() - start < 10  # far sooner than 400 tokens
+
+    # a non-streaming client that gives up is noticed too
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {**body, "stream": False}, timeout=httpx.Timeout(60, read=1.0))
+    server.wait_idle_without_leaks(timeout_s=10)
 
 
 def test_64_concurrent_streams_some_disconnecting(server):
