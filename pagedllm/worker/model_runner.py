@@ -34,6 +34,10 @@ class RunnerRequestState:
     """Parallel samples drawn from this request's first sampling logits (then forked by the scheduler)."""
 
 
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the per-request state needed to build inputs."""
 
@@ -121,23 +125,51 @@ class ModelRunner:
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
-        input_ids, positions, metadata = self._prepare_inputs(states, num_scheduled)
+        try:
+            return self._execute(states, num_scheduled)
+        except Exception as error:  # noqa: BLE001 - isolate the failing request, keep the others
+            if len(states) == 1:
+                logger.exception("request %s failed", states[0].req_id)
+                return ModelRunnerOutput(sampled_token_ids={}, failed={states[0].req_id: _describe(error)})
+            logger.warning("a batch of %d requests failed (%s); retrying each alone", len(states), _describe(error))
+        # Re-running a request alone rewrites the same KV slots with the same values: no harm done.
+        merged = ModelRunnerOutput(sampled_token_ids={})
+        for state, n in zip(states, num_scheduled):
+            try:
+                alone = self._execute([state], [n])
+            except Exception as error:  # noqa: BLE001
+                logger.exception("request %s failed", state.req_id)
+                merged.failed[state.req_id] = _describe(error)
+                continue
+            merged.sampled_token_ids.update(alone.sampled_token_ids)
+            merged.logprobs.update(alone.logprobs)
+            merged.prompt_logprobs.update(alone.prompt_logprobs)
+        return merged
 
+    def _execute(self, states: list[RunnerRequestState], num_scheduled: list[int]) -> ModelRunnerOutput:
+        """Forward, sample, and only then update the request states (so a failure changes nothing)."""
+        input_ids, positions, metadata = self._prepare_inputs(states, num_scheduled)
         with set_forward_context(metadata, self.kv_caches):
             hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
 
-        # Rows that reach the end of their known tokens sample the next one.
-        last_token_index = metadata.query_start_loc[1:] - 1
-        sampling_rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
-                         if s.num_computed_tokens + n == len(s.token_ids)]
         output = ModelRunnerOutput(sampled_token_ids={})
         self._compute_prompt_logprobs(states, num_scheduled, metadata, hidden_states, output)
+        # Rows that reach the end of their known tokens sample the next one.
+        sampling_rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
+                         if s.num_computed_tokens + n == len(s.token_ids)]
+        sampled_by_state: dict[str, int] = {}
+        if sampling_rows:
+            sampled_by_state = self._sample(states, sampling_rows, metadata, hidden_states, output)
+
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
-        if not sampling_rows:
-            return output
+            if state.req_id in sampled_by_state:
+                state.token_ids.append(sampled_by_state[state.req_id])
+                state.fork_children = []  # they drew their first tokens from these logits
+        return output
 
-        # One sampling row per sequence; parallel samples about to fork reuse their leader's hidden row.
+    def _sample(self, states, sampling_rows, metadata, hidden_states, output) -> dict[str, int]:
+        """Sample one token per sequence; parallel samples about to fork reuse their leader's hidden row."""
         row_owner: list[tuple[RunnerRequestState, str, SamplingParams]] = []
         hidden_rows: list[int] = []
         for i in sampling_rows:
@@ -145,7 +177,7 @@ class ModelRunner:
             for req_id, params in [(state.req_id, state.params)] + state.fork_children:
                 row_owner.append((state, req_id, params))
                 hidden_rows.append(i)
-            state.fork_children = []
+        last_token_index = metadata.query_start_loc[1:] - 1
         logits = self.model.compute_logits(hidden_states[last_token_index[hidden_rows]])  # [num_rows, vocab]
         rows = [
             SamplingRow(
@@ -165,16 +197,17 @@ class ModelRunner:
             logprob_ids = sampler_output.logprob_token_ids.tolist()
             logprob_values = sampler_output.logprobs.tolist()
             ranks = sampler_output.sampled_token_ranks.tolist()
+        sampled_by_state = {}
         for row, (state, req_id, params) in enumerate(row_owner):
             if req_id == state.req_id:
-                state.token_ids.append(sampled[row])
+                sampled_by_state[req_id] = sampled[row]
             output.sampled_token_ids[req_id] = [sampled[row]]
             num_logprobs = params.logprobs
             if num_logprobs is not None and logprob_ids is not None:
                 output.logprobs[req_id] = [
                     TokenLogprobs(logprob_ids[row][: num_logprobs + 1], logprob_values[row][: num_logprobs + 1], ranks[row])
                 ]
-        return output
+        return sampled_by_state
 
     def _prepare_inputs(self, states: list[RunnerRequestState], num_scheduled: list[int]):
         """Flat token ids, positions and attention metadata, built with tensor ops.
