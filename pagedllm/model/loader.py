@@ -10,6 +10,7 @@ the GGUF's path, size and mtime, so a changed file is reconverted and processes 
 same cache directory never see a half-written one.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -77,7 +78,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: st
     if path.is_dir():
         return load_hf_dir(path, dtype, device)
     if _is_gguf(path):
-        key = _source_key(path)["path"]
+        key = str(path.resolve())
         digest = uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:12]
         hf_dir = ensure_converted(path, cache_root() / "gguf" / f"{path.stem}-{digest}")
         return load_hf_dir(hf_dir, dtype, device)
@@ -96,13 +97,28 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _source_key(gguf_path: Path) -> dict:
-    stat = gguf_path.stat()
+    """What a conversion depends on: the file's content, never where it lies or when it was copied.
+
+    Two installs of the same package (two virtualenvs, a CI clone) agree on the key, so they
+    share one converted directory instead of replacing it under each other's readers.
+    """
     return {
-        "path": str(gguf_path.resolve()),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
+        "size": gguf_path.stat().st_size,
+        "content_sha256": _content_digest(gguf_path),
         "converter_version": _CONVERTER_VERSION,
     }
+
+
+def _content_digest(path: Path, edge_bytes: int = 1 << 20) -> str:
+    """SHA-256 over the size, the first and the last MiB: distinguishes real files in milliseconds."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        h.update(f.read(edge_bytes))
+        f.seek(max(0, size - edge_bytes))
+        h.update(f.read(edge_bytes))
+    return h.hexdigest()
 
 
 def _is_current(hf_dir: Path, key: dict) -> bool:
