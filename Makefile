@@ -28,7 +28,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(VENV)/bin/pagedllm bench throughput
+	$(VENV)/bin/pagedllm --log-level WARNING bench all --out docs/bench --report docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -93,6 +93,7 @@ def add_bench_parser(sub) -> None:
     p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
     _common(p)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a smoke test of the whole pipeline)")
+    p.add_argument("--report", default=None, help="also write the markdown report here (docs/benchmarks.md)")
 
 
 # --- each benchmark ---------------------------------------------------------------------------
@@ -262,16 +263,17 @@ def bench_attention(args, engine_args: dict | None = None) -> dict:
 ALL_SIZES = {
     "full": {
         "throughput": [
-            dict(workload="sharegpt", num_requests=24, length_scale=0.25, hf_batch_size=8),
-            dict(workload="alpaca", num_requests=48, length_scale=1.0, hf_batch_size=16),
+            dict(workload="sharegpt", num_requests=16, length_scale=0.25, hf_batch_size=8),
+            dict(workload="alpaca", num_requests=24, length_scale=1.0, hf_batch_size=8),
         ],
-        "memory": dict(workload="sharegpt", num_requests=24, length_scale=0.25, sim_num_requests=1000,
-                       kv_cache_memory=str(4096 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=1024),
-        "memory_alpaca": dict(workload="alpaca", sim_num_requests=1000,
-                              kv_cache_memory=str(8192 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=2048),
-        "serving": dict(workload="alpaca", num_requests=16, length_scale=0.5, rates="1,4", policies="paged,max",
-                        kv_cache_memory=str(4096 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=512),
-        "roofline": dict(batch_sizes="1,16,64,128", prompt_len=64, decode_steps=6),
+        # The model run: a small KV budget (2048 slots) so that memory, not the CPU, limits the batch.
+        "memory": dict(workload="alpaca", num_requests=24, length_scale=1.0, sim_num_requests=1000,
+                       kv_cache_memory=str(2048 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=512, mode="both"),
+        "memory_sharegpt": dict(workload="sharegpt", sim_num_requests=1000, mode="simulate",
+                                kv_cache_memory=str(16384 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=2048),
+        "serving": dict(workload="alpaca", num_requests=12, length_scale=0.5, rates="1,4", policies="paged,max",
+                        kv_cache_memory=str(2048 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=512),
+        "roofline": dict(batch_sizes="1,16,64", prompt_len=64, decode_steps=4),
         "attention": dict(repeats=5),
     },
 }
@@ -296,11 +298,10 @@ def bench_all(args, engine_args: dict) -> dict:
     results = {}
     for i, t in enumerate(sizes["throughput"]):
         results[f"throughput_{t['workload']}"] = bench_throughput(ns(**t), engine_args)
-    for key in ("memory", "memory_alpaca"):
+    for key in ("memory", "memory_sharegpt"):
         m = dict(sizes[key])
         ea = _with_memory(engine_args, m)
-        mode = m.pop("mode", "both" if key == "memory" else "simulate")
-        results[key] = bench_memory(ns(mode=mode, **m), ea)
+        results[key] = bench_memory(ns(**m), ea)
     s = dict(sizes["serving"])
     ea = _with_memory(engine_args, s)
     try:
@@ -313,6 +314,14 @@ def bench_all(args, engine_args: dict) -> dict:
     summary = Path(args.out) / "summary.json"
     summary.write_text(json.dumps({k: sorted(v) if isinstance(v, dict) else None for k, v in results.items()},
                                   indent=1) + "\n")
+    if args.report:
+        import shlex
+        import sys
+
+        from pagedllm.bench.report import write_report
+
+        command = "pagedllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        print(f"report: {write_report(results, Path(args.out), Path(args.report), command)}")
     return results
 
 
@@ -329,10 +338,10 @@ def _with_memory(engine_args: dict, sizes: dict) -> dict:
 def smoke_sizes() -> dict:
     return {
         "throughput": [dict(workload="alpaca", num_requests=4, length_scale=0.2, hf_batch_size=2)],
-        "memory": dict(workload="sharegpt", num_requests=4, length_scale=0.05, sim_num_requests=50,
+        "memory": dict(workload="alpaca", num_requests=4, length_scale=0.3, sim_num_requests=50,
                        kv_cache_memory=None, max_model_len=None, mode="both"),
-        "memory_alpaca": dict(workload="alpaca", sim_num_requests=50, length_scale=0.3,
-                              kv_cache_memory=None, max_model_len=None, mode="simulate"),
+        "memory_sharegpt": dict(workload="sharegpt", sim_num_requests=50, length_scale=0.05,
+                                kv_cache_memory=None, max_model_len=None, mode="simulate"),
         "serving": dict(workload="alpaca", num_requests=3, length_scale=0.2, rates="inf", policies="paged",
                         kv_cache_memory=None, max_model_len=None),
         "roofline": dict(batch_sizes="1,4", prompt_len=8, decode_steps=3),

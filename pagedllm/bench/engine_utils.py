@@ -13,12 +13,17 @@ def install_kv_policy(core, policy: str, allocator: str = "first_fit") -> None:
     'paged' leaves the core as it is. The scheduler is rebuilt around the new manager; the model
     runner is untouched, since contiguous regions are handed out as ordinary block tables.
     """
-    if policy == "paged":
-        return
     assert not core.scheduler.has_unfinished_requests(), "change the policy of an idle engine only"
-    manager = ContiguousKVCacheManager(
-        core.num_blocks, core.cache_config.block_size, policy, core.scheduler_config.max_model_len, allocator
-    )
+    if policy == "paged":
+        if not isinstance(core.scheduler.kv, ContiguousKVCacheManager):
+            return
+        from pagedllm.core.kv_cache_manager import KVCacheManager
+
+        manager = KVCacheManager(core.num_blocks, core.cache_config.block_size, core.cache_config.enable_prefix_caching)
+    else:
+        manager = ContiguousKVCacheManager(
+            core.num_blocks, core.cache_config.block_size, policy, core.scheduler_config.max_model_len, allocator
+        )
     core.kv_cache_manager = manager
     core.scheduler = type(core.scheduler)(core.scheduler_config, manager)
 

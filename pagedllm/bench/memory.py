@@ -105,6 +105,9 @@ class MemoryProbe:
         self._schedule = scheduler.schedule
         scheduler.schedule = self._schedule_and_record
 
+    def detach(self) -> None:
+        self.scheduler.schedule = self._schedule
+
     def _schedule_and_record(self):
         kv = self.scheduler.kv
         if isinstance(kv, ContiguousKVCacheManager):
@@ -172,7 +175,10 @@ def run_real(requests: list[BenchRequest], policy: str, llm, progress: bool = Fa
     probe = MemoryProbe(core.scheduler)
     preemptions_before = core.scheduler.num_preemptions
     start = time.perf_counter()
-    outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
+    try:
+        outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
+    finally:
+        probe.detach()
     elapsed = time.perf_counter() - start
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_in = sum(r.prompt_len for r in requests)

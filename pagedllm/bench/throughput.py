@@ -37,7 +37,20 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True) -> dict
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     expected = sum(r.output_len * r.n for r in requests)
     assert num_out == expected, f"the engine generated {num_out} tokens, expected {expected}"
-    return _rates("engine", requests, num_out, elapsed, num_preemptions=llm.engine.core.scheduler.num_preemptions)
+    return _rates("engine", requests, num_out, elapsed, num_preemptions=llm.engine.core.scheduler.num_preemptions,
+                  **engine_memory(llm))
+
+
+def engine_memory(llm) -> dict:
+    """Peak resident memory of this process so far vs the engine's weights + KV cache (MiB)."""
+    import resource
+
+    core = llm.engine.core
+    weights = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+    kv = core.num_blocks * core.kv_spec.bytes_per_block
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {"peak_rss_mib": peak / 2**20, "weights_mib": weights / 2**20, "kv_cache_mib": kv / 2**20,
+            "peak_over_weights_kv_mib": (peak - weights - kv) / 2**20}
 
 
 def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float, **extra) -> dict:

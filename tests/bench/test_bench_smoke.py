@@ -34,7 +34,8 @@ def smoke_results(tiny_engine_args, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_out")
     argv = ["--log-level", "WARNING", "bench", "all", "--smoke", "--no-progress", "--out", str(out),
             "--model", tiny_engine_args["model"], "--num-kv-blocks", str(tiny_engine_args["num_kv_blocks"]),
-            "--max-model-len", str(tiny_engine_args["max_model_len"]), "--max-num-seqs", "16"]
+            "--max-model-len", str(tiny_engine_args["max_model_len"]), "--max-num-seqs", "16",
+            "--report", str(out / "benchmarks.md")]
     assert main(argv) == 0
     return out
 
@@ -58,7 +59,7 @@ def test_throughput_smoke(smoke_results):
 
 
 def test_memory_smoke(smoke_results):
-    result = _load(smoke_results, "memory_sharegpt")
+    result = _load(smoke_results, "memory_alpaca")
     for mode in ("simulated", "real"):
         rows = result[mode]["rows"]
         assert [r["policy"] for r in rows] == ["paged", "max", "pow2", "oracle"]
@@ -66,8 +67,8 @@ def test_memory_smoke(smoke_results):
             assert sum(r["fractions"].values()) == pytest.approx(1.0)
             assert r["max_running"] >= 1 and r["steps"] > 0
     assert all(r["outputs_match_first_policy"] and r["output_tok_s"] > 0 for r in result["real"]["rows"])
-    assert (smoke_results / "memory_sharegpt_real.png").exists()
-    assert "simulated" in _load(smoke_results, "memory_alpaca")
+    assert (smoke_results / "memory_alpaca_real.png").exists()
+    assert "simulated" in _load(smoke_results, "memory_sharegpt")
 
 
 def test_serving_smoke(smoke_results):
@@ -88,3 +89,10 @@ def test_roofline_and_attention_smoke(smoke_results):
     attention = _load(smoke_results, "attention")
     assert {r["phase"] for r in attention["rows"]} == {"decode", "prefill"}
     assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in attention["rows"])
+
+
+def test_the_report_has_every_section(smoke_results):
+    text = (smoke_results / "benchmarks.md").read_text()
+    for heading in ("## Throughput", "## KV memory efficiency", "## Serving", "## Roofline", "## Attention overhead"):
+        assert heading in text
+    assert "**Machine:**" in text and "**Date:**" in text and "| paged |" in text

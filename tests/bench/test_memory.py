@@ -37,7 +37,7 @@ def test_simulated_fractions_sum_to_one_and_order_the_policies(allocator):
 def test_every_policy_gives_paged_outputs_and_the_simulation_matches_the_real_run(tiny_engine_args):
     requests = _trace()
     llm = build_llm(**{**tiny_engine_args, "enable_prefix_caching": False})
-    real = {p: run_real(requests, p, llm) for p in POLICIES}
+    real = {p: run_real(requests, p, llm) for p in ("max", "paged", "pow2", "oracle")}  # back to paged in between
     for p in POLICIES:
         assert real[p]["_outputs"] == real["paged"]["_outputs"], f"{p} changed the greedy outputs"
         assert sum(real[p]["fractions"].values()) == pytest.approx(1.0)
