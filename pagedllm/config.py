@@ -21,6 +21,17 @@ def parse_memory_size(value: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def _parse_bool(value: str | bool) -> bool:
+    """'true'/'1'/'yes' or 'false'/'0'/'no' (so every engine flag can be passed as --flag VALUE)."""
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -73,8 +84,9 @@ class EngineArgs:
 
     model: str | None = None
     """A Hugging Face model directory or a .gguf file; None for the embedded default."""
-    dtype: str = "float32"
-    """Weight and activation dtype (float32 on the CPU: bf16 matmuls are far slower there)."""
+    dtype: str = "auto"
+    """Weight and activation dtype; 'auto' = float32 on the CPU (bf16 matmuls are far slower there),
+    bfloat16 on CUDA."""
     seed: int = 0
     """Seed of the engine's shared random generator (unseeded sampling)."""
     block_size: int = 16
@@ -92,6 +104,25 @@ class EngineArgs:
     (core/contiguous_allocator.py)."""
     kv_allocator: str = "first_fit"
     """Placement of contiguous reservations: 'first_fit' or 'buddy' (unused by 'paged')."""
+    device: str = "auto"
+    """'auto' (CUDA when torch sees a GPU, else the CPU), 'cpu' or 'cuda'."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA only: fraction of GPU memory for weights, activations and KV cache; the KV cache gets
+    what a profiling forward pass leaves (the CPU uses kv_cache_memory)."""
+    enforce_eager: bool = False
+    """CUDA only: run decode steps eagerly instead of replaying CUDA graphs."""
+    attention_backend: str = "auto"
+    """'auto' (triton on CUDA, torch on the CPU), 'torch' (the PyTorch reference) or 'triton'."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -118,7 +149,8 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                            help="auto: float32 on the CPU, bfloat16 on CUDA")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--block-size", type=int, default=16)
         parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
@@ -133,6 +165,13 @@ class EngineArgs:
                             help="KV allocation: paged, or a contiguous-reservation baseline (benchmarks)")
         parser.add_argument("--kv-allocator", default="first_fit", choices=["first_fit", "buddy"],
                             help="placement of contiguous reservations (non-paged policies)")
+        gpu = parser.add_argument_group("device")
+        gpu.add_argument("--device", default="auto", help="auto, cpu or cuda")
+        gpu.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                         help="CUDA: fraction of GPU memory to use (the KV cache gets what is left)")
+        gpu.add_argument("--enforce-eager", nargs="?", const=True, default=False, type=_parse_bool,
+                         help="CUDA: no CUDA graphs for decode (a bare flag means true)")
+        gpu.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

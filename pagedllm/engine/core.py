@@ -6,6 +6,7 @@ through EngineCoreRequest in and EngineCoreOutput out; text is made elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.worker.gpu import profile_num_kv_blocks, resolve_device
 from pagedllm.worker.kv_cache import KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -43,8 +45,11 @@ class EngineCore:
     """Scheduler + model runner, stepped by the caller (in-process) or a busy loop (its own process)."""
 
     def __init__(self, engine_args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        device = resolve_device(engine_args.device)
+        if engine_args.dtype == "auto":
+            engine_args = dataclasses.replace(engine_args, dtype="bfloat16" if device.type == "cuda" else "float32")
         dtype = _DTYPES[engine_args.dtype]
-        self.loaded = loaded if loaded is not None else load_model(engine_args.model, dtype=dtype)
+        self.loaded = loaded if loaded is not None else load_model(engine_args.model, dtype=dtype, device=str(device))
         hf_config = self.loaded.hf_config
         model = self.loaded.model
         self.cache_config: CacheConfig = engine_args.cache_config()
@@ -61,6 +66,11 @@ class EngineCore:
         num_blocks = self.cache_config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(
             self.cache_config.kv_cache_memory
         )
+        if device.type == "cuda" and model is not None and self.cache_config.num_kv_blocks is None:
+            num_blocks = profile_num_kv_blocks(  # CUDA: what gpu_memory_utilization leaves, not kv_cache_memory
+                model, self.kv_spec.bytes_per_block, self.scheduler_config.max_num_batched_tokens,
+                self.scheduler_config.max_num_seqs, engine_args.gpu_memory_utilization, device,
+            )
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={self.cache_config.kv_cache_memory} bytes is less than one KV block "
@@ -91,6 +101,9 @@ class EngineCore:
         self.runner = ModelRunner(
             model, vocab_size=hf_config.vocab_size, kv_spec=self.kv_spec, num_blocks=num_blocks,
             seed=engine_args.seed, num_host_blocks=num_host_blocks,
+            device=device, attention_backend=engine_args.attention_backend,
+            enforce_eager=engine_args.enforce_eager, max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_model_len=self.scheduler_config.max_model_len,
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:

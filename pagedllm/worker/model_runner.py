@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.forward_context import set_forward_context
 from pagedllm.model.sampler import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
@@ -42,7 +43,9 @@ class ModelRunner:
     """Owns the model, the KV cache tensors and the per-request state needed to build inputs."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int,
-                 device: torch.device | str = "cpu", seed: int = 0, num_host_blocks: int = 0) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, num_host_blocks: int = 0,
+                 attention_backend: str = "torch", enforce_eager: bool = True, max_num_seqs: int = 128,
+                 max_model_len: int = 2048) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
@@ -51,6 +54,16 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device)
         # Swap space in host memory (pinned when the device is a GPU), same layout as the device cache.
         self.host_kv_caches = allocate_kv_caches(kv_spec, num_host_blocks, "cpu") if num_host_blocks else []
+        if self.device.type == "cuda":  # pinned: device<->host block copies by DMA
+            self.host_kv_caches = [cache.pin_memory() for cache in self.host_kv_caches]
+        self.attn_backend = make_attention_backend(attention_backend, self.device)
+        set_attention_backend(model, self.attn_backend)
+        self.decode_graphs = None  # CUDA graphs of decode steps (CUDA, not enforce_eager)
+        if self.device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cuda_graphs:
+            from pagedllm.worker.gpu import DecodeGraphRunner
+
+            self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, max_num_seqs, max_model_len,
+                                                   self.block_size, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded requests keep their generator across preemption; dropped only when finished.
@@ -149,8 +162,11 @@ class ModelRunner:
     def _execute(self, states: list[RunnerRequestState], num_scheduled: list[int]) -> ModelRunnerOutput:
         """Forward, sample, and only then update the request states (so a failure changes nothing)."""
         input_ids, positions, metadata = self._prepare_inputs(states, num_scheduled)
-        with set_forward_context(metadata, self.kv_caches):
-            hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+        if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
+            hidden_states = self.decode_graphs.run(input_ids, positions, metadata)
+        else:
+            with set_forward_context(metadata, self.kv_caches):
+                hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
 
         output = ModelRunnerOutput(sampled_token_ids={})
         self._compute_prompt_logprobs(states, num_scheduled, metadata, hidden_states, output)

@@ -3,7 +3,8 @@
 import torch
 from torch import nn
 
-from pagedllm.model.attention.paged import causal_attention_no_cache, paged_attention, write_kv_cache
+from pagedllm.model.attention.backend import TORCH_BACKEND, AttentionBackend
+from pagedllm.model.attention.paged import causal_attention_no_cache
 from pagedllm.model.forward_context import get_forward_context
 
 
@@ -18,6 +19,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Set for the whole model by ``backend.set_attention_backend`` (the model runner does it).
+        self.backend: AttentionBackend = TORCH_BACKEND
 
     def forward(
         self,
@@ -32,5 +35,5 @@ class Attention(nn.Module):
             starts = metadata.query_start_loc if metadata is not None else None
             return causal_attention_no_cache(query, key, value, self.scale, starts)
         kv_cache = ctx.kv_caches[self.layer_idx]
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return paged_attention(query, kv_cache, metadata, self.scale)
+        self.backend.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return self.backend.forward(query, kv_cache, metadata, self.scale)

@@ -1,0 +1,132 @@
+"""Attention backends behind one interface: the PyTorch reference ("torch") and Triton kernels ("triton").
+
+Both read and write the same KV layout, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+per layer, so a cache filled by one is read correctly by the other. Each ``Attention`` layer holds
+a backend (the torch reference unless the model runner sets another with
+``set_attention_backend``); triton is imported only when its backend is built, so CPU-only
+installs without triton never touch it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import nn
+
+from pagedllm.model.attention.metadata import AttentionMetadata
+from pagedllm.model.attention.paged import paged_attention, write_kv_cache
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class AttentionBackend:
+    """Writes a step's K/V into the paged cache, then attends through the block tables."""
+
+    name = "base"
+    supports_cuda_graphs = False
+    """True when a decode step launches no host-synchronizing or data-dependent-shape work."""
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The CPU reference (``paged.py``): gather through block tables, masked SDPA."""
+
+    name = "torch"
+
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+        return paged_attention(query, kv_cache, metadata, scale)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels: slot-mapped KV write, paged decode (split-K for long contexts), varlen prefill.
+
+    ``num_splits`` / ``block_n`` / ``block_m`` override the defaults (tests use small tiles so
+    that short sequences still span several tiles and exercise the split path).
+    """
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None):
+        from pagedllm.model.attention import triton_decode, triton_kv_write, triton_prefill
+
+        self._decode = triton_decode
+        self._prefill = triton_prefill
+        self._write = triton_kv_write
+        self.num_splits = num_splits
+        self.block_n = block_n
+        self.block_m = block_m
+        self._num_sms: int | None = None
+
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
+        self._write.triton_write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+        if metadata.max_query_len == 1:  # decode only: one query per sequence
+            num_splits = self.num_splits or self._decode.default_num_splits(
+                metadata.num_seqs, kv_cache.shape[3], metadata.max_seq_len, self._sm_count(query.device)
+            )
+            return self._decode.triton_paged_decode(
+                query, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
+                num_splits=num_splits, block_n=self.block_n or 64,
+            )
+        return self._prefill.triton_paged_prefill(
+            query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            metadata.max_query_len, scale, block_m=self.block_m or 64, block_n=self.block_n or 64,
+        )
+
+    def _sm_count(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                             if device.type == "cuda" else 8)
+        return self._num_sms
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """'auto' -> 'triton' on CUDA when triton is installed, else 'torch'. Raises on a bad choice."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    device = torch.device(device)
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs the 'triton' package; install it or use 'torch'")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' on the CPU runs only under TRITON_INTERPRET=1 (slow; "
+                             "for tests); use 'torch'")
+    return name
+
+
+def make_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """The backend called ``name`` ('auto', 'torch' or 'triton') for ``device``."""
+    resolved = resolve_backend_name(name, device)
+    return TritonAttentionBackend() if resolved == "triton" else TORCH_BACKEND
+
+
+def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
+    """Make every ``Attention`` layer of ``model`` use ``backend``."""
+    from pagedllm.model.attention.layer import Attention
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+
+
+TORCH_BACKEND = TorchAttentionBackend()

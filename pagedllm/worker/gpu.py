@@ -1,0 +1,145 @@
+"""CUDA-only helpers of the model runner: device choice, KV sizing by profiling, decode CUDA graphs.
+
+Nothing here runs on the CPU path except ``resolve_device`` (and ``DecodeGraphRunner`` with
+``capture=False``, which tests use to check the padded static-buffer decode on the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedllm.model.attention.metadata import AttentionMetadata
+from pagedllm.model.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cpu' and 'cuda' (or 'cuda:N') as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    return device
+
+
+@torch.inference_mode()
+def profile_num_kv_blocks(model: nn.Module, bytes_per_block: int, num_tokens: int, num_seqs: int,
+                          gpu_memory_utilization: float, device: torch.device) -> int:
+    """Blocks that fit in ``gpu_memory_utilization`` of the GPU after weights and peak activations.
+
+    A dummy forward of ``num_tokens`` tokens (the step budget) without a KV cache, plus logits for
+    ``num_seqs`` rows, measures the activation peak; everything already in use on the device
+    (weights, the CUDA context, other processes) is subtracted too.
+    """
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    with set_forward_context(None, None):
+        hidden = model(input_ids, positions)
+        model.compute_logits(hidden[:num_seqs])
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - base
+    del hidden
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * gpu_memory_utilization) - (total - free) - activation_peak
+    logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.2f GiB activation peak -> %.1f GiB for KV",
+                total / 2**30, (total - free) / 2**30, activation_peak / 2**30, max(budget, 0) / 2**30)
+    return max(budget, 0) // bytes_per_block
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets 1, 2, 4, 8, then every 8 up to max_num_seqs (a decode batch pads up to the next one)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphRunner:
+    """Decode steps (one token per sequence) through static buffers, replayed as CUDA graphs.
+
+    A batch of n sequences runs at the smallest bucket >= n. Padding rows get slot -1 (the
+    KV write skips them) and seq_len 1 over block 0 (read, never written, output dropped).
+    The attention backend must launch no data-dependent work (``supports_cuda_graphs``); the
+    decode split count is fixed at capture by ``max_seq_len = max_model_len``.
+    ``capture=False`` runs the same padded buffers eagerly (CPU tests of the padding logic).
+    """
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int,
+                 max_model_len: int, block_size: int, device: torch.device, capture: bool = True) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        max_bs = self.batch_sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_bs, **i64)
+        self.positions = torch.zeros(max_bs, **i64)
+        self.slot_mapping = torch.full((max_bs,), -1, **i64)
+        self.seq_lens = torch.ones(max_bs, **i64)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks, **i64)
+        self.query_start_loc = torch.arange(max_bs + 1, **i64)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all(device)
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
+            max_seq_len=self.max_model_len, block_size=self.block_size,
+        )
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        with set_forward_context(self._metadata(bs), self.kv_caches):
+            return self.model(self.input_ids[:bs], self.positions[:bs])
+
+    @torch.inference_mode()
+    def _capture_all(self, device: torch.device) -> None:
+        pool = None
+        for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory pool
+            self._forward(bs)  # warm-up: compiles the kernels outside capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self._forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        return (metadata.max_query_len == 1 and metadata.num_seqs <= self.batch_sizes[-1]
+                and metadata.block_tables.shape[1] <= self.max_blocks)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of a decode step (``can_run`` must hold)."""
+        n = metadata.num_seqs
+        bs = next(s for s in self.batch_sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.slot_mapping[n:bs].fill_(-1)
+        self.seq_lens[:n].copy_(metadata.seq_lens)
+        self.seq_lens[n:bs].fill_(1)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(metadata.block_tables)
+        self.block_tables[n:bs].zero_()
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            return self.outputs[bs][:n]
+        return self._forward(bs)[:n]
