@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from pagedllm.worker.tp_worker import add_worker_args
+
+    add_worker_args(sub.add_parser(
+        "worker", help="a tensor-parallel worker joining an engine started elsewhere (multi-host)",
+        description="Join the engine whose rendezvous is at --master-addr:--master-port as rank --rank "
+                    "of --world-size; the engine sends the model path, which must exist on this host too.",
+    ))
     return parser
 
 
@@ -124,11 +132,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pagedllm.worker.tp_worker import run_worker_main
+
+    return run_worker_main(args)  # exits the process when the worker is done
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
+                "worker": cmd_worker}
     try:
         return commands[args.command](args)
     except (ValueError, PagedLLMError) as e:  # config, model and request errors: say what is wrong, no traceback

@@ -3,7 +3,8 @@
 ``forward(input_ids [T], positions [T]) -> hidden_states [T, hidden]``; the attention layers find
 the step's metadata and KV caches in the forward context. Differences handled here:
 GQA, ``head_dim`` from the config, q/k/v bias (Qwen2, or Llama's ``attention_bias``),
-tied embeddings, rope scaling. Mistral/Qwen2 sliding-window attention is ignored (full attention),
+tied embeddings, rope scaling. Tensor parallelism comes from pagedllm.distributed (set before
+the model is built): each rank builds only its shard. Mistral/Qwen2 sliding-window attention is ignored (full attention),
 which is exact for contexts shorter than the window.
 """
 
@@ -12,6 +13,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagedllm.distributed.shapes import check_config_tp_size
 from pagedllm.model.attention.layer import Attention
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
@@ -37,12 +40,15 @@ class LlamaAttention(nn.Module):
         self.head_dim = _head_dim(config)
         attention_bias = getattr(config, "attention_bias", False)
         qkv_bias = attention_bias or config.model_type == "qwen2"
+        tp = dict(tp_size=get_tp_size(), tp_rank=get_tp_rank())
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias, **tp
         )
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias, **tp)
         self.rotary = rotary  # shared by all layers
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        # This rank's heads: [T, H/tp, D] queries over [T, Hkv/tp (at least 1), D] keys and values.
+        self.attn = Attention(layer_idx, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
+                              self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -61,10 +67,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
+        tp = dict(tp_size=get_tp_size(), tp_rank=get_tp_rank())
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp
         )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, get_tp_size(), get_tp_rank())
         rotary = RotaryEmbedding(config, _head_dim(config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
@@ -123,9 +130,10 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        check_config_tp_size(config, get_tp_size())
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, get_tp_size(), get_tp_rank())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -136,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.model.layers[0].self_attn.num_kv_heads
+        """KV heads held (and cached) by this rank."""
+        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -164,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
                     if target not in params:
                         raise KeyError(f"unexpected weight {name!r}")
                     param = params[target]
-                    param.weight_loader(param, tensor.to(param.dtype), shard_id)
+                    param.weight_loader(param, tensor, shard_id)  # copy_ casts to param.dtype
                     loaded.add(f"{target}#{shard_id}")
                     break
             else:
@@ -172,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
                     raise KeyError(f"unexpected weight {name!r}")
                 param = params[name]
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, tensor.to(param.dtype))
+                loader(param, tensor)
                 loaded.add(name)
         return loaded
 

