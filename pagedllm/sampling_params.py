@@ -148,3 +148,54 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+_EARLY_STOPPING_MODES = (False, True, "never")
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """Parameters of `LLM.beam_search`, validated on construction.
+
+    The defaults reproduce Hugging Face `generate(num_beams=beam_width, do_sample=False)`; see
+    `pagedllm.engine.beam_search` for the exact conventions (length penalty, early stopping).
+    """
+
+    beam_width: int
+    """Beams kept alive per prompt (HF `num_beams`); at most 10 (each beam reads 2 x width logprobs)."""
+    max_tokens: int = 16
+    """Most tokens generated per beam (HF `max_new_tokens`); capped by what max_model_len leaves."""
+    length_penalty: float = 1.0
+    """A finished beam's score is cumulative logprob / (generated length ** length_penalty)."""
+    ignore_eos: bool = False
+    """Treat EOS as an ordinary token: no beam finishes before max_tokens (HF: eos_token_id=None)."""
+    early_stopping: bool | str = False
+    """HF's early_stopping: False (heuristic), True (stop once beam_width beams finished) or "never"."""
+    num_return_sequences: int | None = None
+    """Finished beams returned per prompt, best first; None returns beam_width."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenized text."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= 10:
+            raise ValueError(f"beam_width must be an integer in [1, 10], got {self.beam_width!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.length_penalty) or abs(self.length_penalty) == float("inf"):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not any(self.early_stopping is mode or (isinstance(mode, str) and self.early_stopping == mode)
+                   for mode in _EARLY_STOPPING_MODES):
+            raise ValueError(f"early_stopping must be False, True or 'never', got {self.early_stopping!r}")
+        if self.num_return_sequences is not None and (
+            not _is_int(self.num_return_sequences) or not 1 <= self.num_return_sequences <= self.beam_width
+        ):
+            raise ValueError(
+                f"num_return_sequences must be None or an integer in [1, beam_width={self.beam_width}], "
+                f"got {self.num_return_sequences!r}"
+            )
+
+    @property
+    def num_returned(self) -> int:
+        return self.num_return_sequences if self.num_return_sequences is not None else self.beam_width

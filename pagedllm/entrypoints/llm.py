@@ -11,7 +11,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessages = list[dict[str, str]]
 
@@ -52,6 +52,21 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         return self._run(prompts, params_list, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams | Sequence[BeamSearchParams]):
+        """Beam search for every prompt (one params for all, or one per prompt), beams sharing KV blocks;
+        a list of BeamSearchOutput in input order.
+
+        Greedy, with Hugging Face `generate(num_beams=...)`'s conventions (see pagedllm.engine.beam_search).
+        """
+        from pagedllm.engine.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        return beam_search(self.engine, list(prompts), params)
 
     def chat(
         self,
