@@ -114,6 +114,18 @@ class EngineArgs:
     attention_backend: str = "auto"
     """'auto' (triton on CUDA, torch on the CPU), 'torch' (the PyTorch reference) or 'triton'."""
 
+    tensor_parallel_size: int = 1
+    """Worker processes, one model shard each (1: the model runs in the engine's process).
+    With N > 1, kv_cache_memory is each rank's budget for its share of the KV heads."""
+    master_addr: str = "127.0.0.1"
+    """Address of the torch.distributed rendezvous (this host, reachable by every worker)."""
+    master_port: int | None = None
+    """Port of the rendezvous; None picks a free one (set it when workers run on other hosts)."""
+    num_local_workers: int | None = None
+    """Ranks 0..k-1 are started here; the others join with `pagedllm worker`. None: all of them."""
+    distributed_timeout: float = 120.0
+    """Seconds a collective, worker start-up or step may wait for a peer before the engine dies."""
+
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
@@ -172,6 +184,16 @@ class EngineArgs:
         gpu.add_argument("--enforce-eager", nargs="?", const=True, default=False, type=_parse_bool,
                          help="CUDA: no CUDA graphs for decode (a bare flag means true)")
         gpu.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+        group = parser.add_argument_group("tensor parallelism")
+        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                           help="worker processes, one model shard each")
+        group.add_argument("--master-addr", default="127.0.0.1",
+                           help="this host's address for the workers' rendezvous (multi-host)")
+        group.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+        group.add_argument("--num-local-workers", type=int, default=None,
+                           help="ranks started on this host (the rest join with 'pagedllm worker'); default all")
+        group.add_argument("--distributed-timeout", type=float, default=120.0,
+                           help="seconds to wait for a worker before declaring the engine dead")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -1,6 +1,7 @@
 """EngineCore: the loop body of serving. Schedule, execute, update; nothing else.
 
-It owns the scheduler (with its KV cache manager) and the model runner. Front ends talk to it
+It owns the scheduler (with its KV cache manager) and an executor: the model runner in this
+process (tensor_parallel_size=1), or N tensor-parallel worker processes. Front ends talk to it
 through EngineCoreRequest in and EngineCoreOutput out; text is made elsewhere.
 """
 
@@ -18,7 +19,9 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreRequest
-from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.distributed.shapes import check_config_tp_size, tp_shape
+from pagedllm.model.loader import LoadedModel, load_model, load_model_info
+from pagedllm.worker.executor import Executor, UniprocExecutor
 from pagedllm.worker.gpu import profile_num_kv_blocks, resolve_device
 from pagedllm.worker.kv_cache import KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner
@@ -49,17 +52,33 @@ class EngineCore:
         if engine_args.dtype == "auto":
             engine_args = dataclasses.replace(engine_args, dtype="bfloat16" if device.type == "cuda" else "float32")
         dtype = _DTYPES[engine_args.dtype]
-        self.loaded = loaded if loaded is not None else load_model(engine_args.model, dtype=dtype, device=str(device))
+        tp_size = engine_args.tensor_parallel_size
+        if tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+        if tp_size > 1 and device.type != "cpu":
+            raise ValueError("tensor parallelism runs on the CPU (gloo) so far; pass device='cpu' (--device cpu)")
+        if loaded is None:
+            # With tensor parallelism the weights live in the workers: read only config and tokenizer.
+            loaded = load_model(engine_args.model, dtype=dtype, device=str(device)) if tp_size == 1 else load_model_info(engine_args.model)
+        self.loaded = loaded
         hf_config = self.loaded.hf_config
         model = self.loaded.model
         self.cache_config: CacheConfig = engine_args.cache_config()
         self.scheduler_config: SchedulerConfig = engine_args.scheduler_config(
             getattr(hf_config, "max_position_embeddings", 4096)
         )
+        if tp_size == 1:
+            num_kv_heads, head_dim = model.num_kv_heads, model.head_dim
+        else:  # each rank caches only its own KV heads
+            check_config_tp_size(hf_config, tp_size)
+            num_heads = hf_config.num_attention_heads
+            num_kv_heads = tp_shape(tp_size, 0, num_heads, getattr(hf_config, "num_key_value_heads", None)
+                                    or num_heads).num_kv_heads
+            head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         self.kv_spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             block_size=self.cache_config.block_size,
             dtype=dtype,
         )
@@ -98,13 +117,27 @@ class EngineCore:
                 self.scheduler_config.max_model_len, engine_args.kv_allocator,
             )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode)
-        self.runner = ModelRunner(
-            model, vocab_size=hf_config.vocab_size, kv_spec=self.kv_spec, num_blocks=num_blocks,
-            seed=engine_args.seed, num_host_blocks=num_host_blocks,
-            device=device, attention_backend=engine_args.attention_backend,
-            enforce_eager=engine_args.enforce_eager, max_num_seqs=self.scheduler_config.max_num_seqs,
-            max_model_len=self.scheduler_config.max_model_len,
-        )
+        self.runner: ModelRunner | None = None  # in this process only when tensor_parallel_size == 1
+        self.executor: Executor
+        if tp_size == 1:
+            self.runner = ModelRunner(
+                model, vocab_size=hf_config.vocab_size, kv_spec=self.kv_spec, num_blocks=num_blocks,
+                seed=engine_args.seed, num_host_blocks=num_host_blocks,
+                device=device, attention_backend=engine_args.attention_backend,
+                enforce_eager=engine_args.enforce_eager, max_num_seqs=self.scheduler_config.max_num_seqs,
+                max_model_len=self.scheduler_config.max_model_len,
+            )
+            self.executor = UniprocExecutor(self.runner)
+        else:
+            from pagedllm.worker.executor import MultiprocTPExecutor
+
+            logger.info("tensor parallel: %d ranks, %d KV heads each", tp_size, num_kv_heads)
+            self.executor = MultiprocTPExecutor(
+                model_dir=self.loaded.model_path, dtype=engine_args.dtype, tp_size=tp_size,
+                kv_spec=self.kv_spec, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+                seed=engine_args.seed, master_addr=engine_args.master_addr, master_port=engine_args.master_port,
+                num_local_workers=engine_args.num_local_workers, timeout_s=engine_args.distributed_timeout,
+            )
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served."""
@@ -130,11 +163,16 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one iteration; returns what each touched request produced."""
+        self.executor.check_health()  # a dead tensor-parallel group raises EngineDeadError, every time
         if not self.scheduler.has_unfinished_requests():
             return []
         sched_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(sched_output)
+        runner_output = self.executor.execute_model(sched_output)
         return self.scheduler.update_from_output(sched_output, runner_output)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
