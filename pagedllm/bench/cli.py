@@ -5,6 +5,7 @@
     pagedllm bench serving --rates 0.5,1,2 --policies paged,max
     pagedllm bench roofline --batch-sizes 1,16,64,128
     pagedllm bench attention
+    pagedllm bench sharing --ns 2,4,6 --widths 2,4,6      (KV blocks saved: parallel sampling, beam search)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 """
 
@@ -89,6 +90,14 @@ def add_bench_parser(sub) -> None:
     _common(p, engine=False)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--shapes", default=None, help="phase:seqs:len,... e.g. decode:64:512,prefill:4:256")
+
+    p = bsub.add_parser("sharing", help="KV blocks saved by sharing: parallel sampling (n) and beam search (width)")
+    _common(p)
+    add_workload_args(p)
+    # 8 prompts keep it to a couple of minutes; the seed-1 draw of 8 is Alpaca-like (means 18 in, 47 out).
+    p.set_defaults(workload="alpaca", workload_seed=1)
+    p.add_argument("--ns", default="2,4,6", help="parallel samples per prompt to measure")
+    p.add_argument("--widths", default="2,4,6", help="beam widths to measure")
 
     p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
     _common(p)
@@ -279,6 +288,24 @@ ALL_SIZES = {
 }
 
 
+def bench_sharing(args, engine_args: dict) -> dict:
+    from pagedllm.bench.engine_utils import build_llm
+    from pagedllm.bench.sharing import run_sharing, sharing_table
+
+    max_len = engine_args.get("max_model_len") or 2048
+    requests = make_workload(spec_from_args(args, 8, max_len))
+    llm = build_llm(**engine_args)
+    result = run_sharing(llm, requests, _ints(args.ns), _ints(args.widths), args.progress)
+    result.update({"workload": args.workload, "length_scale": args.length_scale, "engine_args": engine_args})
+    write_result(Path(args.out), f"sharing_{args.workload}", result)
+    trace = result["trace"]
+    print(f"{args.workload}: {trace['num_requests']} prompts, mean input {trace['mean_input_len']:.1f}, "
+          f"mean output {trace['mean_output_len']:.1f} tokens, blocks of {result['block_size']}")
+    headers, rows = sharing_table(result)
+    print(format_table(headers, rows, floatfmt="{:.1f}"))
+    return result
+
+
 def bench_all(args, engine_args: dict) -> dict:
     base = vars(args).copy()
 
@@ -352,7 +379,8 @@ def smoke_sizes() -> dict:
 def run_bench(args) -> int:
     engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
     commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,
-                "roofline": bench_roofline, "attention": bench_attention, "all": bench_all}
+                "roofline": bench_roofline, "attention": bench_attention, "sharing": bench_sharing,
+                "all": bench_all}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     commands[args.bench_command](args, engine_args)
     print(f"results in {Path(args.out).resolve()}")
