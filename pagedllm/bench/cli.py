@@ -197,7 +197,10 @@ def bench_serving(args, engine_args: dict) -> dict:
     serve_args = _serve_args(engine_args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = run_sweep(requests, rates, [p for p in args.policies.split(",") if p], serve_args, str(out),
+    import tempfile
+
+    log_dir = tempfile.mkdtemp(prefix="pagedllm-bench-serve-")  # server logs (named in errors)
+    result = run_sweep(requests, rates, [p for p in args.policies.split(",") if p], serve_args, log_dir,
                        url=args.url, seed=args.workload_seed, progress=args.progress)
     result.update({"workload": args.workload, "trace": trace_stats(requests), "rates": rates,
                    "engine_args": engine_args, "length_scale": args.length_scale})

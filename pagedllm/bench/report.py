@@ -199,9 +199,12 @@ def targets_section(results: dict) -> str:
                     2 <= ratio <= 4)
     engines = [e for e in (_system(results, w, "engine") for w in ("sharegpt", "alpaca")) if e and "peak_rss_mib" in e]
     if engines:
-        over = max(e["peak_over_weights_kv_mib"] for e in engines)
-        add("peak memory (process RSS after the engine run): weights + KV + < 1 GiB",
-            f"weights + KV + {over:.0f} MiB", over < 1024)
+        # ru_maxrss only grows, and later runs follow the HF baselines' models: the first engine run is the fair one.
+        first = min(engines, key=lambda e: e["peak_rss_mib"])
+        over = first["peak_over_weights_kv_mib"]
+        add("peak memory (process peak RSS after the first engine run): weights + KV + < 1 GiB",
+            f"{first['peak_rss_mib']:.0f} MiB = weights {first['weights_mib']:.0f} + KV {first['kv_cache_mib']:.0f} "
+            f"+ {over:.0f} MiB (untouched KV pages are not resident: a lower bound)", over < 1024)
     else:
         add("peak memory: weights + KV + < 1 GiB", "not measured by this run", None)
     return ("## Targets of the issue, as measured in this run\n\n"
