@@ -67,13 +67,14 @@ def paged_attention(
     key_pos = torch.arange(metadata.max_seq_len, device=query.device)  # [L]
 
     if metadata.max_query_len == 1:
-        # Decode-only: one query per sequence, already "padded"; attend to keys < seq_len.
-        q = query.unsqueeze(2)  # [S, H, 1, D]
+        # Decode-only: one query per sequence. Fold each KV head's group of query heads into
+        # the query axis, so SDPA reads each K/V head once instead of expanding it per query
+        # head (query head h uses KV head h // group, as in HF's repeat_kv).
+        num_kv_heads = key.shape[1]
+        q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [S, Hkv, G, D]
         mask = (key_pos < metadata.seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-        out = F.scaled_dot_product_attention(
-            q, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )  # [S, H, 1, D]
-        return out.squeeze(2)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)  # [S, Hkv, G, D]
+        return out.reshape(num_tokens, num_heads, head_dim)
 
     # Which sequence each packed token belongs to and its index within that sequence's query.
     query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]  # [S]
