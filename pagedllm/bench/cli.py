@@ -6,6 +6,8 @@
     pagedllm bench roofline --batch-sizes 1,16,64,128
     pagedllm bench attention
     pagedllm bench sharing --ns 2,4,6 --widths 2,4,6      (KV blocks saved: parallel sampling, beam search)
+    pagedllm bench prefix --prefix-lens 80,341            (prefix caching: shared prefix, 0% hit overhead)
+    pagedllm bench preemption --block-sizes 8,16,32,64    (swap vs recompute recovery cost)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 """
 
@@ -98,6 +100,21 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(workload="alpaca", workload_seed=1)
     p.add_argument("--ns", default="2,4,6", help="parallel samples per prompt to measure")
     p.add_argument("--widths", default="2,4,6", help="beam widths to measure")
+
+    p = bsub.add_parser("prefix", help="prefix caching on vs off: shared few-shot prefix, and 0% hit overhead")
+    _common(p)
+    p.add_argument("--prefix-lens", default="80,341", help="shared prefix lengths (published: ~80 and ~341)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--suffix-len", type=int, default=24)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--zero-hit-repeats", type=int, default=5)
+
+    p = bsub.add_parser("preemption", help="recovering a preempted request: swap vs recompute, by block size")
+    _common(p)
+    p.add_argument("--block-sizes", default="8,16,32,64")
+    p.add_argument("--context-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--e2e-num-requests", type=int, default=24, help="requests of the end-to-end comparison")
 
     p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
     _common(p)
@@ -287,6 +304,9 @@ ALL_SIZES = {
                         kv_cache_memory=str(2048 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=512),
         "roofline": dict(batch_sizes="1,16,64", prompt_len=64, decode_steps=4),
         "attention": dict(repeats=5),
+        "sharing": dict(workload="alpaca", workload_seed=1, num_requests=8, ns="2,4,6", widths="2,4,6"),
+        "prefix": dict(prefix_lens="80,341", num_requests=32, output_len=32, zero_hit_repeats=5),
+        "preemption": dict(block_sizes="8,16,32,64", context_len=512, repeats=5),
     },
 }
 
@@ -309,6 +329,32 @@ def bench_sharing(args, engine_args: dict) -> dict:
     return result
 
 
+def bench_prefix(args, engine_args: dict) -> dict:
+    from pagedllm.bench.prefix_cache import prefix_tables, run_shared_prefix, run_zero_hit
+
+    result = run_shared_prefix(engine_args, _ints(args.prefix_lens), args.num_requests, args.suffix_len,
+                               args.output_len)
+    result.update(run_zero_hit(engine_args, num_requests=max(4, args.num_requests // 2), output_len=args.output_len,
+                               repeats=args.zero_hit_repeats))
+    write_result(Path(args.out), "prefix_cache", result)
+    print(prefix_tables(result))
+    return result
+
+
+def bench_preemption(args, engine_args: dict) -> dict:
+    from pagedllm.bench.preemption import end_to_end, preemption_tables, recovery_cost
+
+    result = {
+        "recovery": recovery_cost(tuple(_ints(args.block_sizes)), args.context_len, args.repeats,
+                                  model=engine_args.get("model")),
+        "end_to_end": end_to_end(num_requests=args.e2e_num_requests, model=engine_args.get("model"),
+                                 output_len=96 if args.e2e_num_requests >= 8 else 8),
+    }
+    write_result(Path(args.out), "preemption", result)
+    print(preemption_tables(result["recovery"], result["end_to_end"]))
+    return result
+
+
 def bench_all(args, engine_args: dict) -> dict:
     base = vars(args).copy()
 
@@ -318,7 +364,9 @@ def bench_all(args, engine_args: dict) -> dict:
              "hf_max_requests": None, "run_hf": True, "run_hf_cb": True, "policies": "paged,max,pow2,oracle",
              "allocator": "first_fit", "mode": "both", "sim_num_requests": None, "rates": "1",
              "url": None, "batch_sizes": "1,16,64", "prompt_len": 64, "decode_steps": 8, "repeats": 5,
-             "shapes": None}
+             "shapes": None, "ns": "2,4,6", "widths": "2,4,6", "prefix_lens": "80,341", "suffix_len": 24,
+             "zero_hit_repeats": 5, "block_sizes": "8,16,32,64", "context_len": 512,
+             "e2e_num_requests": 24}
         d.update(overrides)
         return argparse.Namespace(**d)
 
@@ -341,6 +389,9 @@ def bench_all(args, engine_args: dict) -> dict:
         results["serving"] = {"error": f"{type(e).__name__}: {e}"}
     results["roofline"] = bench_roofline(ns(**sizes["roofline"]), engine_args)
     results["attention"] = bench_attention(ns(**sizes["attention"]))
+    for key, bench in (("sharing", bench_sharing), ("prefix", bench_prefix), ("preemption", bench_preemption)):
+        if key in sizes:
+            results[key] = bench(ns(**sizes[key]), engine_args)
     summary = Path(args.out) / "summary.json"
     summary.write_text(json.dumps({k: sorted(v) if isinstance(v, dict) else None for k, v in results.items()},
                                   indent=1) + "\n")
@@ -367,6 +418,8 @@ def _with_memory(engine_args: dict, sizes: dict) -> dict:
 
 def smoke_sizes() -> dict:
     return {
+        "prefix": dict(prefix_lens="16", num_requests=4, suffix_len=4, output_len=2, zero_hit_repeats=1),
+        "preemption": dict(block_sizes="8,16", context_len=32, repeats=1, e2e_num_requests=4),
         "throughput": [dict(workload="alpaca", num_requests=4, length_scale=0.2, hf_batch_size=2)],
         "memory": dict(workload="alpaca", num_requests=4, length_scale=0.3, sim_num_requests=50,
                        kv_cache_memory=None, max_model_len=None, mode="both"),
@@ -383,7 +436,7 @@ def run_bench(args) -> int:
     engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
     commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,
                 "roofline": bench_roofline, "attention": bench_attention, "sharing": bench_sharing,
-                "all": bench_all}
+                "prefix": bench_prefix, "preemption": bench_preemption, "all": bench_all}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     commands[args.bench_command](args, engine_args)
     print(f"results in {Path(args.out).resolve()}")

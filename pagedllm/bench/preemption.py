@@ -41,7 +41,7 @@ def recovery_cost(block_sizes=(8, 16, 32, 64), context_len: int = 512, repeats: 
     rows = []
     for block_size in block_sizes:
         llm = LLM(model=model, block_size=block_size, preemption_mode="swap", swap_space="256MiB",
-                  max_model_len=max(1024, context_len + 16), enable_prefix_caching=False)
+                  max_model_len=context_len + 16, enable_prefix_caching=False)
         core = llm.engine.core
         runner = core.runner
         prompt = list(range(200, 200 + context_len))

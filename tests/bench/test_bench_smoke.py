@@ -93,6 +93,13 @@ def test_roofline_and_attention_smoke(smoke_results):
 
 def test_the_report_has_every_section(smoke_results):
     text = (smoke_results / "benchmarks.md").read_text()
-    for heading in ("## Throughput", "## KV memory efficiency", "## Serving", "## Roofline", "## Attention overhead"):
+    for heading in ("## Throughput", "## KV memory efficiency", "## Serving", "## Roofline", "## Attention overhead",
+                    "## Prefix caching", "## Preemption recovery"):
         assert heading in text
+    prefix = json.loads((smoke_results / "prefix_cache.json").read_text())
+    assert prefix["shared_prefix"][0]["caching_on"]["prefill_tokens_skipped"] > 0
+    assert prefix["zero_hit"]["prefill_tokens_skipped"] == 0
+    preemption = json.loads((smoke_results / "preemption.json").read_text())
+    assert [row["block_size"] for row in preemption["recovery"]] == [8, 16]
+    assert all(row["swap_ms"] > 0 and row["recompute_ms"] > 0 for row in preemption["recovery"])
     assert "**Machine:**" in text and "**Date:**" in text and "| paged |" in text
