@@ -78,17 +78,19 @@ def run_zero_hit(engine_args: dict, num_requests: int = 24, input_len: int = 96,
     on, off = _engines(engine_args)
     times = {"on": [], "off": []}
     hits = 0
-    for repeat in range(repeats):
+    # Repeat -1 is an untimed warm-up: both engines first touch their (lazily zeroed) KV pages there.
+    for repeat in range(-1, repeats):
         # New random prompts every repeat: nothing can ever hit, not even the previous repeat.
         spec = WorkloadSpec(name="fixed", num_requests=num_requests, input_len=input_len, output_len=output_len,
-                            seed=seed + 1000 * repeat, max_model_len=on.engine.max_model_len)
+                            seed=seed + 1000 * (repeat + 1), max_model_len=on.engine.max_model_len)
         requests = make_workload(spec)
         order = [("on", on), ("off", off)] if repeat % 2 == 0 else [("off", off), ("on", on)]
         for name, llm in order:
             result = _timed_run(llm, requests)
-            times[name].append(result["total_tok_s"])
             if name == "on":
                 hits += result["prefill_tokens_skipped"]
+            if repeat >= 0:
+                times[name].append(result["total_tok_s"])
     median_on, median_off = statistics.median(times["on"]), statistics.median(times["off"])
     return {"zero_hit": {
         "num_requests": num_requests, "input_len": input_len, "output_len": output_len, "repeats": repeats,
