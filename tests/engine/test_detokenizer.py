@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -64,21 +62,16 @@ def sentencepiece_style_bpe() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-# Where the model loader converts the embedded default model ($PAGEDLLM_CACHE, like the loader).
-SMOLLM2_DIR = Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm").expanduser() / (
-    "smollm2-135m-instruct"
-)
-
-
 @functools.lru_cache(maxsize=None)
 def smollm2():
-    return AutoTokenizer.from_pretrained(str(SMOLLM2_DIR), local_files_only=True)
+    """The embedded default model's tokenizer (the loader converts the model on first use)."""
+    from tests.engine.tiny_llama_dir import default_model_dir
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
 
 
 def _tokenizer(name: str):
     if name == "smollm2":
-        if not (SMOLLM2_DIR / "tokenizer.json").exists():
-            pytest.skip(f"default model tokenizer not on disk at {SMOLLM2_DIR}")
         return smollm2()
     return {"byte_level": byte_level_bpe, "sentencepiece": sentencepiece_style_bpe}[name]()
 
