@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +17,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.engine.protocol import EngineCoreRequest, EngineStatsMsg
 from pagedllm.distributed.shapes import check_config_tp_size, tp_shape
 from pagedllm.model.loader import LoadedModel, load_model, load_model_info
 from pagedllm.worker.executor import Executor, UniprocExecutor
@@ -29,19 +28,6 @@ from pagedllm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot for metrics and logs."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_evictions: int
 
 
 class EngineCore:
@@ -177,9 +163,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> EngineStatsMsg:
+        """A snapshot for metrics and logs (the same message the core process sends)."""
         kv = self.kv_cache_manager
-        return EngineStats(
+        return EngineStatsMsg(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,

@@ -156,13 +156,7 @@ class EngineCoreProc:
         self.output_socket.send(self._encoder.encode(msg), copy=False)
 
     def _stats(self) -> EngineStatsMsg:
-        s = self.core.stats()
-        return EngineStatsMsg(
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
-            num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, num_evictions=s.num_evictions,
-            num_kv_leaks=self._num_kv_leaks,
-        )
+        return msgspec.structs.replace(self.core.stats(), num_kv_leaks=self._num_kv_leaks)
 
     def _check_idle_leaks(self) -> None:
         problems = self.core.check_kv_leaks()
