@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.shapes import check_tp_size, valid_tp_sizes
 from pagedllm.errors import EngineDeadError
-from tests.hf_reference import assert_matches_reference, hf_greedy
+from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 MAX_NEW_TOKENS = 8
@@ -43,14 +43,7 @@ def _one_thread():
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]):
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, logprobs=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    results = []
-    for out in outputs:
-        completion = out.outputs[0]
-        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
-        results.append((completion.token_ids, logprobs))
-    return results
+    return engine_greedy(llm, prompts, MAX_NEW_TOKENS)
 
 
 def _check(llm: LLM, prompts, references, unsharded, label: str) -> None:

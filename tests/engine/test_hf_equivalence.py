@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedllm import LLM, SamplingParams
-from tests.hf_reference import assert_matches_reference, hf_greedy
+from pagedllm import LLM
+from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 MAX_NEW_TOKENS = 16
@@ -28,19 +28,8 @@ def _random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in _prompt_lengths()]
 
 
-def _run_engine(llm: LLM, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool):
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, logprobs=0, ignore_eos=ignore_eos)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    results = []
-    for out in outputs:
-        completion = out.outputs[0]
-        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
-        results.append((completion.token_ids, logprobs))
-    return results
-
-
 def _check_all(llm, prompts, references, label, ignore_eos=False):
-    results = _run_engine(llm, prompts, MAX_NEW_TOKENS, ignore_eos)
+    results = engine_greedy(llm, prompts, MAX_NEW_TOKENS, ignore_eos)
     verdicts = []
     for prompt, ref, (ids, logprobs) in zip(prompts, references, results):
         verdicts.append(assert_matches_reference(ids, logprobs, ref, f"{label}, prompt of {len(prompt)} tokens"))
