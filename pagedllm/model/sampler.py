@@ -89,123 +89,130 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, rows: list[SamplingRow], vocab_size: int, device) -> "SamplingMetadata":
-        """Pack the rows' parameters into tensors on `device`.
+        """Pack the rows' parameters into tensors on `device`, one feature at a time.
 
         Token ids outside [0, vocab_size) in logit_bias, stop_token_ids or eos ids are ignored
         here: the front end validates request token ids against the vocabulary.
         """
-        num_rows = len(rows)
         params = [row.params for row in rows]
         greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
-        all_greedy = all(greedy)
-
-        temperature = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device
-        )
-        greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device) if any(greedy) else None
-
-        top_k = top_p = min_p = None
-        max_top_k = vocab_size
-        generators: dict[int, torch.Generator] = {}
-        unseeded_random_rows = None
-        if not all_greedy:
-            random_params = [p for p, g in zip(params, greedy) if not g]
-            if any(p.top_k is not None and p.top_k < vocab_size for p in random_params):
-                ks = [vocab_size if g or p.top_k is None else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
-                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
-                max_top_k = max(ks)
-            if any(p.top_p < 1.0 for p in random_params):
-                # 2.0 switches top_p off exactly: float32 cumulative sums can exceed 1.0.
-                top_p = torch.tensor(
-                    [2.0 if g or p.top_p >= 1.0 else p.top_p for p, g in zip(params, greedy)],
-                    dtype=torch.float32,
-                    device=device,
-                )
-            if any(p.min_p > 0.0 for p in random_params):
-                min_p = torch.tensor(
-                    [0.0 if g else p.min_p for p, g in zip(params, greedy)], dtype=torch.float32, device=device
-                )
-            unseeded = []
-            for i, (row, g) in enumerate(zip(rows, greedy)):
-                if g:
-                    continue
-                if row.generator is not None:
-                    generators[i] = row.generator
-                else:
-                    unseeded.append(i)
-            if unseeded:
-                unseeded_random_rows = torch.tensor(unseeded, dtype=torch.int64, device=device)
-
-        # logit_bias: flat (row, token, bias) triples.
-        bias_rows: list[int] = []
-        bias_tokens: list[int] = []
-        bias_values: list[float] = []
-        for i, p in enumerate(params):
-            if p.logit_bias:
-                for token_id, bias in p.logit_bias.items():
-                    if 0 <= token_id < vocab_size:
-                        bias_rows.append(i)
-                        bias_tokens.append(token_id)
-                        bias_values.append(float(bias))
-        logit_bias = None
-        if bias_rows:
-            logit_bias = (
-                torch.tensor(bias_rows, dtype=torch.int64, device=device),
-                torch.tensor(bias_tokens, dtype=torch.int64, device=device),
-                torch.tensor(bias_values, dtype=torch.float32, device=device),
-            )
-
-        # min_tokens: eos + stop ids of rows that have not generated enough yet.
-        sup_rows: list[int] = []
-        sup_tokens: list[int] = []
-        for i, row in enumerate(rows):
-            if len(row.output_token_ids) < row.params.min_tokens:
-                ids = {t for t in (*row.eos_token_ids, *row.params.stop_token_ids) if 0 <= t < vocab_size}
-                sup_rows.extend([i] * len(ids))
-                sup_tokens.extend(ids)
-        suppressed = None
-        if sup_rows:
-            suppressed = (
-                torch.tensor(sup_rows, dtype=torch.int64, device=device),
-                torch.tensor(sup_tokens, dtype=torch.int64, device=device),
-            )
-
-        # Penalties: build the [N, V] tensors only when some row needs them.
-        output_counts = prompt_mask = None
-        presence = frequency = repetition = None
-        any_rep = any(p.repetition_penalty != 1.0 for p in params)
-        if any_rep or any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
-            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
-            repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
-            output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
-            if any_rep:
-                prompt_mask = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device) > 0
-
+        top_k, max_top_k = _top_k(params, greedy, vocab_size, device)
+        generators, unseeded_random_rows = _noise_sources(rows, greedy, device)
+        output_counts, prompt_mask, presence, frequency, repetition = _penalties(rows, vocab_size, device)
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-        max_num_logprobs = max(logprob_counts) if logprob_counts else None
-
         return cls(
-            num_rows=num_rows,
+            num_rows=len(rows),
             vocab_size=vocab_size,
-            temperature=temperature,
-            greedy_mask=greedy_mask,
-            all_greedy=all_greedy,
+            temperature=_temperature(params, greedy, device),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device) if any(greedy) else None,
+            all_greedy=all(greedy),
             top_k=top_k,
             max_top_k=max_top_k,
-            top_p=top_p,
-            min_p=min_p,
+            top_p=_top_p(params, greedy, device),
+            min_p=_min_p(params, greedy, device),
             generators=generators,
             unseeded_random_rows=unseeded_random_rows,
-            logit_bias=logit_bias,
-            suppressed=suppressed,
+            logit_bias=_logit_bias(params, vocab_size, device),
+            suppressed=_min_tokens_suppression(rows, vocab_size, device),
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             presence_penalty=presence,
             frequency_penalty=frequency,
             repetition_penalty=repetition,
-            max_num_logprobs=max_num_logprobs,
+            max_num_logprobs=max(logprob_counts) if logprob_counts else None,
         )
+
+
+# Packing, one feature each. `greedy[i]` marks rows sampled by argmax: truncation and noise skip them.
+
+
+def _temperature(params: list[SamplingParams], greedy: list[bool], device) -> torch.Tensor:
+    """[N] float32; 1.0 on greedy rows, whose logits are never divided."""
+    values = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _top_k(params: list[SamplingParams], greedy: list[bool], vocab_size: int, device) -> tuple[torch.Tensor | None, int]:
+    """([N] int64 with vocab_size where off, the largest k), or (None, vocab_size) when no random row truncates."""
+    if not any(not g and p.top_k is not None and p.top_k < vocab_size for p, g in zip(params, greedy)):
+        return None, vocab_size
+    ks = [vocab_size if g or p.top_k is None else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+    return torch.tensor(ks, dtype=torch.int64, device=device), max(ks)
+
+
+def _top_p(params: list[SamplingParams], greedy: list[bool], device) -> torch.Tensor | None:
+    if not any(not g and p.top_p < 1.0 for p, g in zip(params, greedy)):
+        return None
+    # 2.0 switches top_p off exactly: float32 cumulative sums can exceed 1.0.
+    values = [2.0 if g or p.top_p >= 1.0 else p.top_p for p, g in zip(params, greedy)]
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _min_p(params: list[SamplingParams], greedy: list[bool], device) -> torch.Tensor | None:
+    if not any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)):
+        return None
+    return torch.tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)], dtype=torch.float32, device=device)
+
+
+def _noise_sources(rows: list[SamplingRow], greedy: list[bool],
+                   device) -> tuple[dict[int, torch.Generator], torch.Tensor | None]:
+    """Where each random row's noise comes from: its own generator (seeded) or one shared draw."""
+    generators: dict[int, torch.Generator] = {}
+    unseeded: list[int] = []
+    for i, (row, g) in enumerate(zip(rows, greedy)):
+        if g:
+            continue
+        if row.generator is not None:
+            generators[i] = row.generator
+        else:
+            unseeded.append(i)
+    return generators, (torch.tensor(unseeded, dtype=torch.int64, device=device) if unseeded else None)
+
+
+def _logit_bias(params: list[SamplingParams], vocab_size: int,
+                device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Flat (row, token, bias) triples; None when no row has a bias."""
+    triples = [(i, token_id, float(bias)) for i, p in enumerate(params) if p.logit_bias
+               for token_id, bias in p.logit_bias.items() if 0 <= token_id < vocab_size]
+    if not triples:
+        return None
+    bias_rows, bias_tokens, bias_values = zip(*triples)
+    return (
+        torch.tensor(bias_rows, dtype=torch.int64, device=device),
+        torch.tensor(bias_tokens, dtype=torch.int64, device=device),
+        torch.tensor(bias_values, dtype=torch.float32, device=device),
+    )
+
+
+def _min_tokens_suppression(rows: list[SamplingRow], vocab_size: int,
+                            device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) pairs to set to -inf: eos + stop ids of rows short of min_tokens."""
+    sup_rows: list[int] = []
+    sup_tokens: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            ids = {t for t in (*row.eos_token_ids, *row.params.stop_token_ids) if 0 <= t < vocab_size}
+            sup_rows.extend([i] * len(ids))
+            sup_tokens.extend(ids)
+    if not sup_rows:
+        return None
+    return (torch.tensor(sup_rows, dtype=torch.int64, device=device),
+            torch.tensor(sup_tokens, dtype=torch.int64, device=device))
+
+
+def _penalties(rows: list[SamplingRow], vocab_size: int, device) -> tuple[torch.Tensor | None, ...]:
+    """(output_counts, prompt_mask, presence, frequency, repetition); the [N, V] tensors are built only
+    when some row needs them, and the prompt mask only for a repetition penalty."""
+    params = [row.params for row in rows]
+    any_rep = any(p.repetition_penalty != 1.0 for p in params)
+    if not any_rep and not any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        return None, None, None, None, None
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+    output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
+    prompt_mask = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device) > 0 if any_rep else None
+    return output_counts, prompt_mask, presence, frequency, repetition
 
 
 @dataclass(slots=True)
