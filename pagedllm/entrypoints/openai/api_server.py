@@ -15,55 +15,30 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, add_serve_args, configs_from_args
+from pagedllm.entrypoints.openai.context import ServingContext, now_s
+from pagedllm.entrypoints.openai.errors import APIError, api_error_from
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.request_body import parse_model, read_json_body
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
-from pagedllm.entrypoints.openai.serving_common import (
-    APIError,
-    ServingContext,
-    api_error_from,
-    find_api_key,
-    now_s,
-    parse_model,
-    read_json_body,
-)
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.errors import EngineDeadError, PagedLLMError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
-
-
-class APIKeyMiddleware:
-    """Bearer-token auth on /v1/*: a 401 unless the token matches a key (the key lands in scope state)."""
-
-    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.api_keys = api_keys
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and self.api_keys and (path == "/v1" or path.startswith("/v1/")):
-            key = find_api_key(Request(scope), self.api_keys)
-            if key is None:
-                response = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                    code="invalid_api_key").response()
-                await response(scope, receive, send)
-                return
-            scope.setdefault("state", {})["api_key"] = key
-        await self.app(scope, receive, send)
 
 
 def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:

@@ -7,24 +7,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s, usage_dict
+from pagedllm.entrypoints.openai.errors import APIError, check_failed
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving_common import (
-    APIError,
-    ServingContext,
-    SSEResponse,
-    api_error_from,
-    cancel_on_disconnect,
-    check_failed,
-    final_outputs,
-    merged_outputs,
-    new_id,
-    now_s,
-    open_streams,
-    sse_event,
-    top_entries,
-    usage_dict,
-)
-from pagedllm.outputs import CompletionOutput, LogprobsDict
+from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
+from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict
 
 
 def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
@@ -39,6 +26,12 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def top_entries(entry: LogprobsDict, k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely candidates of one position, most likely first."""
+    ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].logprob, reverse=True)[:k]
 
 
 def _token_entry(token: str, logprob: float) -> dict:
@@ -74,19 +67,11 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     prompt_ids = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
     request_id = new_id("chatcmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
-    try:
-        streams = open_streams(engine, request_id, [prompt_ids], params, salt, request.stream)
-    except Exception as e:
-        raise api_error_from(e) from None
+    streams = open_streams(engine, request_id, [prompt_ids], params, salt, request.stream)
     if request.stream:
-        return SSEResponse(_stream(ctx, request, streams, request_id, model))
+        return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model))
 
-    try:
-        (output,) = await cancel_on_disconnect(raw_request, final_outputs(streams))
-    except APIError:
-        raise
-    except Exception as e:
-        raise api_error_from(e) from None
+    (output,) = await final_outputs(raw_request, streams)
     check_failed(output)
     choices = [{
         "index": c.index,
@@ -102,36 +87,29 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     })
 
 
-async def _stream(ctx: ServingContext, request: ChatCompletionRequest, streams, request_id: str,
-                  model: str) -> AsyncIterator[str]:
+async def _chunks(ctx: ServingContext, request: ChatCompletionRequest, outputs: IndexedOutputs,
+                  request_id: str, model: str) -> AsyncIterator[dict]:
     created = now_s()
 
-    def chunk(choices: list[dict], **extra) -> str:
-        return sse_event({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                          "model": model, "choices": choices, **extra})
+    def chunk(choices: list[dict], **extra) -> dict:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices, **extra}
 
     # Every choice opens with the role, before any content.
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(request.n)])
     num_prompt_tokens = num_completion_tokens = num_cached = 0
-    outputs = merged_outputs(streams)
-    try:
-        async for _, output in outputs:
-            check_failed(output)
-            num_prompt_tokens = len(output.prompt_token_ids)
-            num_cached = output.num_cached_tokens
-            choices = []
-            for c in output.outputs:
-                num_completion_tokens += len(c.token_ids)
-                delta = {"content": c.text} if c.text or not c.finish_reason else {}
-                choices.append({"index": c.index, "delta": delta, "logprobs": _logprobs(ctx, request, c),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            if choices:
-                yield chunk(choices)
-        if request.include_usage_in_stream:
-            yield chunk([], usage=usage_dict(num_prompt_tokens, num_completion_tokens, num_cached))
-    except Exception as e:
-        yield sse_event(api_error_from(e).body())
-    finally:
-        await outputs.aclose()
-    yield sse_event("[DONE]")
+    async for _, output in outputs:
+        check_failed(output)
+        num_prompt_tokens = len(output.prompt_token_ids)
+        num_cached = output.num_cached_tokens
+        choices = []
+        for c in output.outputs:
+            num_completion_tokens += len(c.token_ids)
+            delta = {"content": c.text} if c.text or not c.finish_reason else {}
+            choices.append({"index": c.index, "delta": delta, "logprobs": _logprobs(ctx, request, c),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        if choices:
+            yield chunk(choices)
+    if request.include_usage_in_stream:
+        yield chunk([], usage=usage_dict(num_prompt_tokens, num_completion_tokens, num_cached))

@@ -7,22 +7,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s, usage_dict
+from pagedllm.entrypoints.openai.errors import check_failed
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving_common import (
-    APIError,
-    ServingContext,
-    SSEResponse,
-    api_error_from,
-    cancel_on_disconnect,
-    check_failed,
-    final_outputs,
-    merged_outputs,
-    new_id,
-    now_s,
-    open_streams,
-    sse_event,
-    usage_dict,
-)
+from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
 from pagedllm.outputs import CompletionOutput, LogprobsDict, RequestOutput
 
 
@@ -79,19 +67,11 @@ async def create_completion(request: CompletionRequest, raw_request: Request, ct
     engine = ctx.engine
     request_id = new_id("cmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
-    try:
-        streams = open_streams(engine, request_id, request.prompts(), params, salt, request.stream)
-    except Exception as e:
-        raise api_error_from(e) from None
+    streams = open_streams(engine, request_id, request.prompts(), params, salt, request.stream)
     if request.stream:
-        return SSEResponse(_stream(request, engine, streams, request_id, model))
+        return SSEResponse(streams, lambda outputs: _chunks(request, engine, outputs, request_id, model))
 
-    try:
-        outputs = await cancel_on_disconnect(raw_request, final_outputs(streams))
-    except APIError:
-        raise
-    except Exception as e:
-        raise api_error_from(e) from None
+    outputs = await final_outputs(raw_request, streams)
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
     for prompt_index, output in enumerate(outputs):
         check_failed(output)
@@ -107,7 +87,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request, ct
     })
 
 
-async def _stream(request: CompletionRequest, engine, streams, request_id: str, model: str) -> AsyncIterator[str]:
+async def _chunks(request: CompletionRequest, engine, outputs: IndexedOutputs, request_id: str,
+                  model: str) -> AsyncIterator[dict]:
     created = now_s()
     n = request.n
     num_prompt_tokens: dict[int, int] = {}
@@ -115,34 +96,26 @@ async def _stream(request: CompletionRequest, engine, streams, request_id: str, 
     num_cached = 0
     echoed: set[int] = set()
     text_offsets: dict[int, int] = {}
-    outputs = merged_outputs(streams)
-    try:
-        async for prompt_index, output in outputs:
-            check_failed(output)
-            if prompt_index not in num_prompt_tokens:
-                num_prompt_tokens[prompt_index] = len(output.prompt_token_ids)
-                num_cached += output.num_cached_tokens
-            choices = []
-            for completion in output.outputs:
-                index = prompt_index * n + completion.index
-                echo = request.echo and index not in echoed
-                echoed.add(index)
-                num_completion_tokens += len(completion.token_ids)
-                choice = _choice(engine, request, output, completion, index, echo)
-                if choice["logprobs"] is not None:
-                    offset = text_offsets.get(index, 0)
-                    choice["logprobs"]["text_offset"] = [o + offset for o in choice["logprobs"]["text_offset"]]
-                    text_offsets[index] = offset + len(choice["text"])
-                choices.append(choice)
-            if choices:
-                yield sse_event({"id": request_id, "object": "text_completion", "created": created,
-                                 "model": model, "choices": choices})
-        if request.include_usage_in_stream:
-            yield sse_event({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                             "choices": [], "usage": usage_dict(sum(num_prompt_tokens.values()),
-                                                                num_completion_tokens, num_cached)})
-    except Exception as e:
-        yield sse_event(api_error_from(e).body())
-    finally:
-        await outputs.aclose()
-    yield sse_event("[DONE]")
+    async for prompt_index, output in outputs:
+        check_failed(output)
+        if prompt_index not in num_prompt_tokens:
+            num_prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+            num_cached += output.num_cached_tokens
+        choices = []
+        for completion in output.outputs:
+            index = prompt_index * n + completion.index
+            echo = request.echo and index not in echoed
+            echoed.add(index)
+            num_completion_tokens += len(completion.token_ids)
+            choice = _choice(engine, request, output, completion, index, echo)
+            if choice["logprobs"] is not None:
+                offset = text_offsets.get(index, 0)
+                choice["logprobs"]["text_offset"] = [o + offset for o in choice["logprobs"]["text_offset"]]
+                text_offsets[index] = offset + len(choice["text"])
+            choices.append(choice)
+        if choices:
+            yield {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                   "choices": choices}
+    if request.include_usage_in_stream:
+        yield {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": usage_dict(sum(num_prompt_tokens.values()), num_completion_tokens, num_cached)}

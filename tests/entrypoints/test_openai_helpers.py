@@ -6,15 +6,10 @@ import pytest
 from starlette.requests import Request
 
 from pagedllm.engine.async_llm import RequestFailedError
+from pagedllm.entrypoints.openai.auth import find_api_key, tenant_cache_salt
+from pagedllm.entrypoints.openai.errors import APIError, api_error_from, check_failed
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.entrypoints.openai.serving_common import (
-    APIError,
-    api_error_from,
-    check_failed,
-    find_api_key,
-    parse_model,
-    tenant_cache_salt,
-)
+from pagedllm.entrypoints.openai.request_body import parse_model
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 

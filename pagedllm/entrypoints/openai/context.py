@@ -1,0 +1,51 @@
+"""What the endpoint handlers share: the engine and the server's settings, and the fields every
+response carries (ids, timestamps, usage)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.auth import request_api_key, tenant_cache_salt
+from pagedllm.entrypoints.openai.errors import APIError
+
+
+@dataclass
+class ServingContext:
+    """The engine and the server's settings, as every handler sees them."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    share_prefix_cache_across_keys: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, requested: str | None) -> str:
+        """The model name to answer with; 404 for a model this server does not serve."""
+        if requested is None or requested in self.served_model_names:
+            return requested or self.model_name
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves "
+                            f"{', '.join(map(repr, self.served_model_names))}", param="model", code="model_not_found")
+
+    def cache_salt(self, raw_request: Request, request_salt: str | None) -> str | None:
+        return tenant_cache_salt(request_api_key(raw_request), request_salt, self.share_prefix_cache_across_keys)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}

@@ -1,0 +1,159 @@
+"""From engine streams to the client: queue a request's prompts, then either wait for the final outputs
+or send each output as it comes as server-sent events. A client that goes away aborts its requests.
+
+    open_streams ─┬─► final_outputs(raw_request, streams)         (one JSON answer)
+                  └─► SSEResponse(streams, render)                 (data: {...} ... data: [DONE])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.async_llm import AsyncLLM, RequestFailedError, RequestStream
+from pagedllm.entrypoints.openai.errors import APIError, api_error_from
+from pagedllm.outputs import RequestOutput
+
+_DISCONNECT_POLL_S = 0.5
+
+IndexedOutputs = AsyncIterator[tuple[int, RequestOutput]]
+"""(prompt index, cumulative-or-delta output) pairs as they arrive from a request's streams."""
+
+
+def open_streams(engine: AsyncLLM, request_id: str, prompts: Sequence, params, salt: str | None,
+                 stream: bool) -> list[RequestStream]:
+    """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others); APIError on failure."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream))
+    except BaseException as e:
+        for s in streams:
+            s.close()
+        if isinstance(e, Exception):
+            raise api_error_from(e) from None
+        raise
+    return streams
+
+
+async def final_outputs(raw_request: Request, streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The last (cumulative) output of each stream; a disconnect or any error closes them all (APIError)."""
+    try:
+        return await _cancel_on_disconnect(raw_request, _last_outputs(streams))
+    except Exception as e:
+        raise api_error_from(e) from None
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events of `render(outputs)`, then `data: [DONE]`; an error mid-stream becomes an error
+    event. The generator is always closed, so a disconnect aborts the request's streams."""
+
+    def __init__(self, streams: Sequence[RequestStream], render: Callable[[IndexedOutputs], AsyncIterator[dict]]) -> None:
+        super().__init__(_sse_frames(streams, render), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse_event(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+async def _sse_frames(streams: Sequence[RequestStream],
+                      render: Callable[[IndexedOutputs], AsyncIterator[dict]]) -> AsyncIterator[str]:
+    outputs = _merged_outputs(streams)
+    events = render(outputs)
+    try:
+        async for event in events:
+            yield sse_event(event)
+    except Exception as e:
+        yield sse_event(api_error_from(e).body())
+    finally:
+        await events.aclose()
+        await outputs.aclose()
+    yield sse_event("[DONE]")
+
+
+async def _cancel_on_disconnect(request: Request, awaitable: Awaitable) -> Any:
+    """Await `awaitable`, cancelling it (and so aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _last_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The last output of each stream; on any error every stream is closed."""
+
+    async def last_of(s: RequestStream) -> RequestOutput:
+        last = None
+        async for output in s:
+            last = output
+        if last is None:
+            raise RequestFailedError(f"request {s.request_id} ended without output")
+        return last
+
+    tasks = [asyncio.ensure_future(last_of(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+async def _merged_outputs(streams: Sequence[RequestStream]) -> IndexedOutputs:
+    """(stream index, output) pairs as they arrive from several streams; closing this closes them all."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, s: RequestStream) -> None:
+        try:
+            async for output in s:
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, done))
+        except BaseException as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
