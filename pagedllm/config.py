@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import types
+import typing
 from dataclasses import dataclass
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -30,6 +32,92 @@ def _parse_bool(value: str | bool) -> bool:
     if value.lower() in ("false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def flag(default, help: str, *, aliases: tuple[str, ...] = (), choices: tuple | None = None,
+         parse=None, group: str | None = None, negative: str | None = None):
+    """A dataclass field whose command-line flag is declared beside it; `add_flags` reads it.
+
+    aliases: more spellings (e.g. "-tp"); parse: turns the flag's text into the value (e.g. a size);
+    group: the --help section; negative: a bool's switch-off flag (e.g. "--no-prefix-caching").
+    A field that must not become a flag carries `metadata={"cli": False}` instead.
+    """
+    metadata = {"help": help, "aliases": aliases, "choices": choices, "parse": parse, "group": group,
+                "negative": negative}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+_FLAG_TYPES = (bool, int, float, str)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """One `--field-name` flag per field of dataclass `cls` whose type the command line can express
+    (bool, int, float, str, their Optionals and Literals, or any type with a `parse` in its metadata).
+
+    Defaults come from the fields, so each is declared once; a bool flag takes an optional value
+    (`--flag`, `--flag false`).
+    """
+    hints = typing.get_type_hints(cls)
+    groups: dict = {}  # title -> argparse group
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        flag_type, choices = _flag_type(hints[f.name])
+        parse = meta.get("parse") or flag_type
+        if parse is None or meta.get("cli") is False:
+            continue  # not expressible as text (an object passed in code), or set elsewhere
+        choices = meta.get("choices") or choices
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        group = meta.get("group")
+        if group is not None and group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        target = groups[group] if group is not None else parser
+        help_text = (meta.get("help") or "").replace("%", "%%")  # argparse formats help with %
+        if default is not None and default != "":
+            help_text += f" (default: {_format_default(default, parse)})"
+        names = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+        if parse is bool:
+            target.add_argument(*names, dest=f.name, nargs="?", const=True, default=default, type=_parse_bool,
+                                metavar="BOOL", help=help_text)
+            if meta.get("negative"):
+                target.add_argument(meta["negative"], dest=f.name, action="store_false", default=default,
+                                    help=f"same as {names[0]} false")
+        else:
+            target.add_argument(*names, dest=f.name, type=_flag_parser(parse), default=default,
+                                choices=choices, help=help_text)
+
+
+def _flag_type(hint) -> tuple[type | None, tuple | None]:
+    """The flag type of a field's type hint (Optional stripped), and a Literal's choices; None when unsupported."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return type(typing.get_args(hint)[0]), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        members = [t for t in typing.get_args(hint) if t is not type(None)]
+        return (members[0] if len(members) == 1 and members[0] in _FLAG_TYPES else None), None
+    return (hint if hint in _FLAG_TYPES else None), None
+
+
+def _format_default(default, parse) -> str:
+    """A default as a user would type it: sizes in MiB/GiB rather than bytes."""
+    if parse is parse_memory_size and isinstance(default, int):
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+            if default >= size and default % size == 0:
+                return f"{default // size}{unit}"
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
+def _flag_parser(parse):
+    """`parse`, with its ValueError shown by argparse as the flag's error message."""
+    if parse in _FLAG_TYPES:
+        return parse
+
+    def parse_flag(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_flag
 
 
 @dataclass(frozen=True)
@@ -80,51 +168,52 @@ class SchedulerConfig:
 
 @dataclass
 class EngineArgs:
-    """Everything a user can set when starting an engine; each field is also a CLI flag."""
+    """Everything a user can set when starting an engine; each field is also a CLI flag (`flag()` declares
+    its help, aliases and parser beside it; `add_cli_args` turns every field into a flag)."""
 
-    model: str | None = None
-    """A Hugging Face model directory or a .gguf file; None for the embedded default."""
-    dtype: str = "auto"
-    """Weight and activation dtype; 'auto' = float32 on the CPU (bf16 matmuls are far slower there),
-    bfloat16 on CUDA."""
-    seed: int = 0
-    """Seed of the engine's shared random generator (unseeded sampling)."""
-    block_size: int = 16
-    kv_cache_memory: int | str = 1 << 30
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: int | str = 1 << 30
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    """Defaults to the model's context length, capped at 4096."""
-    kv_allocation_policy: str = "paged"
-    """'paged', or a contiguous-reservation baseline for benchmarks: 'max', 'pow2' or 'oracle'
-    (core/contiguous_allocator.py)."""
-    kv_allocator: str = "first_fit"
-    """Placement of contiguous reservations: 'first_fit' or 'buddy' (unused by 'paged')."""
-    device: str = "auto"
-    """'auto' (CUDA when torch sees a GPU, else the CPU), 'cpu' or 'cuda'."""
-    gpu_memory_utilization: float = 0.9
-    """CUDA only: fraction of GPU memory for weights, activations and KV cache; the KV cache gets
-    what a profiling forward pass leaves (the CPU uses kv_cache_memory)."""
-    enforce_eager: bool = False
-    """CUDA only: run decode steps eagerly instead of replaying CUDA graphs."""
-    attention_backend: str = "auto"
-    """'auto' (triton on CUDA, torch on the CPU), 'torch' (the PyTorch reference) or 'triton'."""
+    model: str | None = flag(None, "A Hugging Face model directory or a .gguf file (default: the embedded "
+                                   "SmolLM2-135M-Instruct).")
+    dtype: str = flag("auto", "Weight and activation dtype; auto = float32 on the CPU (bf16 matmuls are far "
+                              "slower there), bfloat16 on CUDA.", choices=("auto", "float32", "float16", "bfloat16"))
+    seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
+    block_size: int = flag(16, "Tokens per KV block.")
+    kv_cache_memory: int | str = flag(1 << 30, "Bytes for the KV cache of all layers, e.g. 2GiB (ignored when "
+                                               "num_kv_blocks is set).", parse=parse_memory_size)
+    num_kv_blocks: int | None = flag(None, "An explicit KV block count, overriding kv_cache_memory.")
+    enable_prefix_caching: bool = flag(True, "Reuse the cached KV of full blocks shared with earlier requests.",
+                                       negative="--no-prefix-caching")
+    preemption_mode: str = flag("recompute", "How a preempted request gets its KV back: recompute it, or swap "
+                                             "it out to host memory.", choices=("recompute", "swap"))
+    swap_space: int | str = flag(1 << 30, "Host memory for swapped-out KV blocks, e.g. 1GiB.", parse=parse_memory_size)
+    max_num_seqs: int = flag(128, "Most requests running at once.")
+    max_num_batched_tokens: int = flag(2048, "Token budget of one step; longer prompts are prefilled in chunks.")
+    max_model_len: int | None = flag(None, "Longest sequence (prompt + output) served; default: the model's "
+                                           "context length, capped at 4096.")
+    kv_allocation_policy: str = flag("paged", "KV allocation: paged, or a contiguous-reservation baseline for "
+                                              "benchmarks: max, pow2 or oracle (core/contiguous_allocator.py).",
+                                     choices=("paged", "max", "pow2", "oracle"))
+    kv_allocator: str = flag("first_fit", "Placement of contiguous reservations (unused by paged).",
+                             choices=("first_fit", "buddy"))
+    device: str = flag("auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N.", group="device")
+    gpu_memory_utilization: float = flag(0.9, "CUDA only: fraction of GPU memory for weights, activations and KV "
+                                              "cache; the KV cache gets what a profiling forward pass leaves (the "
+                                              "CPU uses kv_cache_memory).", group="device")
+    enforce_eager: bool = flag(False, "CUDA only: run decode steps eagerly instead of replaying CUDA graphs.",
+                               group="device")
+    attention_backend: str = flag("auto", "auto (triton on CUDA, torch on the CPU), torch (the PyTorch "
+                                          "reference) or triton.", choices=("auto", "torch", "triton"), group="device")
 
-    tensor_parallel_size: int = 1
-    """Worker processes, one model shard each (1: the model runs in the engine's process).
-    With N > 1, kv_cache_memory is each rank's budget for its share of the KV heads."""
-    master_addr: str = "127.0.0.1"
-    """Address of the torch.distributed rendezvous (this host, reachable by every worker)."""
-    master_port: int | None = None
-    """Port of the rendezvous; None picks a free one (set it when workers run on other hosts)."""
-    num_local_workers: int | None = None
-    """Ranks 0..k-1 are started here; the others join with `pagedllm worker`. None: all of them."""
-    distributed_timeout: float = 120.0
-    """Seconds a collective, worker start-up or step may wait for a peer before the engine dies."""
+    tensor_parallel_size: int = flag(1, "Worker processes, one model shard each (1: the model runs in the "
+                                        "engine's process). With N > 1, kv_cache_memory is each rank's budget "
+                                        "for its share of the KV heads.", aliases=("-tp",), group="tensor parallelism")
+    master_addr: str = flag("127.0.0.1", "Address of the torch.distributed rendezvous (this host, reachable by "
+                                         "every worker).", group="tensor parallelism")
+    master_port: int | None = flag(None, "Port of the rendezvous; default: a free one (set it when workers run on "
+                                         "other hosts).", group="tensor parallelism")
+    num_local_workers: int | None = flag(None, "Ranks 0..k-1 are started here; the others join with `pagedllm "
+                                               "worker`. Default: all of them.", group="tensor parallelism")
+    distributed_timeout: float = flag(120.0, "Seconds a collective, worker start-up or step may wait for a peer "
+                                             "before the engine dies.", group="tensor parallelism")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -158,42 +247,9 @@ class EngineArgs:
             max_model_len=max_model_len,
         )
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                            help="auto: float32 on the CPU, bfloat16 on CUDA")
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--block-size", type=int, default=16)
-        parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
-        parser.add_argument("--num-kv-blocks", type=int, default=None)
-        parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-        parser.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out KV blocks")
-        parser.add_argument("--max-num-seqs", type=int, default=128)
-        parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        parser.add_argument("--max-model-len", type=int, default=None)
-        parser.add_argument("--kv-allocation-policy", default="paged", choices=["paged", "max", "pow2", "oracle"],
-                            help="KV allocation: paged, or a contiguous-reservation baseline (benchmarks)")
-        parser.add_argument("--kv-allocator", default="first_fit", choices=["first_fit", "buddy"],
-                            help="placement of contiguous reservations (non-paged policies)")
-        gpu = parser.add_argument_group("device")
-        gpu.add_argument("--device", default="auto", help="auto, cpu or cuda")
-        gpu.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                         help="CUDA: fraction of GPU memory to use (the KV cache gets what is left)")
-        gpu.add_argument("--enforce-eager", nargs="?", const=True, default=False, type=_parse_bool,
-                         help="CUDA: no CUDA graphs for decode (a bare flag means true)")
-        gpu.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-        group = parser.add_argument_group("tensor parallelism")
-        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                           help="worker processes, one model shard each")
-        group.add_argument("--master-addr", default="127.0.0.1",
-                           help="this host's address for the workers' rendezvous (multi-host)")
-        group.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
-        group.add_argument("--num-local-workers", type=int, default=None,
-                           help="ranks started on this host (the rest join with 'pagedllm worker'); default all")
-        group.add_argument("--distributed-timeout", type=float, default=120.0,
-                           help="seconds to wait for a worker before declaring the engine dead")
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_flags(parser, cls)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
-from pagedllm.config import EngineArgs, parse_memory_size
-
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    """The HTTP server's settings; the scalar fields become flags of `serve` (see config.add_flags)."""
+
+    host: str = flag("127.0.0.1", "Address to listen on.")
+    port: int = flag(8000, "Port to listen on.")
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens accepted on /v1/*; empty = no auth."""
+    """Bearer tokens accepted on /v1/*; empty = no auth (flag: --api-key, repeatable)."""
     served_model_names: tuple[str, ...] = ()
-    """Names clients may use for the model; empty = derived from the model path."""
-    share_prefix_cache_across_keys: bool = False
-    """Let requests of different API keys share cached prefixes (off: tenants are isolated)."""
-    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    log_level: str = "INFO"
+    """Names clients may use for the model; empty = derived from the model path (flag: --served-model-name)."""
+    share_prefix_cache_across_keys: bool = flag(False, "Let requests of different API keys share cached prefixes "
+                                                       "(default: tenants are isolated).")
+    max_request_body_bytes: int = flag(8 * 2**20, "Larger request bodies get 413, e.g. 8MiB.", parse=parse_memory_size)
+    log_level: str = dataclasses.field(default="INFO", metadata={"cli": False})
+    """Set by the top-level --log-level."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -37,16 +39,11 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     """The flags of `serve`: the server's, then every engine arg."""
     serve.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                        help="HF model directory or .gguf file (same as --model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    add_flags(serve, ServerConfig)
     serve.add_argument("--api-key", dest="api_keys", action="append", default=None,
                        help="accept this bearer token on /v1/* (repeatable; default $PAGEDLLM_API_KEY, else no auth)")
     serve.add_argument("--served-model-name", dest="served_model_names", action="append", default=None,
                        help="a name clients use for the model (repeatable; the first is reported)")
-    serve.add_argument("--share-prefix-cache-across-keys", action="store_true",
-                       help="let different API keys share cached prefixes (default: isolated per key)")
-    serve.add_argument("--max-request-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
-                       help="larger request bodies get 413 (e.g. 8MiB)")
     EngineArgs.add_cli_args(serve)
 
 
@@ -59,12 +56,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
     if api_keys is None:
         env_key = os.environ.get("PAGEDLLM_API_KEY")
         api_keys = [env_key] if env_key else []
-    engine_args = EngineArgs.from_cli_args(args)
-    server_config = ServerConfig(
-        host=args.host, port=args.port, api_keys=tuple(api_keys),
-        served_model_names=tuple(args.served_model_names or ()),
-        share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
-        max_request_body_bytes=parse_memory_size(args.max_request_body_bytes),
-        log_level=getattr(args, "log_level", "INFO"),
-    )
-    return engine_args, server_config
+    flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    server_config = ServerConfig(**{**flagged, "api_keys": tuple(api_keys),
+                                    "served_model_names": tuple(args.served_model_names or ())})
+    return EngineArgs.from_cli_args(args), server_config
