@@ -101,7 +101,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--ns", default="2,4,6", help="parallel samples per prompt to measure")
     p.add_argument("--widths", default="2,4,6", help="beam widths to measure")
 
-    p = bsub.add_parser("prefix", help="prefix caching on vs off: shared few-shot prefix, and 0% hit overhead")
+    p = bsub.add_parser("prefix", help="prefix caching on vs off: shared few-shot prefix, and 0%% hit overhead")
     _common(p)
     p.add_argument("--prefix-lens", default="80,341", help="shared prefix lengths (published: ~80 and ~341)")
     p.add_argument("--num-requests", type=int, default=32)
