@@ -78,6 +78,38 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (tensor parallelism) and how they find each other."""
+
+    tensor_parallel_size: int = 1
+    """Ranks, one model shard each (1: the model runs in the engine's process)."""
+    master_addr: str = "127.0.0.1"
+    """Address of the torch.distributed rendezvous (this host, reachable by every worker)."""
+    master_port: int | None = None
+    """Port of the rendezvous; None picks a free one."""
+    num_local_workers: int | None = None
+    """Ranks 0..k-1 are started on this host; the others join with `pagedllm worker`. None: all."""
+    distributed_timeout: float = 120.0
+    """Seconds a collective, worker start-up or step may wait for a peer before the engine dies."""
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.num_local_workers is not None and not 0 <= self.num_local_workers <= tp:
+            raise ValueError(f"num_local_workers must be in [0, {tp}], got {self.num_local_workers}")
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+
+    @property
+    def num_local(self) -> int:
+        """Ranks started on this host."""
+        return self.tensor_parallel_size if self.num_local_workers is None else self.num_local_workers
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can set when starting an engine; each field is also a CLI flag."""
@@ -99,11 +131,6 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     """Defaults to the model's context length, capped at 4096."""
-    kv_allocation_policy: str = "paged"
-    """'paged', or a contiguous-reservation baseline for benchmarks: 'max', 'pow2' or 'oracle'
-    (core/contiguous_allocator.py)."""
-    kv_allocator: str = "first_fit"
-    """Placement of contiguous reservations: 'first_fit' or 'buddy' (unused by 'paged')."""
     device: str = "auto"
     """'auto' (CUDA when torch sees a GPU, else the CPU), 'cpu' or 'cuda'."""
     gpu_memory_utilization: float = 0.9
@@ -146,6 +173,15 @@ class EngineArgs:
             swap_space=parse_memory_size(self.swap_space),
         )
 
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            num_local_workers=self.num_local_workers,
+            distributed_timeout=self.distributed_timeout,
+        )
+
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_model_len = self.max_model_len if self.max_model_len is not None else min(model_max_len, 4096)
         if max_model_len > model_max_len:
@@ -173,10 +209,6 @@ class EngineArgs:
         parser.add_argument("--max-num-seqs", type=int, default=128)
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
         parser.add_argument("--max-model-len", type=int, default=None)
-        parser.add_argument("--kv-allocation-policy", default="paged", choices=["paged", "max", "pow2", "oracle"],
-                            help="KV allocation: paged, or a contiguous-reservation baseline (benchmarks)")
-        parser.add_argument("--kv-allocator", default="first_fit", choices=["first_fit", "buddy"],
-                            help="placement of contiguous reservations (non-paged policies)")
         gpu = parser.add_argument_group("device")
         gpu.add_argument("--device", default="auto", help="auto, cpu or cuda")
         gpu.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -16,17 +16,9 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.interface import eos_token_ids_of
 
 logger = logging.getLogger(__name__)
-
-
-def eos_token_ids_of(hf_config, tokenizer) -> list[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 class LLMEngine:
