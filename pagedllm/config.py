@@ -166,6 +166,38 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (tensor parallelism) and how they find each other."""
+
+    tensor_parallel_size: int = 1
+    """Ranks, one model shard each (1: the model runs in the engine's process)."""
+    master_addr: str = "127.0.0.1"
+    """Address of the torch.distributed rendezvous (this host, reachable by every worker)."""
+    master_port: int | None = None
+    """Port of the rendezvous; None picks a free one."""
+    num_local_workers: int | None = None
+    """Ranks 0..k-1 are started on this host; the others join with `pagedllm worker`. None: all."""
+    distributed_timeout: float = 120.0
+    """Seconds a collective, worker start-up or step may wait for a peer before the engine dies."""
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.num_local_workers is not None and not 0 <= self.num_local_workers <= tp:
+            raise ValueError(f"num_local_workers must be in [0, {tp}], got {self.num_local_workers}")
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+
+    @property
+    def num_local(self) -> int:
+        """Ranks started on this host."""
+        return self.tensor_parallel_size if self.num_local_workers is None else self.num_local_workers
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can set when starting an engine; each field is also a CLI flag (`flag()` declares
@@ -189,11 +221,6 @@ class EngineArgs:
     max_num_batched_tokens: int = flag(2048, "Token budget of one step; longer prompts are prefilled in chunks.")
     max_model_len: int | None = flag(None, "Longest sequence (prompt + output) served; default: the model's "
                                            "context length, capped at 4096.")
-    kv_allocation_policy: str = flag("paged", "KV allocation: paged, or a contiguous-reservation baseline for "
-                                              "benchmarks: max, pow2 or oracle (core/contiguous_allocator.py).",
-                                     choices=("paged", "max", "pow2", "oracle"))
-    kv_allocator: str = flag("first_fit", "Placement of contiguous reservations (unused by paged).",
-                             choices=("first_fit", "buddy"))
     device: str = flag("auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N.", group="device")
     gpu_memory_utilization: float = flag(0.9, "CUDA only: fraction of GPU memory for weights, activations and KV "
                                               "cache; the KV cache gets what a profiling forward pass leaves (the "
@@ -233,6 +260,15 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             preemption_mode=self.preemption_mode,
             swap_space=parse_memory_size(self.swap_space),
+        )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            num_local_workers=self.num_local_workers,
+            distributed_timeout=self.distributed_timeout,
         )
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:

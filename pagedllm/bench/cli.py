@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -31,9 +32,7 @@ DEFAULT_KV_BYTES_PER_TOKEN = 46080
 def _engine_args(args) -> dict:
     from pagedllm.config import EngineArgs
 
-    engine_args = EngineArgs.from_cli_args(args)
-    fields = {k: v for k, v in vars(engine_args).items() if k not in ("kv_allocation_policy", "kv_allocator")}
-    return fields
+    return dict(vars(EngineArgs.from_cli_args(args)))
 
 
 def _floats(text: str) -> list[float]:
@@ -157,13 +156,13 @@ def bench_memory(args, engine_args: dict) -> dict:
     block_size = engine_args.get("block_size", 16)
     result = {"workload": args.workload, "length_scale": args.length_scale, "allocator": args.allocator,
               "engine_args": engine_args}
+    real_args = {**engine_args, "enable_prefix_caching": False}
     llm = None
     if args.mode in ("real", "both"):
         from pagedllm.bench.engine_utils import build_llm
 
-        llm = build_llm(**{**engine_args, "enable_prefix_caching": False})
-        llm.engine.core._bench_allocator = args.allocator
-        num_blocks = llm.engine.core.num_blocks
+        llm = build_llm(**real_args)  # paged; sizes the KV cache every policy then shares
+        num_blocks = llm.engine.core.kv_info.num_blocks
     elif engine_args.get("num_kv_blocks"):
         num_blocks = engine_args["num_kv_blocks"]
     else:
@@ -186,11 +185,20 @@ def bench_memory(args, engine_args: dict) -> dict:
         headers, table = memory_table(rows, real=False)
         print(f"simulated: {len(sim_requests)} requests, {num_blocks} blocks of {block_size}")
         print(format_table(headers, table))
-    if llm is not None:
+    if args.mode in ("real", "both"):
         requests = make_workload(spec_from_args(args, 64, max_len))
-        rows = []
+        by_policy = {}
+        if "paged" in policies:
+            by_policy["paged"] = run_real(requests, "paged", llm, progress=args.progress)
+        llm = None  # one engine (and KV cache) alive at a time: each baseline gets the paged block count
+        gc.collect()
         for p in policies:
-            rows.append(run_real(requests, p, llm, progress=args.progress))
+            if p != "paged":
+                policy_llm = build_llm(p, args.allocator, **{**real_args, "num_kv_blocks": num_blocks})
+                by_policy[p] = run_real(requests, p, policy_llm, progress=args.progress)
+                del policy_llm
+                gc.collect()
+        rows = [by_policy[p] for p in policies]
         reference = rows[0]["_outputs"]
         for r in rows:
             r["outputs_match_first_policy"] = r["_outputs"] == reference

@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
+from pagedllm.bench.contiguous_allocator import kv_cache_manager_factory
 from pagedllm.bench.workloads import BenchRequest
-from pagedllm.core.contiguous_allocator import ContiguousKVCacheManager
 from pagedllm.sampling_params import SamplingParams
 
 
-def install_kv_policy(core, policy: str, allocator: str = "first_fit") -> None:
-    """Replace an idle EngineCore's paged KV manager by a contiguous-reservation one (same KV tensors).
-
-    'paged' leaves the core as it is. The scheduler is rebuilt around the new manager; the model
-    runner is untouched, since contiguous regions are handed out as ordinary block tables.
-    """
-    assert not core.scheduler.has_unfinished_requests(), "change the policy of an idle engine only"
-    if policy == "paged":
-        if not isinstance(core.scheduler.kv, ContiguousKVCacheManager):
-            return
-        from pagedllm.core.kv_cache_manager import KVCacheManager
-
-        manager = KVCacheManager(core.num_blocks, core.cache_config.block_size, core.cache_config.enable_prefix_caching)
-    else:
-        manager = ContiguousKVCacheManager(
-            core.num_blocks, core.cache_config.block_size, policy, core.scheduler_config.max_model_len, allocator
-        )
-    core.kv_cache_manager = manager
-    core.scheduler = type(core.scheduler)(core.scheduler_config, manager)
-
-
 def build_llm(policy: str = "paged", allocator: str = "first_fit", **engine_args):
+    """An offline LLM whose KV cache manager follows `policy` ('paged', 'max', 'pow2' or 'oracle').
+
+    The policy goes in through EngineCore's one injection point, so every other engine argument
+    (preemption_mode included) holds as given.
+    """
     from pagedllm.entrypoints.llm import LLM
 
-    llm = LLM(**engine_args)
-    install_kv_policy(llm.engine.core, policy, allocator)
-    return llm
+    return LLM(**engine_args, kv_cache_manager_factory=kv_cache_manager_factory(policy, allocator))
 
 
 def request_params(request: BenchRequest, temperature: float = 0.0) -> SamplingParams:

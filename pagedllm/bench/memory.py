@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from pagedllm.bench.workloads import FIRST_ORDINARY_TOKEN, BenchRequest
-from pagedllm.core.contiguous_allocator import ContiguousKVCacheManager
+from pagedllm.bench.contiguous_allocator import ContiguousKVCacheManager
 
 STATES = ("useful", "reservation", "internal", "external")
 
@@ -167,26 +167,26 @@ def simulate(requests: list[BenchRequest], policy: str, num_blocks: int, block_s
 
 
 def run_real(requests: list[BenchRequest], policy: str, llm, progress: bool = False) -> dict:
-    """Run the trace through a real engine (built by the caller, its policy installed) and measure."""
-    from pagedllm.bench.engine_utils import engine_prompts, install_kv_policy, request_params
+    """Run the trace through a real engine, built by the caller for `policy` (engine_utils.build_llm)."""
+    from pagedllm.bench.engine_utils import engine_prompts, request_params
 
-    core = llm.engine.core
-    install_kv_policy(core, policy, getattr(core, "_bench_allocator", "first_fit"))
-    probe = MemoryProbe(core.scheduler)
-    preemptions_before = core.scheduler.num_preemptions
+    probe = MemoryProbe(llm.engine.core.scheduler)  # instrumentation: a slot census after every schedule()
+    stats_before = llm.engine.stats()
     start = time.perf_counter()
     try:
         outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
     finally:
         probe.detach()
     elapsed = time.perf_counter() - start
+    stats = llm.engine.stats()
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_in = sum(r.prompt_len for r in requests)
-    assert core.check_kv_leaks() == [], core.check_kv_leaks()
+    assert llm.engine.core.check_kv_leaks() == [], llm.engine.core.check_kv_leaks()
     return {
         "policy": policy, "elapsed_s": elapsed, "num_output_tokens": num_out,
         "output_tok_s": num_out / elapsed, "total_tok_s": (num_out + num_in) / elapsed,
-        "num_preemptions": core.scheduler.num_preemptions - preemptions_before,
+        "num_preemptions": stats.num_preemptions - stats_before.num_preemptions,
+        "num_swap_outs": stats.num_swap_outs - stats_before.num_swap_outs,
         **probe.acc.summary(),
         "_outputs": [[list(c.token_ids) for c in o.outputs] for o in outputs],
     }

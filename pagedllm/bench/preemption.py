@@ -43,12 +43,12 @@ def recovery_cost(block_sizes=(8, 16, 32, 64), context_len: int = 512, repeats: 
         llm = LLM(model=model, block_size=block_size, preemption_mode="swap", swap_space="256MiB",
                   max_model_len=context_len + 16, enable_prefix_caching=False)
         core = llm.engine.core
-        runner = core.runner
+        runner = core.executor.runner  # a micro-benchmark of the runner's own block copies
         prompt = list(range(200, 200 + context_len))
         num_blocks = -(-context_len // block_size)
         device_blocks = list(range(num_blocks))
         host_blocks = list(range(num_blocks))
-        assert num_blocks <= core.kv_cache_manager.num_host_blocks
+        assert num_blocks <= core.kv_info.num_host_blocks
 
         def swap_out_and_in():
             runner._swap_blocks(list(zip(device_blocks, host_blocks)), runner.kv_caches, runner.host_kv_caches)
@@ -71,7 +71,7 @@ def recovery_cost(block_sizes=(8, 16, 32, 64), context_len: int = 512, repeats: 
             "block_size": block_size, "context_len": context_len, "num_blocks": num_blocks,
             "swap_ms": 1000 * swap_s, "recompute_ms": 1000 * recompute_s,
             "recompute_over_swap": recompute_s / swap_s,
-            "swapped_mib": 2 * num_blocks * core.kv_spec.bytes_per_block / 2**20,
+            "swapped_mib": 2 * num_blocks * core.kv_info.bytes_per_block / 2**20,
         })
     return rows
 
@@ -90,10 +90,10 @@ def end_to_end(num_requests: int = 24, num_kv_blocks: int = 40, block_size: int 
         result = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=False)
         elapsed = time.perf_counter() - start
         outputs[mode] = [o.outputs[0].token_ids for o in result]
-        scheduler = llm.engine.core.scheduler
+        stats = llm.engine.stats()
         rows.append({"mode": mode, "elapsed_s": elapsed,
                      "output_tok_s": sum(map(len, outputs[mode])) / elapsed,
-                     "num_preemptions": scheduler.num_preemptions, "num_swap_outs": scheduler.num_swap_outs})
+                     "num_preemptions": stats.num_preemptions, "num_swap_outs": stats.num_swap_outs})
     assert outputs["swap"] == outputs["recompute"], "swap and recompute gave different outputs"
     return rows
 

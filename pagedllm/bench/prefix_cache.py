@@ -19,22 +19,21 @@ from pagedllm.bench.workloads import BenchRequest, WorkloadSpec, make_workload
 
 
 def _timed_run(llm, requests: list[BenchRequest]) -> dict:
-    core = llm.engine.core
-    hits_before = core.kv_cache_manager.prefix_cache_hits
-    queries_before = core.kv_cache_manager.prefix_cache_queries
+    before = llm.engine.stats()
     start = time.perf_counter()
     outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_in = sum(r.prompt_len for r in requests)
-    assert core.check_kv_leaks() == []
+    assert llm.engine.core.check_kv_leaks() == []
+    after = llm.engine.stats()
     return {
         "elapsed_s": elapsed,
         "output_tok_s": num_out / elapsed,
         "total_tok_s": (num_in + num_out) / elapsed,
         "prompt_tokens": num_in,
-        "prefill_tokens_skipped": core.kv_cache_manager.prefix_cache_hits - hits_before,
-        "prefix_cache_queries": core.kv_cache_manager.prefix_cache_queries - queries_before,
+        "prefill_tokens_skipped": after.prefix_cache_hits - before.prefix_cache_hits,
+        "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
         "token_ids": [c.token_ids for o in outputs for c in o.outputs],
     }
 
@@ -47,7 +46,7 @@ def _engines(engine_args: dict):
     warm = [BenchRequest(list(range(100, 120)), 2)]
     for llm in (on, off):
         _timed_run(llm, warm)
-    on.engine.core.kv_cache_manager.reset_prefix_cache()
+    on.engine.reset_prefix_cache()
     return on, off
 
 
@@ -63,7 +62,7 @@ def run_shared_prefix(engine_args: dict, prefix_lens=(80, 341), num_requests: in
         result_off = _timed_run(off, requests)
         result_on = _timed_run(on, requests)
         assert result_on.pop("token_ids") == result_off.pop("token_ids"), "caching changed the outputs"
-        on.engine.core.kv_cache_manager.reset_prefix_cache()
+        on.engine.reset_prefix_cache()
         rows.append({
             "prefix_len": prefix_len, "num_requests": num_requests, "suffix_len": suffix_len,
             "output_len": output_len, "caching_off": result_off, "caching_on": result_on,

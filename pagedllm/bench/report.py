@@ -23,7 +23,7 @@ in the same run. Regenerate everything (JSON, PNG and this page) with one comman
 Each benchmark also runs alone (`pagedllm bench throughput|memory|serving|roofline|attention --help`);
 `tests/bench/` runs all of them in a smoke size on a tiny model. The code and the exact
 definitions are in `pagedllm/bench/` (module docstrings); the contiguous-reservation baselines are
-in `pagedllm/core/contiguous_allocator.py`.
+in `pagedllm/bench/contiguous_allocator.py`.
 
 **Sizes are small on purpose.** The machine is a shared 2-core CPU; the default model
 (SmolLM2-135M-Instruct) runs in float32. Traces are the seeded synthetic ShareGPT-like (mean
@@ -109,7 +109,7 @@ def write_report(results: dict, out_dir: Path, path: Path, command: str) -> Path
     parts.append("## Serving: Poisson arrivals over HTTP (streaming /v1/completions)\n")
     if r and "error" not in r:
         parts.append(f"{r['workload']}: {_trace_line(r['trace'], r.get('length_scale'))} at each rate; one "
-                     f"`pagedllm serve` per allocation policy (`--kv-allocation-policy`), KV budget "
+                     f"`pagedllm serve` per allocation policy (`python -m pagedllm.bench.baseline_server --kv-allocation-policy`), KV budget "
                      f"{r['engine_args'].get('kv_cache_memory')} bytes, max_model_len "
                      f"{r['engine_args'].get('max_model_len')}. Latencies in seconds; normalized latency = "
                      f"request latency / its output tokens.\n")

@@ -75,7 +75,7 @@ class _StepTimer:
     def __init__(self, core) -> None:
         self.records: list[dict] = []
         self._current: dict = {}
-        sched, runner = core.scheduler, core.runner
+        sched, runner = core.scheduler, core.executor.runner
         orig_schedule, orig_prepare, orig_step = sched.schedule, runner._prepare_inputs, core.step
 
         def schedule():
@@ -110,8 +110,8 @@ def run_roofline(llm, batch_sizes: list[int], prompt_len: int = 64, decode_steps
     from pagedllm.bench.workloads import WorkloadSpec, make_workload
 
     core = llm.engine.core
-    model = core.runner.model
-    cfg = core.loaded.hf_config
+    model = core.executor.runner.model  # instrumentation: the roofline needs the weights themselves
+    cfg = core.model_info.hf_config
     bandwidth = measure_bandwidth()
     matmul_rate = measure_matmul_rate()
     weights = linear_weights(model)
@@ -120,7 +120,7 @@ def run_roofline(llm, batch_sizes: list[int], prompt_len: int = 64, decode_steps
     num_layers = cfg.num_hidden_layers
     num_heads = cfg.num_attention_heads
     head_dim = model.head_dim
-    kv_bytes_per_token = core.kv_spec.bytes_per_block // core.kv_spec.block_size
+    kv_bytes_per_token = core.kv_info.bytes_per_block // core.kv_info.block_size
     timer = _StepTimer(core)
     rows = []
     for batch_size in tqdm(batch_sizes, desc="roofline", disable=not progress, unit="batch"):

@@ -12,7 +12,8 @@ chunk carries several tokens). Per request we record:
                 vLLM paper's serving metric)
 
 Per request rate: request and output-token throughput over the run, and p50/p90/p99 of each
-metric. `run_sweep` starts `pagedllm serve` once per allocation policy (--kv-allocation-policy)
+metric. `run_sweep` starts a server (bench/baseline_server.py: `pagedllm serve` over a KV
+allocation policy) once per policy (--kv-allocation-policy)
 and sweeps the rates; `--url` targets an already running server instead.
 """
 
@@ -157,7 +158,8 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """`pagedllm serve` in a subprocess on a free loopback port; stop() ends it (and its engine core)."""
+    """`pagedllm serve` (bench/baseline_server.py) in a subprocess on a free loopback port; stop() ends it
+    (and its engine core)."""
 
     def __init__(self, serve_args: list[str], log_path: str, startup_timeout_s: float = 300) -> None:
         import httpx
@@ -166,7 +168,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "wb")
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "serve",
+        cmd = [sys.executable, "-m", "pagedllm.bench.baseline_server", "--log-level", "WARNING",
                "--port", str(self.port), *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.monotonic() + startup_timeout_s

@@ -71,7 +71,7 @@ def run_sharing(llm, requests: list[BenchRequest], ns=(2, 4, 6), widths=(2, 4, 6
             rows.append(row)
             if progress:
                 print(f"{kind} {size}: {row['saved_percent']:.1f}% saved ({elapsed:.1f} s)", flush=True)
-    return {"trace": trace_stats(requests), "block_size": llm.engine.core.kv_cache_manager.block_size,
+    return {"trace": trace_stats(requests), "block_size": llm.engine.core.kv_info.block_size,
             "rows": rows, "published_percent": PUBLISHED}
 
 

@@ -37,7 +37,7 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True) -> dict
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     expected = sum(r.output_len * r.n for r in requests)
     assert num_out == expected, f"the engine generated {num_out} tokens, expected {expected}"
-    return _rates("engine", requests, num_out, elapsed, num_preemptions=llm.engine.core.scheduler.num_preemptions,
+    return _rates("engine", requests, num_out, elapsed, num_preemptions=llm.engine.stats().num_preemptions,
                   **engine_memory(llm))
 
 
@@ -46,8 +46,8 @@ def engine_memory(llm) -> dict:
     import resource
 
     core = llm.engine.core
-    weights = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-    kv = core.num_blocks * core.kv_spec.bytes_per_block
+    weights = sum(p.numel() * p.element_size() for p in core.executor.runner.model.parameters())
+    kv = core.kv_info.num_blocks * core.kv_info.bytes_per_block
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return {"peak_rss_mib": peak / 2**20, "weights_mib": weights / 2**20, "kv_cache_mib": kv / 2**20,
             "peak_over_weights_kv_mib": (peak - weights - kv) / 2**20}
@@ -138,9 +138,9 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
     llm = build_llm(**engine_args)
     systems = [run_engine(llm, requests, progress)]
     core = llm.engine.core
-    kv_tokens = core.num_blocks * core.cache_config.block_size
+    kv_tokens = core.kv_info.num_blocks * core.kv_info.block_size
     max_batch_tokens = core.scheduler_config.max_num_batched_tokens
-    model_path = llm.engine.core.loaded.model_path
+    model_path = core.model_info.model_path
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     pad = pad if pad is not None else 0
     del llm

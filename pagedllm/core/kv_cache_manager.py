@@ -52,6 +52,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
+
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

@@ -56,8 +56,22 @@ def tp_shape(tp_size: int, tp_rank: int, num_heads: int, num_kv_heads: int) -> T
     )
 
 
+def head_dim_of(hf_config) -> int:
+    """Per-head width: the config's ``head_dim`` if set, else hidden_size / num_attention_heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_kv_heads_of(hf_config) -> int:
+    """Global KV heads (GQA); a config without ``num_key_value_heads`` has one per query head."""
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def config_tp_shape(hf_config, tp_size: int = 1, tp_rank: int = 0) -> TPShape:
+    """``tp_shape`` for a Hugging Face config, after checking that it splits ``tp_size`` ways."""
+    check_config_tp_size(hf_config, tp_size)
+    return tp_shape(tp_size, tp_rank, hf_config.num_attention_heads, num_kv_heads_of(hf_config))
+
+
 def check_config_tp_size(hf_config, tp_size: int) -> None:
     """``check_tp_size`` for a Hugging Face config."""
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    check_tp_size(tp_size, num_heads, num_kv_heads, hf_config.intermediate_size)
+    check_tp_size(tp_size, hf_config.num_attention_heads, num_kv_heads_of(hf_config), hf_config.intermediate_size)

@@ -109,9 +109,10 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, engine_args: EngineArgs, metrics: ServerMetrics | None = None,
-                    log_level: str = "INFO", ready_timeout_s: float = 900.0) -> AsyncLLM:
+                    log_level: str = "INFO", ready_timeout_s: float = 900.0,
+                    kv_cache_manager_factory=None) -> AsyncLLM:
         """Spawn the engine core, wait until its model is loaded, and load the tokenizer here."""
-        client = MPCoreClient(engine_args, log_level)
+        client = MPCoreClient(engine_args, log_level, kv_cache_manager_factory)
         try:
             ready = await client.wait_ready(ready_timeout_s)
             tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)

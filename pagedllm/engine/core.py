@@ -1,129 +1,64 @@
 """EngineCore: the loop body of serving. Schedule, execute, update; nothing else.
 
 It owns the scheduler (with its KV cache manager) and an executor: the model runner in this
-process (tensor_parallel_size=1), or N tensor-parallel worker processes. Front ends talk to it
-through EngineCoreRequest in and EngineCoreOutput out; text is made elsewhere.
+process (tensor_parallel_size=1), or N tensor-parallel worker processes. The executor loads the
+model and sizes the KV cache; the core gets back plain numbers (worker/interface.py), so this
+module imports neither torch nor the model. Front ends talk to it through EngineCoreRequest in
+and EngineCoreOutput out; text is made elsewhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
-import torch
-
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManagerProtocol, paged_kv_cache_manager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreRequest, EngineStatsMsg
-from pagedllm.distributed.shapes import check_config_tp_size, tp_shape
-from pagedllm.model.loader import LoadedModel, load_model, load_model_info
-from pagedllm.worker.executor import Executor, UniprocExecutor
-from pagedllm.worker.gpu import profile_num_kv_blocks, resolve_device
-from pagedllm.worker.kv_cache import KVCacheSpec
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 class EngineCore:
-    """Scheduler + model runner, stepped by the caller (in-process) or a busy loop (its own process)."""
+    """Scheduler + executor, stepped by the caller (in-process) or a busy loop (its own process).
 
-    def __init__(self, engine_args: EngineArgs, loaded: LoadedModel | None = None) -> None:
-        device = resolve_device(engine_args.device)
-        if engine_args.dtype == "auto":
-            engine_args = dataclasses.replace(engine_args, dtype="bfloat16" if device.type == "cuda" else "float32")
-        dtype = _DTYPES[engine_args.dtype]
-        tp_size = engine_args.tensor_parallel_size
-        if tp_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
-        if tp_size > 1 and device.type != "cpu":
-            raise ValueError("tensor parallelism runs on the CPU (gloo) so far; pass device='cpu' (--device cpu)")
-        if loaded is None:
-            # With tensor parallelism the weights live in the workers: read only config and tokenizer.
-            loaded = load_model(engine_args.model, dtype=dtype, device=str(device)) if tp_size == 1 else load_model_info(engine_args.model)
-        self.loaded = loaded
-        hf_config = self.loaded.hf_config
-        model = self.loaded.model
+    `executor`: one already built (tests); by default the one `engine_args` call for.
+    `kv_cache_manager_factory`: how the KV cache manager is made over the executor's blocks
+    (default: paged); benchmarks pass their allocation-policy baselines here.
+    """
+
+    def __init__(self, engine_args: EngineArgs, *, executor: Executor | None = None,
+                 kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
         self.cache_config: CacheConfig = engine_args.cache_config()
-        self.scheduler_config: SchedulerConfig = engine_args.scheduler_config(
-            getattr(hf_config, "max_position_embeddings", 4096)
-        )
-        if tp_size == 1:
-            num_kv_heads, head_dim = model.num_kv_heads, model.head_dim
-        else:  # each rank caches only its own KV heads
-            check_config_tp_size(hf_config, tp_size)
-            num_heads = hf_config.num_attention_heads
-            num_kv_heads = tp_shape(tp_size, 0, num_heads, getattr(hf_config, "num_key_value_heads", None)
-                                    or num_heads).num_kv_heads
-            head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        self.kv_spec = KVCacheSpec(
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            block_size=self.cache_config.block_size,
-            dtype=dtype,
-        )
-        num_blocks = self.cache_config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(
-            self.cache_config.kv_cache_memory
-        )
-        if device.type == "cuda" and model is not None and self.cache_config.num_kv_blocks is None:
-            num_blocks = profile_num_kv_blocks(  # CUDA: what gpu_memory_utilization leaves, not kv_cache_memory
-                model, self.kv_spec.bytes_per_block, self.scheduler_config.max_num_batched_tokens,
-                self.scheduler_config.max_num_seqs, engine_args.gpu_memory_utilization, device,
-            )
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={self.cache_config.kv_cache_memory} bytes is less than one KV block "
-                f"({self.kv_spec.bytes_per_block} bytes); raise it"
-            )
-        self.num_blocks = num_blocks
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d KiB per block): at most %d tokens in flight",
-            num_blocks, self.cache_config.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20,
-            self.kv_spec.bytes_per_block // 1024, num_blocks * self.cache_config.block_size,
-        )
-        num_host_blocks = 0
-        if self.cache_config.preemption_mode == "swap":
-            num_host_blocks = self.kv_spec.num_blocks_for_memory(self.cache_config.swap_space)
-            logger.info("Swap space: %d host blocks", num_host_blocks)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching,
-            num_host_blocks=num_host_blocks,
-        )
-        if engine_args.kv_allocation_policy != "paged":  # contiguous-reservation baselines (benchmarks)
-            from pagedllm.core.contiguous_allocator import ContiguousKVCacheManager
+        if executor is None:
+            from pagedllm.worker.executor import create_executor  # torch and the model load behind this line
 
-            self.kv_cache_manager = ContiguousKVCacheManager(
-                num_blocks, self.cache_config.block_size, engine_args.kv_allocation_policy,
-                self.scheduler_config.max_model_len, engine_args.kv_allocator,
-            )
+            executor = create_executor(engine_args, engine_args.parallel_config())
+        self.executor = executor
+        try:
+            self.model_info: ModelInfo = executor.model_info
+            self.scheduler_config: SchedulerConfig = engine_args.scheduler_config(
+                self.model_info.max_position_embeddings)
+            self.kv_info: KVCacheInfo = executor.initialize_kv_cache(self.cache_config, self.scheduler_config)
+            make_kv_cache_manager = kv_cache_manager_factory or paged_kv_cache_manager
+            self.kv_cache_manager: KVCacheManagerProtocol = make_kv_cache_manager(
+                self.kv_info.num_blocks, self.kv_info.num_host_blocks, self.cache_config, self.scheduler_config)
+        except BaseException:
+            executor.shutdown()  # tensor-parallel workers may already be running
+            raise
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode)
-        self.runner: ModelRunner | None = None  # in this process only when tensor_parallel_size == 1
-        self.executor: Executor
-        if tp_size == 1:
-            self.runner = ModelRunner(
-                model, vocab_size=hf_config.vocab_size, kv_spec=self.kv_spec, num_blocks=num_blocks,
-                seed=engine_args.seed, num_host_blocks=num_host_blocks,
-                device=device, attention_backend=engine_args.attention_backend,
-                enforce_eager=engine_args.enforce_eager, max_num_seqs=self.scheduler_config.max_num_seqs,
-                max_model_len=self.scheduler_config.max_model_len,
-            )
-            self.executor = UniprocExecutor(self.runner)
-        else:
-            from pagedllm.worker.executor import MultiprocTPExecutor
 
-            logger.info("tensor parallel: %d ranks, %d KV heads each", tp_size, num_kv_heads)
-            self.executor = MultiprocTPExecutor(
-                model_dir=self.loaded.model_path, dtype=engine_args.dtype, tp_size=tp_size,
-                kv_spec=self.kv_spec, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
-                seed=engine_args.seed, master_addr=engine_args.master_addr, master_port=engine_args.master_port,
-                num_local_workers=engine_args.num_local_workers, timeout_s=engine_args.distributed_timeout,
-            )
+    @property
+    def loaded(self) -> ModelInfo:
+        """The model's config, tokenizer and path (its old name; prefer `model_info`)."""
+        return self.model_info
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_info.num_blocks
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served."""
@@ -164,17 +99,24 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> EngineStatsMsg:
-        """A snapshot for metrics and logs (the same message the core process sends)."""
+        """A snapshot for metrics, logs and benchmarks (the same message the core process sends).
+
+        Counters (preemptions, swap-outs, prefix-cache queries and hits, evictions) only grow."""
         kv = self.kv_cache_manager
         return EngineStatsMsg(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
+            num_swap_outs=self.scheduler.num_swap_outs,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
-            num_evictions=kv.pool.num_evictions,
+            num_evictions=kv.num_evictions,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (benchmarks: a cold cache); False if some are still in use."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def check_kv_leaks(self) -> list[str]:
         """When idle, every block must be free or cached. Returns the problems found."""

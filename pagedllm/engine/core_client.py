@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.kv_cache_interface import KVCacheManagerFactory
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.protocol import (
@@ -72,7 +73,8 @@ class MPCoreClient:
     raises EngineDeadError once the core has died (a dead signal, or the process vanished).
     """
 
-    def __init__(self, engine_args: EngineArgs, log_level: str = "INFO") -> None:
+    def __init__(self, engine_args: EngineArgs, log_level: str = "INFO",
+                 kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
         os.chmod(self._ipc_dir, 0o700)
         input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
@@ -97,7 +99,7 @@ class MPCoreClient:
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(
             target=run_engine_core, name="pagedllm-engine-core",
-            args=(engine_args, input_address, output_address, log_level),
+            args=(engine_args, input_address, output_address, log_level, kv_cache_manager_factory),
         )
         self.process.start()
 

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.kv_cache_interface import KVCacheManagerFactory
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.protocol import (
     AbortRequestsMsg,
@@ -46,7 +47,8 @@ _SEND_LINGER_MS = 2000
 class EngineCoreProc:
     """Owns an EngineCore and the core side of the sockets. The constructor returns; run_busy_loop() loops."""
 
-    def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str) -> None:
+    def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str,
+                 kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
         self._ctx = zmq.Context()
         self.output_socket = self._ctx.socket(zmq.PUSH)
         self.output_socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
@@ -62,22 +64,21 @@ class EngineCoreProc:
         self._num_kv_leaks = 0
         self.core: EngineCore | None = None
         self._engine_args = engine_args
+        self._kv_cache_manager_factory = kv_cache_manager_factory
 
     # --- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
         """Load the model and announce readiness (an EngineDeadMsg if loading fails)."""
-        from pagedllm.engine.llm_engine import eos_token_ids_of
-
-        self.core = EngineCore(self._engine_args)
-        loaded = self.core.loaded
+        self.core = EngineCore(self._engine_args, kv_cache_manager_factory=self._kv_cache_manager_factory)
+        info = self.core.model_info
         self._send(ReadyMsg(
-            model_path=loaded.model_path,
+            model_path=info.model_path,
             max_model_len=self.core.scheduler_config.max_model_len,
-            vocab_size=loaded.hf_config.vocab_size,
-            eos_token_ids=eos_token_ids_of(loaded.hf_config, loaded.tokenizer),
-            num_blocks=self.core.num_blocks,
-            block_size=self.core.cache_config.block_size,
+            vocab_size=info.vocab_size,
+            eos_token_ids=list(info.eos_token_ids),
+            num_blocks=self.core.kv_info.num_blocks,
+            block_size=self.core.kv_info.block_size,
         ))
 
     def run_busy_loop(self) -> None:
@@ -171,12 +172,14 @@ def _raise_system_exit(signum, frame) -> None:
 
 
 def run_engine_core(engine_args: EngineArgs, input_address: str, output_address: str,
-                    log_level: str = "INFO") -> None:
-    """Process entry point: load, announce readiness, loop; a fatal error becomes an EngineDeadMsg."""
+                    log_level: str = "INFO", kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
+    """Process entry point: load, announce readiness, loop; a fatal error becomes an EngineDeadMsg.
+
+    `kv_cache_manager_factory` must be picklable (it crosses into the spawned process)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s [core]: %(message)s")
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
-    proc = EngineCoreProc(engine_args, input_address, output_address)
+    proc = EngineCoreProc(engine_args, input_address, output_address, kv_cache_manager_factory)
     exit_code = 0
     try:
         proc.start()

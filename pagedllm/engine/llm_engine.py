@@ -13,26 +13,21 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.protocol import EngineStatsMsg
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.interface import eos_token_ids_of
 
 logger = logging.getLogger(__name__)
 
 
-def eos_token_ids_of(hf_config, tokenizer) -> list[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
 class LLMEngine:
-    def __init__(self, engine_args: EngineArgs | None = None, core: EngineCore | None = None) -> None:
+    def __init__(self, engine_args: EngineArgs | None = None, core: EngineCore | None = None,
+                 kv_cache_manager_factory=None) -> None:
         self.engine_args = engine_args or EngineArgs()
-        self.core = core if core is not None else EngineCore(self.engine_args)
+        self.core = core if core is not None else EngineCore(self.engine_args,
+                                                             kv_cache_manager_factory=kv_cache_manager_factory)
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
@@ -79,3 +74,11 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def stats(self) -> EngineStatsMsg:
+        """The core's gauges and cumulative counters (EngineCore.stats)."""
+        return self.core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False if some are still in use."""
+        return self.core.reset_prefix_cache()

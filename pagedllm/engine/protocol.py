@@ -84,6 +84,8 @@ class EngineStatsMsg(msgspec.Struct):
     num_evictions: int
     num_kv_leaks: int = 0
     """Problems found by the last idle leak check (0 = every block free or cached)."""
+    num_swap_outs: int = 0
+    """Preemptions that swapped the request's KV out to host memory (the rest recompute)."""
 
 
 class ReadyMsg(msgspec.Struct, tag="ready"):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
-from pagedllm.distributed.shapes import check_config_tp_size
+from pagedllm.distributed.shapes import check_config_tp_size, head_dim_of as _head_dim
 from pagedllm.model.attention.layer import Attention
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
@@ -26,10 +26,6 @@ from pagedllm.model.layers.linear import (
 )
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):

@@ -1,9 +1,13 @@
 """Executors: how the engine core runs a step. One scheduler, one or many model shards.
 
-* ``UniprocExecutor`` wraps a ``ModelRunner`` in the engine's own process (tensor_parallel_size=1).
+* ``UniprocExecutor`` loads the model and runs a ``ModelRunner`` in the engine's own process
+  (tensor_parallel_size=1).
 * ``MultiprocTPExecutor`` drives N worker processes (tp_worker.py), one rank each: it hosts the
   torch.distributed rendezvous store, starts the local ranks, sends every rank the same encoded
   ``SchedulerOutput`` and returns rank 0's ``ModelRunnerOutput``.
+
+``create_executor`` picks one and resolves the device and dtype. Both size the KV cache in
+``initialize_kv_cache`` (the contract is in interface.py) and report it as a ``KVCacheInfo``.
 
 Failure: while it waits it polls the local processes and every rank's heartbeat counter in the
 store; a worker that dies, stops beating, reports an error or misses the step deadline makes the
@@ -19,16 +23,20 @@ import subprocess
 import sys
 import time
 import weakref
-from abc import ABC, abstractmethod
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import zmq
 
+from pagedllm.config import CacheConfig, EngineArgs, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
+from pagedllm.model.loader import load_model, load_model_info
 from pagedllm.worker import tp_protocol as proto
-from pagedllm.worker.kv_cache import KVCacheSpec
+from pagedllm.worker.gpu import profile_num_kv_blocks, resolve_device, resolve_dtype
+from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
+from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -37,23 +45,55 @@ HEARTBEAT_TIMEOUT_S = 10.0
 _POLL_MS = 100
 
 
-class Executor(ABC):
-    @abstractmethod
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every shard; the sampled tokens (identical on every rank)."""
+def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) -> Executor:
+    """The executor for these arguments, its model loaded (weights only where they run)."""
+    device = resolve_device(engine_args.device)
+    dtype = resolve_dtype(engine_args.dtype, device)
+    if parallel_config.tensor_parallel_size == 1:
+        return UniprocExecutor(engine_args, device, dtype)
+    if device.type != "cpu":
+        raise ValueError("tensor parallelism runs on the CPU (gloo) so far; pass device='cpu' (--device cpu)")
+    return MultiprocTPExecutor(engine_args, parallel_config, dtype)
 
-    def check_health(self) -> None:
-        """Raise EngineDeadError if a worker has failed (the engine must not schedule again)."""
 
-    def shutdown(self) -> None:
-        """Stop the workers and release the sockets (idempotent)."""
+def _kv_cache_info(spec: KVCacheSpec, num_blocks: int, num_host_blocks: int) -> KVCacheInfo:
+    return KVCacheInfo(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=spec.block_size,
+                       bytes_per_block=spec.bytes_per_block, num_kv_heads=spec.num_kv_heads)
 
 
 class UniprocExecutor(Executor):
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    """The whole model in this process."""
+
+    def __init__(self, engine_args: EngineArgs, device: torch.device, dtype: torch.dtype) -> None:
+        self.engine_args = engine_args
+        self.device = device
+        self.dtype = dtype
+        self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device))
+        self.model_info = ModelInfo.from_loaded(self.loaded)
+        self.kv_spec: KVCacheSpec | None = None
+        self.runner: ModelRunner | None = None
+
+    def initialize_kv_cache(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> KVCacheInfo:
+        model = self.loaded.model
+        self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, self.dtype)
+        profiled = None
+        if self.device.type == "cuda" and cache_config.num_kv_blocks is None:
+            profiled = profile_num_kv_blocks(  # CUDA: what gpu_memory_utilization leaves, not kv_cache_memory
+                model, spec.bytes_per_block, scheduler_config.max_num_batched_tokens,
+                scheduler_config.max_num_seqs, self.engine_args.gpu_memory_utilization, self.device,
+            )
+        num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config, profiled)
+        args = self.engine_args
+        self.runner = ModelRunner(
+            model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
+            num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager, max_num_seqs=scheduler_config.max_num_seqs,
+            max_model_len=scheduler_config.max_model_len,
+        )
+        return _kv_cache_info(spec, num_blocks, num_host_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "initialize_kv_cache() first"
         return self.runner.execute_model(sched)
 
 
@@ -79,22 +119,37 @@ def _stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 2.0) ->
 class MultiprocTPExecutor(Executor):
     """N tensor-parallel ranks in worker processes; ranks >= num_local_workers join from elsewhere."""
 
-    def __init__(self, *, model_dir: str, dtype: str, tp_size: int, kv_spec: KVCacheSpec, num_blocks: int,
-                 num_host_blocks: int, seed: int, master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 num_local_workers: int | None = None, timeout_s: float = 120.0) -> None:
-        num_local = tp_size if num_local_workers is None else num_local_workers
-        if not 0 <= num_local <= tp_size:
-            raise ValueError(f"num_local_workers must be in [0, {tp_size}], got {num_local}")
-        self.tp_size = tp_size
-        self.timeout_s = timeout_s
-        self.heartbeat_timeout_s = min(HEARTBEAT_TIMEOUT_S, timeout_s)
+    def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
+        # The weights live in the workers: this process reads only the config and tokenizer.
+        self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model))
+        self.parallel_config = parallel_config
+        self.seed = engine_args.seed
+        self.dtype = dtype
+        self.tp_size = parallel_config.tensor_parallel_size
+        self.timeout_s = parallel_config.distributed_timeout
+        self.heartbeat_timeout_s = min(HEARTBEAT_TIMEOUT_S, self.timeout_s)
+        self.kv_spec: KVCacheSpec | None = None
         self._dead: str | None = None
         self._step_id = 0
         self.procs: dict[int, subprocess.Popen] = {}
+        self._launched = False
         self._closed = False
 
+    def initialize_kv_cache(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> KVCacheInfo:
+        self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size,
+                                                    self.dtype, self.tp_size)
+        num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config)
+        logger.info("tensor parallel: %d ranks, %d KV heads each", self.tp_size, spec.num_kv_heads)
+        self._launch(spec, num_blocks, num_host_blocks)
+        return _kv_cache_info(spec, num_blocks, num_host_blocks)
+
+    def _launch(self, kv_spec: KVCacheSpec, num_blocks: int, num_host_blocks: int) -> None:
+        """Host the rendezvous, start the local ranks and wait until every rank holds its shard."""
+        config = self.parallel_config
+        master_addr, tp_size, timeout_s, num_local = (config.master_addr, self.tp_size, self.timeout_s,
+                                                      config.num_local)
         # The rendezvous store lives here, so workers on any host need only HOST:PORT.
-        self.store = dist.TCPStore(master_addr, master_port or 0, None, True,
+        self.store = dist.TCPStore(master_addr, config.master_port or 0, None, True,
                                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         self.master_addr, self.master_port = master_addr, self.store.port
         self._ctx = zmq.Context()
@@ -105,6 +160,7 @@ class MultiprocTPExecutor(Executor):
         self.store.set(proto.ENGINE_ADDRESS_KEY, f"tcp://{master_addr}:{port}")
         self._heartbeats: dict[int, tuple[int, float]] = {}
         self._last_liveness_check = 0.0
+        self._launched = True
 
         threads = max(1, (os.cpu_count() or 1) // max(1, num_local))
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -124,7 +180,8 @@ class MultiprocTPExecutor(Executor):
                         "--master-port %d --rank R --world-size %d'", num_local, tp_size - 1,
                         master_addr, self.master_port, tp_size)
         try:
-            self._start(model_dir, dtype, kv_spec, num_blocks, num_host_blocks, seed)
+            self._start(self.model_info.model_path, str(self.dtype).removeprefix("torch."), kv_spec, num_blocks,
+                        num_host_blocks, self.seed)
         except _WorkerFailure as failure:
             self._die(f"tensor-parallel start-up failed: {failure}")
 
@@ -258,6 +315,9 @@ class MultiprocTPExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        if not self._launched:
+            self._dead = "the engine was shut down"
+            return
         stop = proto.encoder.encode(proto.StopWorkerMsg())
         for rank in range(self.tp_size):
             try:

@@ -1,6 +1,6 @@
-"""CUDA-only helpers of the model runner: device choice, KV sizing by profiling, decode CUDA graphs.
+"""CUDA-only helpers of the model runner: device and dtype choice, KV sizing by profiling, decode CUDA graphs.
 
-Nothing here runs on the CPU path except ``resolve_device`` (and ``DecodeGraphRunner`` with
+Nothing here runs on the CPU path except ``resolve_device``, ``resolve_dtype`` (and ``DecodeGraphRunner`` with
 ``capture=False``, which tests use to check the padded static-buffer decode on the CPU).
 """
 
@@ -27,6 +27,16 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA device")
     return device
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA, float32 on the CPU (bf16 matmuls are far slower there)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
 
 
 @torch.inference_mode()

@@ -11,9 +11,15 @@ indexed copy through the slot mapping and reading a block table is one gather.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.config import CacheConfig
+from pagedllm.distributed.shapes import config_tp_shape, head_dim_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,35 @@ class KVCacheSpec:
 
     def num_blocks_for_memory(self, kv_cache_memory: int) -> int:
         return kv_cache_memory // self.bytes_per_block
+
+    @classmethod
+    def for_model(cls, hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVCacheSpec:
+        """The cache of one rank: with tensor parallelism each rank caches only its own KV heads."""
+        return cls(num_layers=hf_config.num_hidden_layers, num_kv_heads=config_tp_shape(hf_config, tp_size).num_kv_heads,
+                   head_dim=head_dim_of(hf_config), block_size=block_size, dtype=dtype)
+
+
+def num_kv_blocks(spec: KVCacheSpec, cache_config: CacheConfig, profiled: int | None = None) -> tuple[int, int]:
+    """(device blocks, host swap blocks): an explicit count, else what profiling found (CUDA), else
+    kv_cache_memory's worth; host blocks only for preemption_mode='swap'."""
+    num_blocks = cache_config.num_kv_blocks or profiled
+    if num_blocks is None:
+        num_blocks = spec.num_blocks_for_memory(cache_config.kv_cache_memory)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={cache_config.kv_cache_memory} bytes is less than one KV block "
+            f"({spec.bytes_per_block} bytes); raise it"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %d KiB per block): at most %d tokens in flight",
+        num_blocks, spec.block_size, num_blocks * spec.bytes_per_block / 2**20,
+        spec.bytes_per_block // 1024, num_blocks * spec.block_size,
+    )
+    num_host_blocks = 0
+    if cache_config.preemption_mode == "swap":
+        num_host_blocks = spec.num_blocks_for_memory(cache_config.swap_space)
+        logger.info("Swap space: %d host blocks", num_host_blocks)
+    return num_blocks, num_host_blocks
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.contiguous_allocator import (
+from pagedllm.bench.contiguous_allocator import (
     BuddyAllocator,
     ContiguousKVCacheManager,
     FirstFitAllocator,

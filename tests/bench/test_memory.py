@@ -36,8 +36,8 @@ def test_simulated_fractions_sum_to_one_and_order_the_policies(allocator):
 
 def test_every_policy_gives_paged_outputs_and_the_simulation_matches_the_real_run(tiny_engine_args):
     requests = _trace()
-    llm = build_llm(**{**tiny_engine_args, "enable_prefix_caching": False})
-    real = {p: run_real(requests, p, llm) for p in ("max", "paged", "pow2", "oracle")}  # back to paged in between
+    args = {**tiny_engine_args, "enable_prefix_caching": False}
+    real = {p: run_real(requests, p, build_llm(p, **args)) for p in ("max", "paged", "pow2", "oracle")}
     for p in POLICIES:
         assert real[p]["_outputs"] == real["paged"]["_outputs"], f"{p} changed the greedy outputs"
         assert sum(real[p]["fractions"].values()) == pytest.approx(1.0)
@@ -51,14 +51,35 @@ def test_every_policy_gives_paged_outputs_and_the_simulation_matches_the_real_ru
     assert real["max"]["max_running"] <= 4 < real["paged"]["max_running"]
 
 
-def test_the_engine_selects_a_policy_from_engine_args(tiny_engine_args):
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.core.contiguous_allocator import ContiguousKVCacheManager
+def test_a_policy_goes_in_through_the_engine_cores_injection_point(tiny_engine_args):
+    from pagedllm import SamplingParams
+    from pagedllm.bench.contiguous_allocator import ContiguousKVCacheManager
 
-    llm = LLM(**tiny_engine_args, kv_allocation_policy="pow2", kv_allocator="buddy")
-    kv = llm.engine.core.scheduler.kv
+    llm = build_llm("pow2", "buddy", **tiny_engine_args)
+    core = llm.engine.core
+    kv = core.kv_cache_manager
+    assert core.scheduler.kv is kv
     assert isinstance(kv, ContiguousKVCacheManager) and kv.policy == "pow2" and kv.allocator_name == "buddy"
+    assert kv.num_blocks == core.kv_info.num_blocks == tiny_engine_args["num_kv_blocks"]
     out = llm.generate([{"prompt_token_ids": [200, 300, 400]}], SamplingParams(max_tokens=5, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
-    assert llm.engine.core.check_kv_leaks() == []
+    assert core.check_kv_leaks() == []
+    assert llm.engine.stats().num_evictions == 0
+
+
+def test_a_benchmark_engine_built_for_swap_swaps(tiny_engine_args):
+    # The old bench rebuilt the Scheduler after construction without its preemption mode, so a
+    # paged run after a baseline silently recomputed. Built through the injection point, every
+    # engine argument holds: under memory pressure this engine swaps.
+    args = {**tiny_engine_args, "enable_prefix_caching": False, "num_kv_blocks": 12,
+            "preemption_mode": "swap", "swap_space": "64MiB"}
+    requests = make_workload(WorkloadSpec("fixed", 6, max_model_len=128, input_len=40, output_len=40))
+    llms = {p: build_llm(p, **args) for p in ("max", "paged")}
+    for llm in llms.values():
+        assert llm.engine.core.scheduler.preemption_mode == "swap"
+    rows = {p: run_real(requests, p, llm) for p, llm in llms.items()}
+    assert rows["paged"]["num_preemptions"] > 0, "the run was meant to preempt"
+    assert rows["paged"]["num_swap_outs"] == rows["paged"]["num_preemptions"]
+    assert rows["max"]["num_swap_outs"] == 0  # contiguous regions cannot swap: they recompute
+    assert rows["max"]["_outputs"] == rows["paged"]["_outputs"]

@@ -102,7 +102,7 @@ def test_tiny_llama_tp4_matches_unsharded_and_hf(tiny):
     path, prompts, references, expected = tiny
     llm = LLM(model=path, tensor_parallel_size=4, **PRESSURE)
     try:
-        assert llm.engine.core.runner is None and llm.engine.core.kv_spec.num_kv_heads == 1
+        assert not hasattr(llm.engine.core.executor, "runner") and llm.engine.core.kv_info.num_kv_heads == 1
         _check(llm, prompts, references, expected, "tiny llama, N=4")
     finally:
         llm.engine.core.shutdown()
@@ -171,7 +171,7 @@ def test_default_model_tp3_matches_unsharded_and_hf():
 
     llm = LLM(tensor_parallel_size=3, **pressure)
     try:
-        assert llm.engine.core.kv_spec.num_kv_heads == 1
+        assert llm.engine.core.kv_info.num_kv_heads == 1
         _check(llm, prompts, references, expected, "default model, N=3")
     finally:
         llm.engine.core.shutdown()

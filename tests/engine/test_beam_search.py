@@ -260,7 +260,7 @@ def test_forks_share_pruned_beams_free_at_once_only_partial_blocks_copied(tiny_s
         events["pruned_blocks"] += len(pruned)
         _check_ref_counts(kv)
 
-    real_execute = core.runner.execute_model
+    real_execute = core.executor.runner.execute_model
 
     def execute_model(sched_output):
         # every copy is of the shared partial last block of a just-forked child; the last sharer writes in place
@@ -282,7 +282,7 @@ def test_forks_share_pruned_beams_free_at_once_only_partial_blocks_copied(tiny_s
 
     scheduler.fork_request = fork_request
     core.abort_requests = abort_requests
-    core.runner.execute_model = execute_model
+    core.executor.runner.execute_model = execute_model
     params = BeamSearchParams(4, max_tokens=12, ignore_eos=True)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:4]], params)
     assert events["forks"] > 0 and events["pruned_blocks"] > 0 and events["copies"] > 0, events

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.kv_cache_interface import paged_kv_cache_manager
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_client import InprocCoreClient, MPCoreClient
 from pagedllm.engine.protocol import (
     AddRequestMsg,
@@ -24,6 +31,7 @@ from pagedllm.engine.protocol import (
 )
 from pagedllm.errors import EngineDeadError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 
 NUM_BLOCKS = 32
@@ -162,3 +170,72 @@ def test_failed_model_load_is_reported(tmp_path):
             client.shutdown()
 
     asyncio.run(scenario())
+
+
+# --- the engine core's boundaries ---------------------------------------------------------------
+
+
+def test_engine_core_imports_neither_torch_nor_the_model():
+    code = ("import sys, pagedllm.engine.core, pagedllm.engine.core_proc; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            "or m.startswith('pagedllm.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_core_imports_nothing_above_it():
+    import pagedllm.core
+
+    above = ("pagedllm.worker", "pagedllm.model", "pagedllm.engine", "pagedllm.entrypoints", "pagedllm.bench",
+             "torch")
+    core_dir = Path(pagedllm.core.__file__).parent
+    found = {f"{path.name}: {name}" for path in core_dir.glob("*.py") for name in _imported_modules(path)
+             if name.startswith(above)}
+    assert found == set()
+
+
+class _EchoExecutor(Executor):
+    """No model: every request that finishes its prompt samples token 7."""
+
+    def __init__(self) -> None:
+        self.model_info = ModelInfo(model_path="stub", hf_config=None, tokenizer=None, chat_template=None,
+                                    vocab_size=100, max_position_embeddings=64, eos_token_ids=(2,))
+        self.sizing_args = None
+
+    def initialize_kv_cache(self, cache_config, scheduler_config) -> KVCacheInfo:
+        self.sizing_args = (cache_config, scheduler_config)
+        return KVCacheInfo(num_blocks=6, num_host_blocks=0, block_size=cache_config.block_size,
+                           bytes_per_block=1024, num_kv_heads=1)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return ModelRunnerOutput(sampled_token_ids={rid: [7] for rid in sched.num_scheduled_tokens})
+
+
+def test_engine_core_runs_on_what_the_executor_reports_and_the_injected_kv_manager():
+    made = []
+
+    def factory(num_blocks, num_host_blocks, cache_config, scheduler_config):
+        made.append((num_blocks, num_host_blocks, cache_config.block_size, scheduler_config.max_model_len))
+        return paged_kv_cache_manager(num_blocks, num_host_blocks, cache_config, scheduler_config)
+
+    executor = _EchoExecutor()
+    core = EngineCore(EngineArgs(block_size=4), executor=executor, kv_cache_manager_factory=factory)
+    # max_model_len defaults to the model's context length, which only the executor knew
+    assert made == [(6, 0, 4, 64)] and executor.sizing_args[1].max_model_len == 64
+    assert core.scheduler.kv is core.kv_cache_manager and core.kv_cache_manager.num_blocks == 6
+    core.add_request(_request("a", [5, 6, 8, 9, 10], max_tokens=3))
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [t for out in core.step() for t in out.new_token_ids]
+    assert tokens == [7, 7, 7]
+    assert core.stats().num_preemptions == 0 and core.check_kv_leaks() == []

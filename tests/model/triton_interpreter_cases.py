@@ -252,6 +252,6 @@ def test_engine_greedy_outputs_identical_with_triton_backend(tmp_path):
     for backend in ("torch", "triton"):
         llm = LLM(model=model_dir, attention_backend=backend, max_num_batched_tokens=32, num_kv_blocks=32,
                   device="cpu")
-        assert llm.engine.core.runner.attn_backend.name == backend
+        assert llm.engine.core.executor.runner.attn_backend.name == backend
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["triton"] == outputs["torch"]

@@ -146,11 +146,14 @@ def _ignore_signal(signum, frame) -> None:
     logger.info("received signal %d; shutting down", signum)
 
 
-async def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
-    """Start the engine core, serve HTTP until SIGINT/SIGTERM, then stop both."""
+async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_manager_factory=None) -> None:
+    """Start the engine core, serve HTTP until SIGINT/SIGTERM, then stop both.
+
+    `kv_cache_manager_factory`: see EngineCore (the serving benchmark's allocation baselines)."""
     names = list(config.served_model_names) or [default_served_model_name(engine_args)]
     metrics = ServerMetrics(names[0])
-    engine = await AsyncLLM.start(engine_args, metrics, log_level=config.log_level)
+    engine = await AsyncLLM.start(engine_args, metrics, log_level=config.log_level,
+                                  kv_cache_manager_factory=kv_cache_manager_factory)
     try:
         logger.info("engine core ready (%d KV blocks, max_model_len %d); serving %s on http://%s:%d",
                     engine.num_kv_blocks, engine.max_model_len, names, config.host, config.port)

@@ -1,6 +1,6 @@
 """Benchmark: tensor_parallel_size 1 vs 2 on this machine (CPU, gloo on loopback).
 
-    python -m pagedllm.distributed.bench_tp [--layers 8] [--batch 8] [--new-tokens 32]
+    python -m pagedllm.bench.tensor_parallel [--layers 8] [--batch 8] [--new-tokens 32]
 
 A random Llama (hidden 1024, 8 query / 4 KV heads, ~125M parameters by default) is saved to a
 temporary directory, then each size runs the same greedy workload: a batch of decode-heavy

@@ -32,6 +32,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 
 KV_ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
@@ -184,15 +185,9 @@ class Region:
     """The request's final length in tokens (prompt + max_tokens)."""
 
 
-@dataclass(slots=True)
-class _NoPool:
-    """What EngineCore.stats() reads from the paged block pool; nothing is ever evicted here."""
-
-    num_evictions: int = 0
-
-
 class ContiguousKVCacheManager:
-    """KVCacheManager's interface over one contiguous, reserved-at-admission region per request.
+    """The KV cache manager protocol (core/kv_cache_interface.py) over one contiguous,
+    reserved-at-admission region per request.
 
     No prefix caching, no sharing and no swapping: each is a capability of paged memory.
     """
@@ -215,7 +210,6 @@ class ContiguousKVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_cow_copies = 0
-        self.pool = _NoPool()
         self.regions: dict[str, Region] = {}
         self.num_admission_failures = 0
         self.last_admission_failure: tuple[int, int] | None = None
@@ -230,6 +224,10 @@ class ContiguousKVCacheManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.allocator.num_free / self.num_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return 0  # nothing is cached, so nothing is evicted
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -296,6 +294,9 @@ class ContiguousKVCacheManager:
     def is_swapped_out(self, request: Request) -> bool:
         return False
 
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        raise AssertionError("nothing is ever swapped out of a contiguous region")
+
     def reset_prefix_cache(self) -> bool:
         return True
 
@@ -309,3 +310,30 @@ class ContiguousKVCacheManager:
                                             bin(self.num_blocks).count("1")):
             problems.append(f"free space did not coalesce: holes {self.allocator.holes()[:10]}")
         return problems
+
+
+@dataclass(frozen=True)
+class ContiguousPolicy:
+    """A KV cache manager factory for EngineCore: `policy` reservations placed by `allocator`.
+
+    A plain frozen dataclass so that it pickles into a spawned engine-core process.
+    """
+
+    policy: str
+    allocator: str = "first_fit"
+
+    def __post_init__(self) -> None:
+        if self.policy not in KV_ALLOCATION_POLICIES or self.policy == "paged":
+            raise ValueError(f"contiguous policy must be one of max, pow2, oracle; got {self.policy!r}")
+        if self.allocator not in CONTIGUOUS_ALLOCATORS:
+            raise ValueError(f"unknown contiguous allocator {self.allocator!r}; choose from {CONTIGUOUS_ALLOCATORS}")
+
+    def __call__(self, num_blocks: int, num_host_blocks: int, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig) -> ContiguousKVCacheManager:
+        return ContiguousKVCacheManager(num_blocks, cache_config.block_size, self.policy,
+                                        scheduler_config.max_model_len, self.allocator)
+
+
+def kv_cache_manager_factory(policy: str, allocator: str = "first_fit") -> ContiguousPolicy | None:
+    """The factory for a `--policies` name: None (the engine's own paged manager) for 'paged'."""
+    return None if policy == "paged" else ContiguousPolicy(policy, allocator)

@@ -1,0 +1,82 @@
+"""What the scheduler and the engine core need of a KV cache manager, and how one is made.
+
+`KVCacheManager` (paged blocks) is the product's; benchmarks plug in other allocation policies
+(contiguous reservations, bench/contiguous_allocator.py) by passing their own factory to
+`EngineCore(..., kv_cache_manager_factory=...)`. Block ids in a returned table index the same
+KV tensors whichever manager handed them out, so the model runner never knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+
+
+class KVCacheManagerProtocol(Protocol):
+    block_size: int
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache (0 without one)."""
+    prefix_cache_hits: int
+    """Of those, tokens served from cached blocks."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks in use, in [0, 1]."""
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted so far to make room."""
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int: ...
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        """The request's block table (empty if it holds none)."""
+
+    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
+        """Prefix-cache hits for a waiting request, and how many tokens they hold."""
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence = ()) -> list[int] | None:
+        """Room for `num_new_tokens` more tokens; the block ids appended, or None if they do not fit."""
+
+    def free(self, request: Request, keep_host_blocks: bool = False) -> None: ...
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's blocks (parallel sampling, beam search)."""
+
+    def take_block_copies(self) -> list[tuple[int, int]]: ...
+
+    def take_replaced_blocks(self, req_id: str) -> dict[int, int]: ...
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's KV to host blocks; None if it cannot (the scheduler then recomputes)."""
+
+    def is_swapped_out(self, request: Request) -> bool: ...
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None: ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False if some are still in use."""
+
+    def check_no_leaks(self) -> list[str]:
+        """With no request alive: what is still held (empty = fine)."""
+
+
+class KVCacheManagerFactory(Protocol):
+    def __call__(self, num_blocks: int, num_host_blocks: int, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig) -> KVCacheManagerProtocol:
+        """A manager over `num_blocks` device blocks (and `num_host_blocks` swap blocks)."""
+
+
+def paged_kv_cache_manager(num_blocks: int, num_host_blocks: int, cache_config: CacheConfig,
+                           scheduler_config: SchedulerConfig) -> KVCacheManagerProtocol:
+    """The product's factory: paged blocks, prefix caching as configured, swap space if any."""
+    return KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                          num_host_blocks=num_host_blocks)
