@@ -133,8 +133,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -183,7 +183,7 @@ class EngineArgs:
                          help="CUDA: fraction of GPU memory to use (the KV cache gets what is left)")
         gpu.add_argument("--enforce-eager", nargs="?", const=True, default=False, type=_parse_bool,
                          help="CUDA: no CUDA graphs for decode (a bare flag means true)")
-        gpu.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+        gpu.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
         group = parser.add_argument_group("tensor parallelism")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                            help="worker processes, one model shard each")

@@ -1,6 +1,7 @@
-"""Attention backends behind one interface: the PyTorch reference ("torch") and Triton kernels ("triton").
+"""Attention backends behind one interface: the PyTorch reference ("torch"), the compiled CPU op
+("cpu", ``csrc/`` via ``cpu_op``) and Triton kernels ("triton").
 
-Both read and write the same KV layout, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+All read and write the same KV layout, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 per layer, so a cache filled by one is read correctly by the other. Each ``Attention`` layer holds
 a backend (the torch reference unless the model runner sets another with
 ``set_attention_backend``); triton is imported only when its backend is built, so CPU-only
@@ -18,7 +19,7 @@ from torch import nn
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.attention.paged import paged_attention, write_kv_cache
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class AttentionBackend:
@@ -46,6 +47,28 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_cache(key, value, kv_cache, slot_mapping)
 
     def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+        return paged_attention(query, kv_cache, metadata, scale)
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """The compiled CPU op: one varlen call reads K/V blocks in place (decode, chunks, mixed steps).
+
+    Inputs the op does not cover (another dtype, an uncompiled head_dim) go to the reference.
+    """
+
+    name = "cpu"
+
+    def __init__(self):
+        from pagedllm.model.attention import cpu_op
+
+        self._op = cpu_op
+
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+        if self._op.supports(query, kv_cache):
+            return self._op.paged_attention_cpu(query, kv_cache, metadata, scale)
         return paged_attention(query, kv_cache, metadata, scale)
 
 
@@ -98,13 +121,30 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def cpu_op_available() -> bool:
+    from pagedllm.model.attention import cpu_op
+
+    return cpu_op.load()
+
+
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
-    """'auto' -> 'triton' on CUDA when triton is installed, else 'torch'. Raises on a bad choice."""
+    """'auto' -> 'triton' on CUDA when triton is installed, 'cpu' on the CPU when the compiled op
+    loaded, else 'torch'. Raises on a bad choice."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     device = torch.device(device)
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "cpu" if device.type == "cpu" and cpu_op_available() else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend='cpu' runs on the CPU only")
+        if not cpu_op_available():
+            from pagedllm.model.attention import cpu_op
+
+            raise ValueError(f"attention_backend='cpu': the compiled op is unavailable "
+                             f"({cpu_op.unavailable_reason()}); use 'torch' or 'auto'")
     if name == "triton":
         if not triton_available():
             raise ValueError("attention_backend='triton' needs the 'triton' package; install it or use 'torch'")
@@ -115,9 +155,11 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
 
 
 def make_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called ``name`` ('auto', 'torch' or 'triton') for ``device``."""
+    """The backend called ``name`` ('auto', 'torch', 'cpu' or 'triton') for ``device``."""
     resolved = resolve_backend_name(name, device)
-    return TritonAttentionBackend() if resolved == "triton" else TORCH_BACKEND
+    if resolved == "triton":
+        return TritonAttentionBackend()
+    return CpuAttentionBackend() if resolved == "cpu" else TORCH_BACKEND
 
 
 def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
