@@ -116,10 +116,21 @@ def test_backend_resolution_and_forced_fallback(monkeypatch):
         resolve_backend_name("cpu", "cpu")
 
 
-def test_backend_matches_reference_and_falls_back_for_other_dtypes():
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([60, 33], [1, 12]),  # all through the op
+    ([60, 200, 9, 70, 48], [1, 40, 1, 5, 48]),  # long chunks through SDPA, the rest through the op
+    ([100, 64], [64, 64]),  # only long chunks
+])
+def test_backend_matches_reference(seq_lens, query_lens):
+    query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, seed=9)
+    backend = CpuAttentionBackend(sdpa_min_query_len=32)
+    expected = paged_attention(query, kv_cache, metadata, scale)
+    torch.testing.assert_close(backend.forward(query, kv_cache, metadata, scale), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_falls_back_for_other_dtypes():
     query, kv_cache, metadata, scale = random_case([60, 33], [1, 12])
     backend = CpuAttentionBackend()
     expected = paged_attention(query, kv_cache, metadata, scale)
-    torch.testing.assert_close(backend.forward(query, kv_cache, metadata, scale), expected, atol=1e-5, rtol=1e-5)
     out = backend.forward(query.double(), kv_cache.double(), metadata, scale)  # the reference handles it
     torch.testing.assert_close(out, expected.double(), atol=1e-5, rtol=1e-5)
