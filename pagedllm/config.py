@@ -227,8 +227,9 @@ class EngineArgs:
                                               "CPU uses kv_cache_memory).", group="device")
     enforce_eager: bool = flag(False, "CUDA only: run decode steps eagerly instead of replaying CUDA graphs.",
                                group="device")
-    attention_backend: str = flag("auto", "auto (triton on CUDA, torch on the CPU), torch (the PyTorch "
-                                          "reference) or triton.", choices=("auto", "torch", "triton"), group="device")
+    attention_backend: str = flag("auto", "auto (triton on CUDA; on the CPU the compiled op when it is built, else "
+                                          "torch), torch (the PyTorch reference), cpu (the compiled CPU op) or "
+                                          "triton.", choices=("auto", "torch", "cpu", "triton"), group="device")
 
     tensor_parallel_size: int = flag(1, "Worker processes, one model shard each (1: the model runs in the "
                                         "engine's process). With N > 1, kv_cache_memory is each rank's budget "
@@ -249,8 +250,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(

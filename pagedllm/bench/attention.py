@@ -1,96 +1,202 @@
-"""Attention overhead of paging: paged_attention vs SDPA on contiguous K/V, same shapes.
+"""Attention per layer call: the compiled CPU op, the torch reference, SDPA on contiguous K/V,
+and the floor set by reading the KV cache at this machine's measured memory bandwidth.
 
-Both sides get the same queries, keys and values. The non-paged side holds each sequence's
-K/V as one contiguous [num_seqs, num_kv_heads, seq_len, head_dim] tensor and calls torch's
-scaled_dot_product_attention (no mask at decode, where every sequence has the same length;
-is_causal at prefill). The paged side scatters the same K/V into randomly permuted blocks of a
-[2, num_blocks, block_size, num_kv_heads, head_dim] cache and runs the engine's
-paged_attention through block tables (which includes gathering the blocks). Outputs are
-checked equal; times are medians. Overhead = paged / contiguous - 1 (published: 20-26% for
-the paper's CUDA kernel vs FasterTransformer's).
+Every method gets the same queries, keys and values (default model shapes: 9 query heads,
+3 KV heads, head_dim 64, block 16; every sequence at the stated length). The paged methods read
+a ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache whose blocks are randomly
+permuted; "contiguous SDPA" holds each sequence's K/V as one dense tensor (at decode, each KV
+head's query group folded into the query axis, the faster form). Outputs are checked equal.
+
+The KV-read floor is the bytes a step must read (every sequence's K and V once) over the read
+bandwidth measured in the same run (a multi-threaded sum over a tensor far larger than the
+caches). A mixed step (63 decodes at 512 + one 512-token prompt chunk) is timed beside its
+decode part and its chunk run apart. Times are minima over interleaved rounds (the machine may be
+shared); torch uses one thread per core.
 """
 
 from __future__ import annotations
 
-import statistics
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model.attention import cpu_op
+from pagedllm.model.attention.backend import CpuAttentionBackend
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.attention.paged import paged_attention
 
+DEFAULT_SHAPES = [("decode", 32, 512), ("decode", 64, 256), ("decode", 64, 512), ("decode", 32, 1024),
+                  ("prefill", 1, 512), ("prefill", 4, 256)]
+MIXED = (63, 512, 512)  # decodes, their context, prompt chunk length
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+def _min_times(fns: dict, rounds: int) -> dict[str, float]:
+    """Seconds per call of each fn: the minimum over ``rounds`` interleaved rounds."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
-def compare(phase: str, num_seqs: int, seq_len: int, num_heads: int = 9, num_kv_heads: int = 3,
-            head_dim: int = 64, block_size: int = 16, repeats: int = 10, seed: int = 0) -> dict:
+def read_bandwidth(rounds: int = 5, nbytes: int = 1 << 29) -> float:
+    """Bytes/s this machine reads with all threads (sum over a tensor far larger than the caches)."""
+    x = torch.ones(nbytes // 4)
+    t = _min_times({"sum": lambda: x.sum()}, rounds)["sum"]
+    return nbytes / t
+
+
+class _Case:
+    """Sequences with K/V both dense and scattered into randomly permuted cache blocks."""
+
+    def __init__(self, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.scale = head_dim**-0.5
+        self.keys = [torch.randn(num_kv_heads, s, head_dim, generator=g) for s in seq_lens]
+        self.values = [torch.randn(num_kv_heads, s, head_dim, generator=g) for s in seq_lens]
+        self.queries = [torch.randn(q, num_heads, head_dim, generator=g) for q in query_lens]
+        nblocks = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(nblocks)
+        self.kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        tables = [[perm.pop() for _ in range(n)] for n in nblocks]
+        flat = self.kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        for table, k, v in zip(tables, self.keys, self.values):
+            pos = torch.arange(k.shape[1])
+            slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+            flat[0, slots] = k.transpose(0, 1)
+            flat[1, slots] = v.transpose(0, 1)
+        width = max(nblocks)
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        self.metadata = AttentionMetadata(
+            slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),  # unused: K/V already written
+            query_start_loc=torch.tensor(starts),
+            seq_lens=torch.tensor(seq_lens),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=block_size,
+            query_lens_host=list(query_lens), seq_lens_host=list(seq_lens),
+        )
+        self.query = torch.cat(self.queries)
+        self.kv_bytes = sum(2 * k.numel() * 4 for k in self.keys)
+
+    def op(self):
+        return cpu_op.paged_attention_cpu(self.query, self.kv_cache, self.metadata, self.scale)
+
+    def backend(self):
+        """What the engine runs on the CPU: the op, with long prompt chunks through SDPA."""
+        return CpuAttentionBackend().forward(self.query, self.kv_cache, self.metadata, self.scale)
+
+    def reference(self):
+        return paged_attention(self.query, self.kv_cache, self.metadata, self.scale)
+
+
+def _contiguous_sdpa(case: _Case, phase: str):
+    """SDPA over dense K/V, all sequences of one length: one batched call."""
+    key, value = torch.stack(case.keys), torch.stack(case.values)  # [S, Hkv, L, D]
+    num_seqs, num_kv_heads, _, head_dim = key.shape
+    if phase == "decode":
+        q = case.query.view(num_seqs, num_kv_heads, -1, head_dim)  # [S, Hkv, G, D]
+        return lambda: F.scaled_dot_product_attention(q, key, value, scale=case.scale)
+    q = torch.stack(case.queries).transpose(1, 2)  # [S, H, L, D]
+    return lambda: F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=case.scale,
+                                                  enable_gqa=True)
+
+
+def compare(phase: str, num_seqs: int, seq_len: int, bandwidth: float, rounds: int = 10, num_heads: int = 9,
+            num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16, seed: int = 0) -> dict:
     """One shape: `decode` (1 query per sequence over seq_len keys) or `prefill` (seq_len causal queries)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = head_dim**-0.5
     num_q = 1 if phase == "decode" else seq_len
-    key = torch.randn(num_seqs, num_kv_heads, seq_len, head_dim, generator=g)
-    value = torch.randn(num_seqs, num_kv_heads, seq_len, head_dim, generator=g)
-    query = torch.randn(num_seqs, num_heads, num_q, head_dim, generator=g)
-
-    blocks_per_seq = -(-seq_len // block_size)
-    num_blocks = num_seqs * blocks_per_seq
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
-    block_tables = torch.randperm(num_blocks, generator=g).view(num_seqs, blocks_per_seq)
-    pos = torch.arange(seq_len)
-    slots = block_tables[:, pos // block_size] * block_size + pos % block_size  # [S, L]
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0, slots.reshape(-1)] = key.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
-    flat[1, slots.reshape(-1)] = value.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
-    metadata = AttentionMetadata(
-        slot_mapping=slots[:, seq_len - num_q:].reshape(-1),
-        query_start_loc=torch.arange(num_seqs + 1) * num_q,
-        seq_lens=torch.full((num_seqs,), seq_len),
-        block_tables=block_tables,
-        max_query_len=num_q, max_seq_len=seq_len, block_size=block_size,
-    )
-    packed_query = query.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [S * q, H, D]
-
-    def contiguous():
-        return F.scaled_dot_product_attention(query, key, value, is_causal=phase == "prefill", scale=scale,
-                                              enable_gqa=True)
-
-    def paged():
-        return paged_attention(packed_query, kv_cache, metadata, scale)
-
+    case = _Case([seq_len] * num_seqs, [num_q] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, seed)
+    fns = {"reference": case.reference, "contiguous": _contiguous_sdpa(case, phase)}
+    if cpu_op.load():
+        fns["op"] = case.op
     with torch.inference_mode():
-        expected = contiguous().transpose(1, 2).reshape(-1, num_heads, head_dim)
-        torch.testing.assert_close(paged(), expected, rtol=1e-4, atol=1e-4)
-        t_contiguous = _median_time(contiguous, repeats)
-        t_paged = _median_time(paged, repeats)
+        expected = case.reference()
+        for name in ("contiguous", "op"):
+            if name in fns:
+                out = fns[name]()
+                if name == "contiguous":
+                    out = out.reshape(num_seqs, num_heads, num_q, head_dim).transpose(1, 2).reshape(expected.shape)
+                torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        t = _min_times(fns, rounds)
     return {"phase": phase, "num_seqs": num_seqs, "seq_len": seq_len, "num_heads": num_heads,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
-            "contiguous_ms": 1e3 * t_contiguous, "paged_ms": 1e3 * t_paged, "overhead": t_paged / t_contiguous - 1}
+            "op_ms": 1e3 * t["op"] if "op" in t else None, "reference_ms": 1e3 * t["reference"],
+            "contiguous_ms": 1e3 * t["contiguous"], "kv_mb": case.kv_bytes / 1e6,
+            "floor_ms": 1e3 * case.kv_bytes / bandwidth}
 
 
-DEFAULT_SHAPES = [("decode", 32, 512), ("decode", 64, 512), ("decode", 128, 256), ("decode", 32, 1024),
-                  ("prefill", 1, 512), ("prefill", 4, 256), ("prefill", 8, 128)]
+def compare_mixed(num_decodes: int = 63, context: int = 512, chunk: int = 512, rounds: int = 10,
+                  num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16) -> dict:
+    """A mixed step vs its decode part and its prompt chunk run apart, through the op and the reference."""
+    shape = (num_heads, num_kv_heads, head_dim, block_size, 0)
+    mixed = _Case([context] * num_decodes + [chunk], [1] * num_decodes + [chunk], *shape)
+    decode = _Case([context] * num_decodes, [1] * num_decodes, *shape)
+    prompt = _Case([chunk], [chunk], *shape)
+    fns = {"ref_mixed": mixed.reference, "ref_decode": decode.reference, "ref_chunk": prompt.reference,
+           "chunk_sdpa": _contiguous_sdpa(prompt, "prefill")}
+    if cpu_op.load():
+        fns.update(op_mixed=mixed.op, op_decode=decode.op, op_chunk=prompt.op,
+                   backend_mixed=mixed.backend, backend_decode=decode.backend, backend_chunk=prompt.backend)
+    with torch.inference_mode():
+        if "op_mixed" in fns:
+            torch.testing.assert_close(mixed.op(), mixed.reference(), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(mixed.backend(), mixed.reference(), rtol=1e-4, atol=1e-4)
+        t = _min_times(fns, rounds)
+    return {"num_decodes": num_decodes, "context": context, "chunk": chunk,
+            **{f"{name}_ms": 1e3 * sec for name, sec in t.items()}}
 
 
-def run_attention(shapes=DEFAULT_SHAPES, repeats: int = 10, progress: bool = True, **model_shape) -> dict:
+def run_attention(shapes=DEFAULT_SHAPES, repeats: int = 10, progress: bool = True, mixed=MIXED,
+                  **model_shape) -> dict:
+    """Every shape, the mixed step and the bandwidth; ``repeats`` = interleaved rounds per shape."""
     from tqdm.auto import tqdm
 
-    rows = [compare(phase, s, l, repeats=repeats, **model_shape)
-            for phase, s, l in tqdm(shapes, desc="attention", disable=not progress)]
-    return {"rows": rows}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
+    try:
+        bandwidth = read_bandwidth()
+        rows = [compare(phase, s, l, bandwidth, rounds=repeats, **model_shape)
+                for phase, s, l in tqdm(shapes, desc="attention", disable=not progress)]
+        mixed_row = compare_mixed(*mixed, rounds=repeats) if mixed else None
+    finally:
+        torch.set_num_threads(threads)
+    return {"rows": rows, "mixed": mixed_row, "read_gb_s": bandwidth / 1e9, "threads": os.cpu_count(),
+            "kernel": cpu_op.isa_name()}
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or b is None else f"{a / b:.2f}x"
 
 
 def attention_table(result: dict) -> tuple[list[str], list[list]]:
-    headers = ["phase", "seqs", "seq len", "contiguous SDPA ms", "paged ms", "overhead"]
-    rows = [[r["phase"], r["num_seqs"], r["seq_len"], r["contiguous_ms"], r["paged_ms"], f"{100 * r['overhead']:+.1f}%"]
+    headers = ["phase", "seqs", "seq len", "compiled op ms", "torch ref ms", "contiguous SDPA ms",
+               "KV-read floor ms", "op / SDPA", "op / floor"]
+    rows = [[r["phase"], r["num_seqs"], r["seq_len"], r.get("op_ms") if r.get("op_ms") is not None else "-",
+             r["reference_ms"], r["contiguous_ms"], r["floor_ms"],
+             _ratio(r.get("op_ms"), r["contiguous_ms"]), _ratio(r.get("op_ms"), r["floor_ms"])]
             for r in result["rows"]]
+    m = result.get("mixed")
+    if m:
+        label = f"{m['num_decodes']} decodes @{m['context']} + {m['chunk']} chunk"
+        ref_apart = m["ref_decode_ms"] + m["ref_chunk_ms"]
+        rows.append([f"mixed step: {label}, torch ref", m["num_decodes"] + 1, m["context"], "-", m["ref_mixed_ms"],
+                     "-", "-", f"vs apart {_ratio(m['ref_mixed_ms'], ref_apart)}", ""])
+        for kind, what in (("op", "compiled op (one varlen call)"), ("backend", "cpu backend (chunk via SDPA)")):
+            if m.get(f"{kind}_mixed_ms") is None:
+                continue
+            mixed, dec, chunk = m[f"{kind}_mixed_ms"], m[f"{kind}_decode_ms"], m[f"{kind}_chunk_ms"]
+            rows.append([f"mixed step: {label}, {what}", m["num_decodes"] + 1, m["context"], mixed, "-", "-", "-",
+                         f"vs apart {_ratio(mixed, dec + chunk)}", ""])
+            rows.append([f"  {what}: decode part alone", m["num_decodes"], m["context"], dec, "-", "-", "-", "", ""])
+            rows.append([f"  {what}: chunk alone", 1, m["chunk"], chunk, "-", m["chunk_sdpa_ms"], "-",
+                         _ratio(chunk, m["chunk_sdpa_ms"]), ""])
     return headers, rows

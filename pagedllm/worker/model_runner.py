@@ -259,6 +259,8 @@ class ModelRunner:
             max_query_len=max(num_scheduled),
             max_seq_len=int(seq_lens.max()),
             block_size=bs,
+            query_lens_host=list(num_scheduled),
+            seq_lens_host=seq_lens.tolist(),
         )
         input_ids = torch.tensor(input_id_list, dtype=torch.int64, device=device)
         return input_ids, positions.to(device), metadata

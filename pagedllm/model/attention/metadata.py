@@ -24,7 +24,20 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Host copies of the per-sequence lengths. The model runner passes them (it has them as
+    # Python ints anyway); otherwise ``host_lens`` reads them once and keeps them, so a step
+    # syncs with the device at most once, not once per layer.
+    query_lens_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """``(query_lens, seq_lens)`` as Python ints."""
+        if self.query_lens_host is None:
+            self.query_lens_host = (self.query_start_loc[1:] - self.query_start_loc[:-1]).tolist()
+        if self.seq_lens_host is None:
+            self.seq_lens_host = self.seq_lens.tolist()
+        return self.query_lens_host, self.seq_lens_host

@@ -1,0 +1,46 @@
+// Plain data shared by the op (torch side) and the per-ISA kernels (no torch headers there:
+// those translation units are compiled for AVX2 or AVX-512, and any inline function they shared
+// with the rest of the library could be linked in place of the baseline copy).
+#pragma once
+#include <stdint.h>
+
+namespace pagedllm {
+
+constexpr int kKeyChunk = 16;  // keys scored and exponentiated together
+
+struct AttnParams {
+  const float* query;  // [num_tokens, num_heads, head_dim]
+  int64_t q_stride_tok, q_stride_head;
+  const float* kv;  // [2, num_blocks, block_size, num_kv_heads, head_dim]
+  int64_t kv_stride_kv, kv_stride_block, kv_stride_tok, kv_stride_head;
+  const int64_t* block_tables;  // [num_seqs, max_blocks]
+  int64_t bt_stride;
+  const int64_t* seq_lens;         // [num_seqs]
+  const int64_t* query_start_loc;  // [num_seqs + 1]
+  float* out;  // [num_tokens, num_heads, head_dim], dense
+  float* part_acc;  // [num_parts, max_rows, head_dim]: unnormalised output of a context split
+  float* part_max;  // [num_parts, max_rows]
+  float* part_sum;  // [num_parts, max_rows]
+  int64_t block_size, num_heads, group, head_dim, max_rows;
+  float scale;
+};
+
+// One unit of work: a tile of one sequence's query rows for one KV head (its whole query group),
+// over keys [key_begin, key_end). part < 0: write the final output; else write partials there.
+struct WorkItem {
+  int64_t seq, kv_head, q_begin, q_count, key_begin, key_end, part, cost;
+};
+
+// Scratch floats one call needs per thread for items of at most max_rows rows.
+static inline int64_t scratch_floats(int64_t max_rows, int64_t head_dim) {
+  return max_rows * (2 * head_dim + 4) + kKeyChunk + 64;
+}
+
+// Runs items[i] for every i taken from *next (an atomic counter shared by the threads) until
+// num_items; returns false if head_dim has no compiled variant.
+bool run_items_avx2(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
+                    float* scratch);
+bool run_items_avx512(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
+                      float* scratch);
+
+}  // namespace pagedllm

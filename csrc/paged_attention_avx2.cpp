@@ -1,0 +1,56 @@
+// The kernel for AVX2 + FMA CPUs (the baseline the op requires). Compiled for that target by the
+// pragma below, independent of the build's global flags; chosen at run time by the op.
+#pragma GCC target("avx2,fma")
+#include <immintrin.h>
+#include <math.h>
+
+#include "paged_attention.h"
+
+namespace pagedllm {
+namespace {
+
+typedef __m256 vf;
+constexpr int VW = 8;
+static inline vf vload(const float* x) { return _mm256_loadu_ps(x); }
+static inline void vstore(float* x, vf v) { _mm256_storeu_ps(x, v); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vreduce_add(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// exp(x - m) for x <= m (Cephes-style: 2^n * p(r), |r| <= ln2/2); -inf and anything below
+// -87 give exactly 0, so masked keys contribute nothing.
+static inline vf vexp(vf x, vf m) {
+  x = _mm256_sub_ps(x, m);
+  const vf keep = _mm256_cmp_ps(x, vset1(-87.f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, vset1(-87.f));
+  const vf n = _mm256_round_ps(_mm256_mul_ps(x, vset1(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm256_fnmadd_ps(n, vset1(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
+  vf y = vset1(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, vset1(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, vset1(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, vset1(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, vset1(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, vset1(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, vset1(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+#include "paged_attention_kernel.h"
+
+}  // namespace
+
+bool run_items_avx2(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
+                    float* scratch) {
+  return run_items(p, items, num_items, next, scratch);
+}
+
+}  // namespace pagedllm

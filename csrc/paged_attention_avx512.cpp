@@ -1,0 +1,57 @@
+// The kernel for AVX-512 CPUs. Compiled for that target by the pragma below, independent of the
+// build's global flags; the op calls it only where the CPU reports avx512f at run time.
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx2,fma")
+#include <immintrin.h>
+#include <math.h>
+
+#include "paged_attention.h"
+
+namespace pagedllm {
+namespace {
+
+typedef __m512 vf;
+constexpr int VW = 16;
+static inline vf vload(const float* x) { return _mm512_loadu_ps(x); }
+static inline void vstore(float* x, vf v) { _mm512_storeu_ps(x, v); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vreduce_add(vf v) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// exp(x - m) for x <= m; see the AVX2 file. Below -87 (and -inf) gives exactly 0.
+static inline vf vexp(vf x, vf m) {
+  x = _mm512_sub_ps(x, m);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, vset1(-87.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, vset1(-87.f));
+  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset1(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, vset1(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
+  vf y = vset1(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, vset1(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, vset1(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, vset1(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, vset1(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, vset1(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, vset1(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
+}
+
+#include "paged_attention_kernel.h"
+
+}  // namespace
+
+bool run_items_avx512(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
+                      float* scratch) {
+  return run_items(p, items, num_items, next, scratch);
+}
+
+}  // namespace pagedllm

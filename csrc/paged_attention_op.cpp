@@ -1,0 +1,211 @@
+// torch.ops.pagedllm.paged_attention_cpu: varlen paged attention over the engine's KV layout,
+// reading K/V blocks in place through the block tables (see paged_attention_kernel.h).
+//
+// This file is built with the library's baseline flags (no AVX), so loading the library is safe
+// on any x86-64 CPU; the AVX2 or AVX-512 kernel is picked at run time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "paged_attention.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kIsaAvx2 = 1, kIsaAvx512 = 2;
+// A context split keeps at least this many keys: below it the merge costs more than it frees.
+constexpr int64_t kMinSplitKeys = 256;
+
+int64_t best_isa() {
+  static const int64_t isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl"))
+      return kIsaAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
+    return int64_t{0};
+  }();
+  return isa;
+}
+
+bool head_dim_supported(int64_t d) {
+  return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
+}
+
+struct SplitGroup {  // the parts of one item split over its context, merged at the end
+  WorkItem item;
+  int64_t first_part, num_parts;
+};
+
+// Cuts items over their key range when there are too few to keep every thread busy (few long
+// sequences) or when `forced` > 0 (tests). Returns the number of partial-result slots used.
+int64_t split_items(std::vector<WorkItem>& items, std::vector<SplitGroup>& groups, int64_t num_threads,
+                    int64_t forced) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (forced <= 0 && n >= 2 * num_threads) return 0;
+  const int64_t want = forced > 0 ? forced : (2 * num_threads + n - 1) / n;
+  std::vector<WorkItem> out;
+  int64_t parts = 0;
+  for (const WorkItem& w : items) {
+    const int64_t keys = w.key_end - w.key_begin;
+    const int64_t cap = forced > 0 ? (keys + kKeyChunk - 1) / kKeyChunk : keys / kMinSplitKeys;
+    const int64_t ns = std::min(want, cap);
+    if (ns <= 1) {
+      out.push_back(w);
+      continue;
+    }
+    // Split boundaries on whole key chunks.
+    int64_t per = (keys + ns - 1) / ns;
+    per = (per + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+    SplitGroup g{w, parts, 0};
+    for (int64_t k = w.key_begin; k < w.key_end; k += per) {
+      WorkItem s = w;
+      s.key_begin = k;
+      s.key_end = std::min(w.key_end, k + per);
+      s.part = parts++;
+      s.cost = (s.key_end - s.key_begin) * (w.q_count + 4);
+      out.push_back(s);
+      ++g.num_parts;
+    }
+    groups.push_back(g);
+  }
+  items.swap(out);
+  return parts;
+}
+
+// out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the parts of each split item.
+void merge_splits(const AttnParams& p, const std::vector<SplitGroup>& groups) {
+  const int64_t D = p.head_dim, G = p.group;
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const SplitGroup& g = groups[gi];
+      const WorkItem& w = g.item;
+      const int64_t q0 = p.query_start_loc[w.seq];
+      for (int64_t r = 0; r < w.q_count * G; ++r) {
+        float m = -INFINITY;
+        for (int64_t s = 0; s < g.num_parts; ++s) m = std::max(m, p.part_max[(g.first_part + s) * p.max_rows + r]);
+        const int64_t tok = q0 + w.q_begin + r / G;
+        float* dst = p.out + (tok * p.num_heads + w.kv_head * G + r % G) * D;
+        std::fill(dst, dst + D, 0.f);
+        float total = 0.f;
+        for (int64_t s = 0; s < g.num_parts; ++s) {
+          const int64_t row = (g.first_part + s) * p.max_rows + r;
+          if (p.part_sum[row] == 0.f) continue;  // a part past this row's causal limit
+          const float wgt = std::exp(p.part_max[row] - m);
+          total += wgt * p.part_sum[row];
+          const float* src = p.part_acc + row * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] += wgt * src[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                               int64_t num_splits, int64_t isa) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
+              "paged_attention_cpu: float32 query and kv_cache only");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_tokens, num_heads, head_dim], last dim dense");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
+              "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], last dim dense");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
+              "block_tables, seq_lens and query_start_loc must be int64");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3), num_seqs = seq_lens.size(0);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "query and kv_cache shapes disagree");
+  TORCH_CHECK(head_dim_supported(head_dim), "paged_attention_cpu: unsupported head_dim ", head_dim);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "metadata shapes disagree");
+  if (isa == 0) isa = best_isa();
+  TORCH_CHECK(isa >= kIsaAvx2 && isa <= best_isa(), "paged_attention_cpu: this CPU does not support ISA level ", isa);
+
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const at::Tensor starts = query_start_loc.contiguous();
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
+  if (num_tokens == 0) return out;
+  const int64_t* len_p = lens.data_ptr<int64_t>();
+  const int64_t* start_p = starts.data_ptr<int64_t>();
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(16, 64 / group));  // query rows per item
+
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = start_p[s + 1] - start_p[s];
+    const int64_t first_pos = len_p[s] - q_len;
+    TORCH_CHECK(q_len >= 0 && first_pos >= 0, "sequence ", s, ": query_len exceeds seq_len");
+    for (int64_t qb = 0; qb < q_len; qb += tile) {
+      const int64_t qc = std::min(tile, q_len - qb);
+      const int64_t key_end = first_pos + qb + qc;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        items.push_back(WorkItem{s, h, qb, qc, 0, key_end, -1, key_end * (qc * group + 4)});
+    }
+  }
+  const int64_t num_threads = at::get_num_threads();
+  std::vector<SplitGroup> groups;
+  const int64_t num_parts = split_items(items, groups, num_threads, num_splits);
+  // Longest first: the atomic work queue then balances a prefill chunk against many decodes.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  const int64_t max_rows = tile * group;
+  at::Tensor part_acc, part_max, part_sum;
+  if (num_parts > 0) {
+    part_acc = at::empty({num_parts, max_rows, head_dim}, query.options());
+    part_max = at::empty({num_parts, max_rows}, query.options());
+    part_sum = at::empty({num_parts, max_rows}, query.options());
+  }
+  AttnParams p{};
+  p.query = query.data_ptr<float>();
+  p.q_stride_tok = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.kv = kv_cache.data_ptr<float>();
+  p.kv_stride_kv = kv_cache.stride(0);
+  p.kv_stride_block = kv_cache.stride(1);
+  p.kv_stride_tok = kv_cache.stride(2);
+  p.kv_stride_head = kv_cache.stride(3);
+  p.block_tables = tables.data_ptr<int64_t>();
+  p.bt_stride = tables.size(1);
+  p.seq_lens = len_p;
+  p.query_start_loc = start_p;
+  p.out = out.data_ptr<float>();
+  p.part_acc = num_parts ? part_acc.data_ptr<float>() : nullptr;
+  p.part_max = num_parts ? part_max.data_ptr<float>() : nullptr;
+  p.part_sum = num_parts ? part_sum.data_ptr<float>() : nullptr;
+  p.block_size = kv_cache.size(2);
+  p.num_heads = num_heads;
+  p.group = group;
+  p.head_dim = head_dim;
+  p.max_rows = max_rows;
+  p.scale = static_cast<float>(scale);
+
+  const auto run = isa == kIsaAvx512 ? run_items_avx512 : run_items_avx2;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  int64_t next = 0;
+  at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(scratch_floats(max_rows, head_dim));
+    run(p, items.data(), num_items, &next, scratch.data());
+  });
+  if (num_parts > 0) merge_splits(p, groups);
+  return out;
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def(
+      "paged_attention_cpu(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale, int num_splits=0, int isa=0) -> Tensor");
+  // 2 = AVX-512, 1 = AVX2 + FMA, 0 = neither (the op then refuses to run).
+  m.def("cpu_isa() -> int", &pagedllm::best_isa);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("paged_attention_cpu", &pagedllm::paged_attention_cpu); }

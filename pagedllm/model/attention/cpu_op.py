@@ -1,0 +1,169 @@
+"""The compiled CPU paged-attention op (``csrc/``): build it once at setup, load it at run time.
+
+``python -m pagedllm.model.attention.cpu_op build`` (run by ``make setup``) compiles the C++
+sources with ``torch.utils.cpp_extension`` into ``<venv>/lib/pagedllm-ops/<key>/``, where the key
+hashes the sources, the torch version and the flags: editing a source or upgrading torch makes a
+new key, so a stale library is never loaded. Nothing is compiled at the first request (several
+tensor-parallel workers would race to build it).
+
+``load()`` loads the library and registers ``torch.ops.pagedllm.paged_attention_cpu``. If it is
+not built, fails to load, the CPU lacks AVX2 + FMA, or ``PAGEDLLM_DISABLE_CPU_OP=1`` is set, it
+logs the reason once and returns False; the engine then uses the torch reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from pagedllm.model.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
+SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp")
+HEADERS = ("paged_attention.h", "paged_attention_kernel.h")
+# Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
+# so the library built on one machine runs on any x86-64 CPU with AVX2).
+CFLAGS = ("-O3", "-fno-math-errno")
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_OP"
+DIR_ENV = "PAGEDLLM_CPU_OP_DIR"
+
+_state: dict[str, object] = {}
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(" ".join(CFLAGS).encode())
+    return digest.hexdigest()[:16]
+
+
+def library_dir(key: str) -> Path:
+    root = os.environ.get(DIR_ENV) or os.path.join(sys.prefix, "lib", "pagedllm-ops")
+    return Path(root) / key
+
+
+def _library_name(key: str) -> str:
+    return f"pagedllm_cpu_{key}"
+
+
+def library_path() -> Path | None:
+    """Where the library for these sources and this torch lives, or None without sources."""
+    if not all((CSRC / n).is_file() for n in SOURCES + HEADERS):
+        return None
+    key = build_key()
+    return library_dir(key) / f"{_library_name(key)}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the op (a no-op when the library for this key exists). Returns the library path."""
+    from torch.utils import cpp_extension
+
+    path = library_path()
+    if path is None:
+        raise FileNotFoundError(f"C++ sources not found under {CSRC}")
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = build_key()
+    cpp_extension.load(
+        name=_library_name(key), sources=[str(CSRC / n) for n in SOURCES], extra_cflags=list(CFLAGS),
+        extra_include_paths=[str(CSRC)], build_directory=str(path.parent), is_python_module=False,
+        verbose=verbose,
+    )
+    _state.pop("loaded", None)  # the build registered the op in this process: let load() see it
+    _state["library"] = path
+    return path
+
+
+def _unavailable(reason: str) -> bool:
+    logger.warning("compiled CPU attention unavailable (%s); using the torch reference", reason)
+    _state["loaded"] = False
+    _state["reason"] = reason
+    return False
+
+
+def load() -> bool:
+    """True when ``torch.ops.pagedllm.paged_attention_cpu`` is usable here (logs once if not)."""
+    if "loaded" in _state:
+        return bool(_state["loaded"])
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return _unavailable(f"{DISABLE_ENV} is set")
+    if not hasattr(torch.ops.pagedllm, "paged_attention_cpu"):
+        path = library_path()
+        if path is None:
+            return _unavailable(f"no C++ sources under {CSRC}")
+        if not path.is_file():
+            return _unavailable(f"not built for this source and torch {torch.__version__}: run "
+                                f"`make setup` or `python -m pagedllm.model.attention.cpu_op build`")
+        try:
+            torch.ops.load_library(str(path))
+        except Exception as exc:  # a library that does not load must not take the engine down
+            return _unavailable(f"loading {path} failed: {exc}")
+    if torch.ops.pagedllm.cpu_isa() == 0:
+        return _unavailable("this CPU lacks AVX2 + FMA")
+    _state["loaded"] = True
+    return True
+
+
+def unavailable_reason() -> str | None:
+    return None if load() else str(_state.get("reason"))
+
+
+def isa_name() -> str:
+    """'avx512', 'avx2' or 'none': the kernel the op uses on this CPU."""
+    return {2: "avx512", 1: "avx2"}.get(int(torch.ops.pagedllm.cpu_isa()), "none") if load() else "none"
+
+
+def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the op handles these inputs (else the caller uses the reference)."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+            and query.shape[-1] in SUPPORTED_HEAD_DIMS and query.stride(-1) == 1 and kv_cache.stride(-1) == 1)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+    num_splits: int = 0,  # > 0 forces that many context splits per item (tests)
+    isa: int = 0,  # 0 = the best this CPU has; 1 = AVX2 (tests the baseline kernel on an AVX-512 CPU)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Same contract as ``paged.paged_attention``, in one varlen call that reads blocks in place."""
+    return torch.ops.pagedllm.paged_attention_cpu(
+        query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+        scale, num_splits, isa,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.model.attention.cpu_op")
+    parser.add_argument("command", choices=["build", "status"])
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "build":
+        try:
+            path = build(verbose=args.verbose)
+        except Exception as exc:  # setup goes on: the engine falls back to the torch reference
+            print(f"pagedllm: building the CPU attention op failed ({exc}); the torch reference will be used")
+            return 0
+        print(f"pagedllm: CPU attention op at {path}")
+    ok = load()
+    print(f"pagedllm: CPU attention op {'loaded, kernel ' + isa_name() if ok else 'unavailable'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

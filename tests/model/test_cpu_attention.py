@@ -1,0 +1,136 @@
+"""The compiled CPU paged-attention op against the torch reference (``paged.paged_attention``).
+
+The op is built by ``make setup``; a session fixture builds it if this checkout's library is
+missing, so these tests run (never skip) wherever a C++ compiler exists.
+"""
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.model.attention import cpu_op
+from pagedllm.model.attention.backend import CpuAttentionBackend, make_attention_backend, resolve_backend_name
+from pagedllm.model.attention.paged import paged_attention
+from tests.model.paged_kv_helpers import build_metadata
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_op():
+    if not cpu_op.load():
+        try:
+            cpu_op.build()
+        except Exception as exc:  # no compiler / headers: genuinely unavailable here
+            pytest.skip(f"CPU attention op cannot be built here: {exc}")
+        cpu_op._state.clear()
+        if not cpu_op.load():
+            pytest.skip(f"CPU attention op unavailable: {cpu_op.unavailable_reason()}")
+
+
+
+
+def available_isas() -> list[int]:
+    best = int(torch.ops.pagedllm.cpu_isa())
+    return list(range(1, best + 1))
+
+
+def random_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                shared_prefix_blocks=0, seed=0):
+    """A cache full of random values, shuffled block tables (the first ``shared_prefix_blocks``
+    blocks of every sequence are the same physical blocks), queries for the last positions."""
+    gen = torch.Generator().manual_seed(seed)
+    own = [math.ceil(s / block_size) - shared_prefix_blocks for s in seq_lens]
+    assert min(own) >= 0
+    num_blocks = sum(own) + shared_prefix_blocks + 5
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shared = [perm.pop() for _ in range(shared_prefix_blocks)]
+    tables = [shared + [perm.pop() for _ in range(n)] for n in own]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    metadata = build_metadata(tables, seq_lens, query_lens, block_size)
+    return query, kv_cache, metadata, head_dim**-0.5
+
+
+def check(seq_lens, query_lens, num_splits=0, **kw):
+    query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, **kw)
+    expected = paged_attention(query, kv_cache, metadata, scale)
+    for isa in available_isas():
+        out = cpu_op.paged_attention_cpu(query, kv_cache, metadata, scale, num_splits=num_splits, isa=isa)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"isa {isa}: {m}")
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_decode(block_size, head_dim):
+    check([1, 17, 33, 100, 250], [1, 1, 1, 1, 1], block_size=block_size, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_chunked_prefill_over_cached_prefix(block_size):
+    check([150, 64], [37, 64], block_size=block_size)  # a chunk after a prefix, a whole prompt
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_batch(head_dim):
+    check([75, 1, 300, 40, 19], [1, 1, 70, 40, 1], head_dim=head_dim, seed=3)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (9, 3), (8, 1), (32, 4)])
+def test_mha_gqa_mqa(num_heads, num_kv_heads):
+    check([45, 130, 9], [1, 20, 9], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=4)
+
+
+def test_blocks_shared_by_several_sequences():
+    check([70, 90, 66, 49], [1, 5, 1, 17], shared_prefix_blocks=3, seed=5)
+
+
+def test_long_context_single_sequence_splits():
+    check([3000], [1], seed=6)  # auto: too few items for the threads -> context splits
+    check([3000, 517], [1, 1], num_splits=5, seed=7)  # forced splits, uneven last split
+    check([700], [45], num_splits=4, seed=8)  # prefill rows past a split's keys get nothing there
+
+
+def test_batch_of_one_token():
+    check([1], [1])
+
+
+def test_non_contiguous_query_from_fused_projection():
+    query, kv_cache, metadata, scale = random_case([30, 12], [4, 1])
+    fused = torch.cat([query, torch.randn_like(query)], dim=1)  # query as a strided view
+    q = fused[:, : query.shape[1]]
+    torch.testing.assert_close(cpu_op.paged_attention_cpu(q, kv_cache, metadata, scale),
+                               paged_attention(query, kv_cache, metadata, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_resolution_and_forced_fallback(monkeypatch):
+    assert resolve_backend_name("auto", "cpu") == "cpu"
+    assert isinstance(make_attention_backend("auto", "cpu"), CpuAttentionBackend)
+    assert make_attention_backend("torch", "cpu").name == "torch"
+
+    monkeypatch.setenv(cpu_op.DISABLE_ENV, "1")
+    monkeypatch.setattr(cpu_op, "_state", {})
+    assert not cpu_op.load()
+    assert "PAGEDLLM_DISABLE_CPU_OP" in cpu_op.unavailable_reason()
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="unavailable"):
+        resolve_backend_name("cpu", "cpu")
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([60, 33], [1, 12]),  # all through the op
+    ([60, 200, 9, 70, 48], [1, 40, 1, 5, 48]),  # long chunks through SDPA, the rest through the op
+    ([100, 64], [64, 64]),  # only long chunks
+])
+def test_backend_matches_reference(seq_lens, query_lens):
+    query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, seed=9)
+    backend = CpuAttentionBackend(sdpa_min_query_len=32)
+    expected = paged_attention(query, kv_cache, metadata, scale)
+    torch.testing.assert_close(backend.forward(query, kv_cache, metadata, scale), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_falls_back_for_other_dtypes():
+    query, kv_cache, metadata, scale = random_case([60, 33], [1, 12])
+    backend = CpuAttentionBackend()
+    expected = paged_attention(query, kv_cache, metadata, scale)
+    out = backend.forward(query.double(), kv_cache.double(), metadata, scale)  # the reference handles it
+    torch.testing.assert_close(out, expected.double(), atol=1e-5, rtol=1e-5)
