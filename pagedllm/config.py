@@ -113,6 +113,10 @@ class EngineArgs:
     """CUDA only: run decode steps eagerly instead of replaying CUDA graphs."""
     attention_backend: str = "auto"
     """'auto' (triton on CUDA, torch on the CPU), 'torch' (the PyTorch reference) or 'triton'."""
+    num_threads: int | None = None
+    """CPU intra-op threads of the process that runs the model (tensor_parallel_size 1); None keeps
+    torch's default, the cores this process may run on. Tensor-parallel workers split the
+    machine's cores among themselves."""
 
     tensor_parallel_size: int = 1
     """Worker processes, one model shard each (1: the model runs in the engine's process).
@@ -133,6 +137,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
@@ -184,6 +190,8 @@ class EngineArgs:
         gpu.add_argument("--enforce-eager", nargs="?", const=True, default=False, type=_parse_bool,
                          help="CUDA: no CUDA graphs for decode (a bare flag means true)")
         gpu.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+        gpu.add_argument("--num-threads", type=int, default=None,
+                         help="CPU threads for the model (default: the cores this process may use)")
         group = parser.add_argument_group("tensor parallelism")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                            help="worker processes, one model shard each")

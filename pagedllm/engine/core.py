@@ -43,6 +43,8 @@ class EngineCore:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
         if tp_size > 1 and device.type != "cpu":
             raise ValueError("tensor parallelism runs on the CPU (gloo) so far; pass device='cpu' (--device cpu)")
+        if engine_args.num_threads is not None:
+            torch.set_num_threads(engine_args.num_threads)
         if loaded is None:
             # With tensor parallelism the weights live in the workers: read only config and tokenizer.
             loaded = load_model(engine_args.model, dtype=dtype, device=str(device)) if tp_size == 1 else load_model_info(engine_args.model)
