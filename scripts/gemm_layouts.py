@@ -5,10 +5,15 @@
 Layouts (y = x W^T, W as a checkpoint stores it, [out, in]):
   linear    F.linear(x, W)                                  (what the model did before)
   mm_t      torch.mm(x, Wt), Wt = W.t().contiguous() [in, out]
+  linear_cm F.linear(x, Wt.t()): the same [out, in] tensor with [in, out] storage (what the model's
+            linears use after process_weights_after_loading)
   mkl_pack  torch.ops.mkl._mkl_linear on MKL-packed W (cblas_sgemm_pack once, compute per call)
   onednn    torch.ops.mkldnn._linear_pointwise on a oneDNN-reordered W
-Each figure is the minimum over interleaved rounds (layouts in a shuffled order each round), so the
-layouts share whatever else the machine is doing; read the ratios, not the absolute rates.
+An AVX2-only CPU can be approximated on an AVX-512 one with
+  MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+(Intel's AVX2 code paths, not an AMD core's timings). Each figure is the minimum over interleaved
+rounds (layouts in a shuffled order each round), so the layouts share whatever else the machine is
+doing; read the ratios, not the absolute rates.
 Shapes default to the default model (SmolLM2-135M: hidden 576, intermediate 1536, 9/3 heads of 64,
 vocab 49152).
 """
@@ -34,6 +39,7 @@ def layouts(w: torch.Tensor) -> dict:
     fns = {
         "linear": lambda x: F.linear(x, w),
         "mm_t": lambda x: torch.mm(x, wt),
+        "linear_cm": lambda x: F.linear(x, wt.t()),
     }
     if hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
