@@ -230,6 +230,8 @@ class EngineArgs:
     attention_backend: str = flag("auto", "auto (triton on CUDA; on the CPU the compiled op when it is built, else "
                                           "torch), torch (the PyTorch reference), cpu (the compiled CPU op) or "
                                           "triton.", choices=("auto", "torch", "cpu", "triton"), group="device")
+    num_threads: int | None = flag(None, "CPU intra-op threads of the process that runs the model (tensor_parallel_size "
+                                         "1); default: torch's, the cores this process may run on.", group="device")
 
     tensor_parallel_size: int = flag(1, "Worker processes, one model shard each (1: the model runs in the "
                                         "engine's process). With N > 1, kv_cache_memory is each rank's budget "
@@ -250,6 +252,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
 

@@ -181,6 +181,13 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
         return loaded
 
+    def process_weights_after_loading(self) -> None:
+        """Lay weights out for the fastest GEMM on their device; call once, after the last weight,
+        dtype or device change (the loader does). Values and shapes stay as loaded."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
     def expected_weight_keys(self) -> set[str]:
         """The keys ``load_weights`` returns when every parameter was set."""
         keys = set()

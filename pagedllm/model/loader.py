@@ -249,6 +249,8 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model.eval()
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()  # CPU GEMM layouts, once the dtype and device are final
     tokenizer, chat_template = _load_tokenizer(hf_dir)
     return LoadedModel(model, config, tokenizer, str(hf_dir), chat_template)
 

@@ -68,6 +68,8 @@ class UniprocExecutor(Executor):
         self.engine_args = engine_args
         self.device = device
         self.dtype = dtype
+        if engine_args.num_threads is not None:  # before loading: weight conversion runs on these threads
+            torch.set_num_threads(engine_args.num_threads)
         self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device))
         self.model_info = ModelInfo.from_loaded(self.loaded)
         self.kv_spec: KVCacheSpec | None = None
