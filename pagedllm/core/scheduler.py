@@ -4,6 +4,11 @@ Each request has `num_computed_tokens` and `num_tokens`; a step gives each runni
 (oldest first), then each waiting one, as many of its missing tokens as the budget allows.
 A prompt, a chunk of a prompt, one decode token, or a preempted request's whole history
 are all the same kind of entry with different numbers.
+
+Requests that start from another's blocks (parallel samples, beam candidates) are made by the
+Forker (core/forking.py); the scheduler only places them in `running` and tells the runner.
+Requests arrive validated against the model (InputProcessor); the scheduler refuses only what it
+alone can judge: more blocks than the whole KV cache, more sequences than max_num_seqs.
 """
 
 from __future__ import annotations

@@ -51,9 +51,8 @@ from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.errors import InvalidRequestError
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
-_MAX_CANDIDATE_LOGPROBS = 20  # SamplingParams' logprobs limit
 _run_ids = itertools.count()
 
 
@@ -276,10 +275,10 @@ class BeamSearchRunner:
         room = self.engine.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens, room) if room > 0 else params.max_tokens
         group = BeamGroup(params, max_tokens, self.eos_token_ids)
-        if group.num_candidates > _MAX_CANDIDATE_LOGPROBS:
+        if group.num_candidates > MAX_LOGPROBS:
             raise InvalidRequestError(
                 f"beam_width {params.beam_width} needs the top {group.num_candidates} logprobs per beam "
-                f"({len(group.eos_token_ids)} EOS ids); at most {_MAX_CANDIDATE_LOGPROBS} are available"
+                f"({len(group.eos_token_ids)} EOS ids); at most {MAX_LOGPROBS} are available"
             )
         # The core's own pick (greedy, column 0) is ignored; EOS is ours to judge, so ignore_eos.
         sampling_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
