@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 _MAX_STOP_STRINGS = 64
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20
+"""The most top logprobs a request may ask for, per token (beam search is bound by it too)."""
 
 
 @dataclass(slots=True)
@@ -103,8 +104,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
-                raise ValueError(f"{name} must be None or an integer in [0, {_MAX_LOGPROBS}], got {value!r}")
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 if not _is_int(token_id) or token_id < 0:

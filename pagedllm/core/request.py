@@ -1,10 +1,12 @@
-"""A request's state as the scheduler sees it: tokens, progress and status."""
+"""A request: what the front end sends the core, and the scheduler's state on top of it."""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from collections.abc import Collection
+
+import msgspec
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,9 +38,38 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(slots=True, eq=False)
-class Request:
-    """One sequence to generate.
+class EngineCoreRequest(msgspec.Struct):
+    """A tokenized, validated request as the front end hands it to the engine core.
+
+    This is what crosses the process boundary (msgpack, inside AddRequestMsg); the core's
+    `Request` extends it with progress. With n > 1 (or best_of) it stands for several
+    sequences: see `sequence_req_ids`.
+    """
+
+    req_id: str
+    """The front end's request id."""
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: Collection[int]
+    """Token ids that end generation (unless sampling_params.ignore_eos)."""
+    max_tokens: int
+    """The resolved output budget: sampling_params.max_tokens, or what max_model_len leaves."""
+    arrival_time: float = msgspec.field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Extra prefix-cache key: requests with different salts share no cached blocks."""
+
+    def sequence_req_ids(self) -> list[str]:
+        """The core request id of each sequence: `req_id`, or `req_id#i` for n > 1 / best_of.
+
+        The only place the fan-out is spelled: the front end registers these ids, the core
+        creates one Request per id (`Request.for_sequences`).
+        """
+        num_sequences = self.sampling_params.num_sequences
+        return [self.req_id] if num_sequences == 1 else [f"{self.req_id}#{i}" for i in range(num_sequences)]
+
+
+class Request(EngineCoreRequest, eq=False):
+    """One sequence to generate: an EngineCoreRequest plus the scheduler's view of its progress.
 
     Progress is one counter, `num_computed_tokens`, against `num_tokens` (prompt + output).
     Whatever lies between them (a prompt, a chunk of it, the last sampled token, or a
@@ -49,30 +80,27 @@ class Request:
                                                  ^ num_computed_tokens
     """
 
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: frozenset[int]
-    max_tokens: int
-    """The resolved output budget: sampling_params.max_tokens, or what max_model_len leaves."""
-    arrival_time: float = field(default_factory=time.monotonic)
-    cache_salt: str | None = None
-    """Extra prefix-cache key: requests with different salts share no cached blocks."""
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
+    all_token_ids: list[int] = msgspec.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served by the prefix cache at the last admission."""
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] = msgspec.field(default_factory=list)
     """Hash chain of this request's full blocks, extended as tokens arrive (prefix caching)."""
-    pending_forks: list[Request] = field(default_factory=list)
-    """Parallel samples (n > 1) not yet forked: they sample their first token from this
-    request's prompt logits, then take its block table (shared, copy-on-write)."""
-    fork_parent: Request | None = None
-    """Set while this request waits to be forked from `fork_parent`."""
+
+    @classmethod
+    def for_sequences(cls, req: EngineCoreRequest) -> list[Request]:
+        """One Request per sequence of `req`; with n > 1, sequence i samples with `for_sequence(i)`."""
+        seq_ids = req.sequence_req_ids()
+        params = req.sampling_params
+        return [
+            cls(seq_id, list(req.prompt_token_ids), params if len(seq_ids) == 1 else params.for_sequence(index),
+                frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time, req.cache_salt)
+            for index, seq_id in enumerate(seq_ids)
+        ]
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

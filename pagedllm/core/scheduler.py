@@ -4,6 +4,11 @@ Each request has `num_computed_tokens` and `num_tokens`; a step gives each runni
 (oldest first), then each waiting one, as many of its missing tokens as the budget allows.
 A prompt, a chunk of a prompt, one decode token, or a preempted request's whole history
 are all the same kind of entry with different numbers.
+
+Requests that start from another's blocks (parallel samples, beam candidates) are made by the
+Forker (core/forking.py); the scheduler only places them in `running` and tells the runner.
+Requests arrive validated against the model (InputProcessor); the scheduler refuses only what it
+alone can judge: more blocks than the whole KV cache, more sequences than max_num_seqs.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (
@@ -38,8 +44,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
-        self._unsent_forks: set[str] = set()
-        """Forked requests the runner has not been told about yet."""
+        self.forks = Forker(kv_cache_manager)
+        """Parallel samples waiting for their leader, and forks the runner has not seen yet."""
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self._swap_out: list[tuple[int, int]] = []
@@ -48,27 +54,23 @@ class Scheduler:
     # --- admission -------------------------------------------------------------------
 
     def add_request(self, request: Request, parallel_samples: list[Request] = ()) -> None:
-        """Queue a request, or refuse it with InvalidRequestError if it could never be served.
+        """Queue a request, or refuse it with InvalidRequestError if this engine could never hold it.
+
+        The request must already be valid for the model (a non-empty prompt, prompt + max_tokens
+        within max_model_len, unique ids): the front end's InputProcessor checks that. Only what
+        the scheduler alone knows is checked here: max_num_seqs and the size of the KV cache.
 
         `parallel_samples` (n > 1) share the request's prompt: they are forked from it when its
         prompt is computed, each sampling its own first token from the same logits.
         """
-        for req_id in [request.req_id] + [r.req_id for r in parallel_samples]:
-            if req_id in self.requests:
-                raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        final_len = request.num_prompt_tokens + request.max_tokens
+        assert 0 < request.num_prompt_tokens and final_len <= self.config.max_model_len, \
+            f"{request.req_id}: the front end admitted a request that cannot fit max_model_len"
+        assert all(r.req_id not in self.requests for r in [request, *parallel_samples]), \
+            f"{request.req_id}: request id already in use"
         if len(parallel_samples) + 1 > self.config.max_num_seqs:
             raise InvalidRequestError(
                 f"{len(parallel_samples) + 1} parallel sequences exceed max_num_seqs ({self.config.max_num_seqs})"
-            )
-        if request.num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        max_len = self.config.max_model_len
-        final_len = request.num_prompt_tokens + request.max_tokens
-        if final_len > max_len:
-            raise InvalidRequestError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = "
-                f"{final_len} exceeds max_model_len ({max_len}); shorten the prompt, lower max_tokens "
-                f"or raise max_model_len"
             )
         num_blocks = self.kv.num_blocks_for_tokens(final_len)
         if num_blocks > self.kv.num_blocks:
@@ -76,29 +78,23 @@ class Scheduler:
                 f"this request needs up to {num_blocks} KV blocks ({final_len} tokens) but the whole "
                 f"cache has {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens"
             )
-        request.status = RequestStatus.WAITING
-        self.requests[request.req_id] = request
+        for r in [request, *parallel_samples]:
+            r.status = RequestStatus.WAITING
+            self.requests[r.req_id] = r
         self.waiting.append(request)
-        for child in parallel_samples:
-            child.fork_parent = request
-            child.status = RequestStatus.WAITING
-            self.requests[child.req_id] = child
-        request.pending_forks = list(parallel_samples)
+        self.forks.add_samples(request, parallel_samples)
 
-    def fork_request(self, parent_id: str, child: Request, last_token_id: int) -> None:
-        """Start `child` from a running parent's computed state with a different last token (beam search).
+    def fork_request(self, parent_id: str, child_id: str, last_token_id: int) -> Request:
+        """Start `child_id` from a running parent's computed state with a different last token (beam search).
 
         The parent's last token was sampled but not computed; the child replaces it with
         `last_token_id` and shares every block of the parent (copy-on-write on its first write).
         """
-        parent = self.requests[parent_id]
-        assert parent.status == RequestStatus.RUNNING and parent.num_computed_tokens == parent.num_tokens - 1
-        if child.req_id in self.requests:
-            raise InvalidRequestError(f"request id {child.req_id!r} is already in use")
-        child.prompt_token_ids = list(parent.prompt_token_ids)
-        child.output_token_ids = parent.output_token_ids[:-1] + [last_token_id]
-        child.all_token_ids = child.prompt_token_ids + child.output_token_ids
-        self._start_fork(parent, child, parent.num_computed_tokens)
+        assert child_id not in self.requests, f"request id {child_id!r} is already in use"
+        child = self.forks.fork(self.requests[parent_id], child_id, last_token_id)
+        self.requests[child_id] = child
+        self.running.append(child)
+        return child
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End live requests (abort, or a stop string found by the front end); frees their blocks now."""
@@ -108,18 +104,15 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if request.fork_parent is not None:  # a parallel sample not forked yet
-                request.fork_parent.pending_forks.remove(request)
-                request.fork_parent = None
+            if self.forks.is_waiting_sample(request):
+                pass  # in neither queue: it waits for its leader's first token
             elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free_request(request)
             finished.append(request)
-            # Samples waiting for this request's prompt can never start now.
-            finished.extend(self.finish_requests([c.req_id for c in list(request.pending_forks)], status))
+            finished.extend(self._free_request(request))
         return finished
 
     # --- one step --------------------------------------------------------------------
@@ -149,8 +142,7 @@ class Scheduler:
                 break  # the request preempted itself; everything after it is gone too
             num_scheduled[request.req_id] = num_new
             token_budget -= num_new
-            if request.req_id in self._unsent_forks:
-                self._unsent_forks.discard(request.req_id)
+            if self.forks.take_unsent(request.req_id):
                 self.kv.take_replaced_blocks(request.req_id)  # the full table goes out below
                 new_reqs.append(self._new_request_data(request))
             else:
@@ -164,7 +156,7 @@ class Scheduler:
         if not preempted:
             while self.waiting and token_budget > 0:
                 request = self.waiting[0]
-                if len(self.running) + 1 + len(request.pending_forks) > self.config.max_num_seqs:
+                if len(self.running) + 1 + len(self.forks.samples_of(request)) > self.config.max_num_seqs:
                     break
                 if self.kv.is_swapped_out(request):
                     num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
@@ -222,8 +214,8 @@ class Scheduler:
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prompt chunk: nothing to tell yet
-            if request.pending_forks and new_token_ids:
-                self._fork_parallel_samples(request, runner_output, outputs)
+            if new_token_ids and self.forks.samples_of(request):
+                self._start_parallel_samples(request, runner_output, outputs)
             accepted = []
             for token_id in new_token_ids:
                 request.append_output_token(token_id)
@@ -290,40 +282,23 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.req_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_ids=request.eos_token_ids,
-            fork_children=[(c.req_id, c.sampling_params) for c in request.pending_forks],
+            fork_children=[(c.req_id, c.sampling_params) for c in self.forks.samples_of(request)],
         )
 
-    def _fork_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,
-                               outputs: list[EngineCoreOutput]) -> None:
-        """The leader's prompt is computed and each pending sample drew its first token: fork them."""
-        for child in list(leader.pending_forks):
-            token_ids = runner_output.sampled_token_ids.get(child.req_id)
-            if not token_ids:
-                continue
-            leader.pending_forks.remove(child)
-            child.fork_parent = None
-            child.all_token_ids = list(leader.all_token_ids)  # the prompt (+ output after a preemption)
-            child.output_token_ids = list(leader.output_token_ids)
-            self._start_fork(leader, child, leader.num_computed_tokens)
-            child.append_output_token(token_ids[0])
+    def _start_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,
+                                outputs: list[EngineCoreOutput]) -> None:
+        """The leader's prompt is computed and its samples drew their first tokens: run them."""
+        for child in self.forks.fork_samples(leader, runner_output.sampled_token_ids):
+            self.running.append(child)
             self._check_stop(child)
-            logprobs = runner_output.logprobs.get(child.req_id)
-            outputs.append(EngineCoreOutput(child.req_id, [token_ids[0]], new_logprobs=logprobs,
+            outputs.append(EngineCoreOutput(child.req_id, list(child.output_token_ids[-1:]),
+                                            new_logprobs=runner_output.logprobs.get(child.req_id),
                                             finish_reason=child.status.finish_reason,
                                             stop_reason=child.stop_reason,
                                             num_cached_tokens=leader.num_cached_tokens))
             if child.is_finished:
                 self.running.remove(child)
                 self._free_request(child)
-
-    def _start_fork(self, parent: Request, child: Request, num_computed_tokens: int) -> None:
-        child.num_computed_tokens = num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.status = RequestStatus.RUNNING
-        self.kv.fork(parent, child)
-        self.requests[child.req_id] = child
-        self.running.append(child)
-        self._unsent_forks.add(child.req_id)
 
     def _preempt(self, request: Request) -> None:
         """Free every device block of a running request; it goes back to the front of the queue.
@@ -338,14 +313,16 @@ class Scheduler:
         else:
             self.kv.free(request)
             request.num_computed_tokens = 0
-        self._unsent_forks.discard(request.req_id)
+        self.forks.take_unsent(request.req_id)  # it returns to the runner as new anyway
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> list[Request]:
+        """Release a finished request; returns what finishing it finished too (samples that never started)."""
         self.kv.free(request)
-        self._unsent_forks.discard(request.req_id)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
+        orphans = self.forks.forget(request)
+        return self.finish_requests([o.req_id for o in orphans], request.status) if orphans else []

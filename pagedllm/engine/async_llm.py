@@ -1,11 +1,11 @@
 """AsyncLLM: the asyncio front end of a server, with the engine core in its own process.
 
-    generate() ── InputProcessor ──> MPCoreClient ──ZMQ──> EngineCoreProc
-        ^                                                      │
-        └── per-request asyncio.Queue <── OutputProcessor <── output handler task
+    generate() ── FrontendCore (InputProcessor) ──> MPCoreClient ──ZMQ──> EngineCoreProc
+        ^                                                                  │
+        └── per-request asyncio.Queue <── FrontendCore (OutputProcessor) <── output handler task
 
 Tokenization and validation happen here (InvalidRequestError before anything is queued);
-text, stop strings, n > 1 and logprobs are made by the same OutputProcessor the offline
+admission, text, stop strings, n > 1 and logprobs are the same FrontendCore the offline
 engine uses. Closing a generate() stream early aborts its request in the core. When the
 core dies, every waiting stream and every later call raises EngineDeadError.
 """
@@ -19,10 +19,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.request import RequestStatus
 from pagedllm.engine.core_client import MPCoreClient
+from pagedllm.engine.frontend import FrontendCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import (
     EngineStatsMsg,
     OutputsMsg,
@@ -83,7 +82,8 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        self.engine._queues.pop(self.request_id, None)
+        if self.engine._queues.get(self.request_id) is self._queue:
+            del self.engine._queues[self.request_id]
         if not self.finished:
             self.engine._abort_in_core(self.request_id)
 
@@ -98,8 +98,7 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
-        self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.frontend = FrontendCore(client, tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids)
         self.metrics = metrics
         self.latest_stats: EngineStatsMsg | None = None
         self.dead_error: EngineDeadError | None = None
@@ -121,6 +120,10 @@ class AsyncLLM:
             raise
         return cls(client, ready, tokenizer, metrics)
 
+    @property
+    def input_processor(self) -> InputProcessor:
+        return self.frontend.input_processor
+
     # --- requests ----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -128,32 +131,18 @@ class AsyncLLM:
         """Validate, tokenize and queue a request; iterate the returned stream for its outputs.
 
         Raises InvalidRequestError (nothing queued) for a request that can never be served, and
-        EngineDeadError when the core is gone.
+        EngineDeadError when the core is gone. A refusal by the core (the request can never fit
+        its KV cache) arrives on the stream.
         """
         self._check_alive()
-        if request_id in self._queues:
+        if request_id in self._queues:  # an earlier stream under this id is still open
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer; send token ids as the prompt")
-        text, core_request = self.input_processor.process(request_id, prompt, params, cache_salt)
-        num_sequences = params.num_sequences
-        seq_ids = [request_id] if num_sequences == 1 else [f"{request_id}#{i}" for i in range(num_sequences)]
+        request = self.frontend.add_request(request_id, prompt, params, cache_salt, stream)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self.output_processor.add_request(request_id, text, core_request.prompt_token_ids, params, seq_ids, stream)
         if self.metrics is not None:
-            self.metrics.record_request_added(request_id, len(core_request.prompt_token_ids),
-                                              core_request.arrival_time)
-        request_stream = RequestStream(self, request_id, queue)
-        # n > 1 / best_of: one core request whose sequences share the prompt's blocks
-        core_request.req_id = seq_ids[0]
-        core_request.sequence_ids = seq_ids if num_sequences > 1 else None
-        try:
-            self.client.add_request(core_request)
-        except BaseException:
-            request_stream.close()
-            raise
-        return request_stream
+            self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time)
+        return RequestStream(self, request_id, queue)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        cache_salt: str | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
@@ -177,14 +166,12 @@ class AsyncLLM:
             queue.put_nowait(RequestFailedError(f"request {request_id} was aborted"))
 
     def _abort_in_core(self, request_id: str) -> None:
-        seq_ids = self.output_processor.abort_request(request_id)
         if self.metrics is not None:
             self.metrics.record_request_finished(request_id, "abort")
-        if seq_ids and self.dead_error is None:
-            try:
-                self.client.abort_requests(seq_ids)
-            except EngineDeadError:
-                pass
+        try:
+            self.frontend.abort_request(request_id)
+        except EngineDeadError:
+            pass  # nothing left to free
 
     # --- health and utilities -------------------------------------------------------------
 
@@ -256,16 +243,12 @@ class AsyncLLM:
         if self.metrics is not None:
             new_tokens: dict[str, int] = {}
             for out in msg.outputs:
-                entry = self.output_processor.seq_to_request.get(out.req_id)
-                if entry is not None and out.new_token_ids:
-                    request_id = entry[0].request_id
+                request_id = self.frontend.request_id_of(out.req_id)
+                if request_id is not None and out.new_token_ids:
                     new_tokens[request_id] = new_tokens.get(request_id, 0) + len(out.new_token_ids)
             for request_id, num_tokens in new_tokens.items():
                 self.metrics.record_new_tokens(request_id, num_tokens, now)
-        request_outputs, to_stop = self.output_processor.process_outputs(msg.outputs)
-        if to_stop:
-            self.client.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
-        for output in request_outputs:
+        for output in self.frontend.process_outputs(msg.outputs):
             if output.finished and self.metrics is not None:
                 reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
                 self.metrics.record_request_finished(output.request_id, reasons[0] if reasons else None, now)
@@ -274,11 +257,7 @@ class AsyncLLM:
                 queue.put_nowait(output)
 
     def _handle_rejected(self, msg: RequestRejectedMsg) -> None:
-        entry = self.output_processor.seq_to_request.get(msg.req_id)
-        if entry is None:
-            return
-        request_id = entry[0].request_id
-        queue = self._queues.get(request_id)
+        queue = self._queues.get(msg.req_id)  # the front end's request id (one message for all n sequences)
         if queue is not None:
             error_cls = InvalidRequestError if msg.invalid_request else RequestFailedError
             queue.put_nowait(error_cls(msg.message))

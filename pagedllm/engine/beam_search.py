@@ -4,7 +4,7 @@ Every live beam of every prompt decodes one token per engine step, all batched t
 (continuous batching across prompts). A beam is a core request whose SamplingParams ask for
 the top 2k logprobs (k = beam_width); the core's greedy pick is ignored. After the step each
 prompt chooses its next beams, and each chosen (parent, token) becomes a child forked from the
-parent (`Scheduler.fork_request`: the parent's block table, ref counts up, nothing copied); then
+parent (`EngineCore.fork_request`: the parent's block table, ref counts up, nothing copied); then
 every parent is aborted, so a pruned beam's blocks are released at once and only the children's
 references remain. The first time two children of one parent write, the scheduler's KV manager
 copies the shared, partially filled last block for the first writer; full blocks are never copied.
@@ -46,13 +46,13 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.forking import kv_block_usage  # noqa: F401  (bench.sharing reads it from here)
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.engine.input_processor import PromptType
-from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
-_MAX_CANDIDATE_LOGPROBS = 20  # SamplingParams' logprobs limit
 _run_ids = itertools.count()
 
 
@@ -215,17 +215,6 @@ class _Prompt:
     sharing: KVSharingStats = field(default_factory=KVSharingStats)
 
 
-def kv_block_usage(kv_cache_manager, req_ids: Iterable[str]) -> tuple[int, int]:
-    """(distinct blocks the requests hold, sum of their block-table lengths)."""
-    held: set[int] = set()
-    num_unshared = 0
-    for req_id in req_ids:
-        block_ids = kv_cache_manager.get_block_ids(req_id)
-        held.update(block_ids)
-        num_unshared += len(block_ids)
-    return len(held), num_unshared
-
-
 class BeamSearchRunner:
     """Runs beam search for a batch of prompts on an idle in-process engine (an `LLMEngine`).
 
@@ -238,7 +227,6 @@ class BeamSearchRunner:
         self.engine = engine
         self.core = engine.core
         self.eos_token_ids = list(engine.input_processor.eos_token_ids)
-        self.kv = self.core.kv_cache_manager
         self._run_id = next(_run_ids)
         self._req_counter = itertools.count()
 
@@ -283,23 +271,21 @@ class BeamSearchRunner:
 
     def _prepare(self, index: int, prompt: PromptType, params: BeamSearchParams) -> _Prompt:
         processor = self.engine.input_processor
-        if isinstance(prompt, str) and self.engine.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
         text, token_ids = processor.tokenize(prompt)
         room = self.engine.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens, room) if room > 0 else params.max_tokens
         group = BeamGroup(params, max_tokens, self.eos_token_ids)
-        if group.num_candidates > _MAX_CANDIDATE_LOGPROBS:
+        if group.num_candidates > MAX_LOGPROBS:
             raise InvalidRequestError(
                 f"beam_width {params.beam_width} needs the top {group.num_candidates} logprobs per beam "
-                f"({len(group.eos_token_ids)} EOS ids); at most {_MAX_CANDIDATE_LOGPROBS} are available"
+                f"({len(group.eos_token_ids)} EOS ids); at most {MAX_LOGPROBS} are available"
             )
         # The core's own pick (greedy, column 0) is ignored; EOS is ours to judge, so ignore_eos.
         sampling_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                          logprobs=group.num_candidates)
         req_id = self._new_req_id(index)
         _, core_request = processor.process(req_id, {"prompt_token_ids": token_ids}, sampling_params)
-        blocks_per_beam = self.kv.num_blocks_for_tokens(len(token_ids) + max_tokens)
+        blocks_per_beam = cdiv(len(token_ids) + max_tokens, self.core.cache_config.block_size)
         return _Prompt(index, text, token_ids, group, core_request, params.beam_width * blocks_per_beam,
                        beam_req_ids=[req_id])
 
@@ -309,7 +295,7 @@ class BeamSearchRunner:
             prompt = pending[-1]
             num_reserved = sum(p.num_reserved_blocks for p in active) + prompt.num_reserved_blocks
             num_seqs = sum(p.group.beam_width for p in active) + prompt.group.beam_width
-            if active and (num_reserved > self.kv.num_blocks or num_seqs > max_num_seqs):
+            if active and (num_reserved > self.core.num_blocks or num_seqs > max_num_seqs):
                 return
             pending.pop()
             self.core.add_request(prompt.core_request)
@@ -338,23 +324,16 @@ class BeamSearchRunner:
         chosen = prompt.group.step(top_logprobs)
 
         parents = prompt.beam_req_ids
-        template = prompt.core_request
         children = []
         for parent_index, token_id in chosen:
-            child = Request(
-                req_id=self._new_req_id(prompt.index),
-                prompt_token_ids=template.prompt_token_ids,
-                sampling_params=template.sampling_params,
-                eos_token_ids=frozenset(template.eos_token_ids),
-                max_tokens=template.max_tokens,
-            )
-            self.core.scheduler.fork_request(parents[parent_index], child, token_id)
-            children.append(child.req_id)
+            child_id = self._new_req_id(prompt.index)
+            self.core.fork_request(parents[parent_index], child_id, token_id)
+            children.append(child_id)
         # Children hold their references now; the parents' go (a pruned beam's blocks are free here).
         self.core.abort_requests(parents, RequestStatus.FINISHED_ABORTED)
         prompt.beam_req_ids = children
         if children:
-            prompt.sharing.record(*kv_block_usage(self.kv, children))
+            prompt.sharing.record(*self.core.kv_block_usage(children))
 
     def _new_req_id(self, index: int) -> str:
         return f"beam-{self._run_id}-{index}-{next(self._req_counter)}"

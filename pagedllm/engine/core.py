@@ -10,8 +10,10 @@ and EngineCoreOutput out; text is made elsewhere.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagedllm.core.forking import kv_block_usage
 from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManagerProtocol, paged_kv_cache_manager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
@@ -62,20 +64,7 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served."""
-        sequence_ids = req.sequence_ids or [req.req_id]
-        params = req.sampling_params
-        requests = [
-            Request(
-                req_id=seq_id,
-                prompt_token_ids=list(req.prompt_token_ids),
-                sampling_params=params if len(sequence_ids) == 1 else params.for_sequence(index),
-                eos_token_ids=frozenset(req.eos_token_ids),
-                max_tokens=req.max_tokens,
-                arrival_time=req.arrival_time,
-                cache_salt=req.cache_salt,
-            )
-            for index, seq_id in enumerate(sequence_ids)
-        ]
+        requests = Request.for_sequences(req)
         self.scheduler.add_request(requests[0], parallel_samples=requests[1:])
 
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -123,3 +112,12 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             return []
         return self.kv_cache_manager.check_no_leaks()
+
+    def fork_request(self, parent_id: str, child_id: str, last_token_id: int) -> None:
+        """Beam search: start `child_id` from a running request that just sampled, with `last_token_id`
+        instead of its last token; the child shares every KV block of the parent (copy-on-write)."""
+        self.scheduler.fork_request(parent_id, child_id, last_token_id)
+
+    def kv_block_usage(self, req_ids: Iterable[str] | None = None) -> tuple[int, int]:
+        """(distinct KV blocks the requests hold, sum of their block-table lengths); None = every live request."""
+        return kv_block_usage(self.kv_cache_manager, self.scheduler.requests if req_ids is None else req_ids)

@@ -1,4 +1,9 @@
-"""Front-end request preparation: tokenize, validate every token id, resolve defaults."""
+"""Front-end request preparation: tokenize, validate, resolve defaults.
+
+This is the edge where a request is checked against the model (vocabulary, max_model_len,
+tokenizer); SamplingParams check themselves on construction. What is left to the engine core
+is what only it knows: whether the KV cache and max_num_seqs can ever hold the request.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ PromptType = Union[str, Sequence[int], Mapping[str, Any]]
 
 
 class InputProcessor:
+    """Turns (request id, prompt, params) into a complete EngineCoreRequest, or InvalidRequestError."""
+
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -23,20 +30,29 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text if any, token ids)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"])
             raise InvalidRequestError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ints)")
         if isinstance(prompt, Sequence):
             return None, list(prompt)
         raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; give the prompt as token ids")
+        return self.tokenizer.encode(text)
+
     def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
                 cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
-        """Validate and tokenize; raises InvalidRequestError naming what is wrong."""
+        """Validate and tokenize; returns (prompt text if any, the request for the core).
+
+        Raises InvalidRequestError naming what is wrong. With n > 1 the one request stands for
+        all sequences (`EngineCoreRequest.sequence_req_ids`).
+        """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)

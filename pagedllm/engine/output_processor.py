@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.core.request import EngineCoreRequest
 from pagedllm.core.sched_output import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -40,19 +42,29 @@ class SequenceState:
 
 @dataclass(slots=True)
 class RequestState:
-    """One user request: its prompt and its n (or best_of) sequences."""
+    """One user request: what was sent to the core, and its n (or best_of) sequences."""
 
-    request_id: str
+    request: EngineCoreRequest
+    """Id, prompt token ids, params and arrival time, as the core received them."""
     prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
     sequences: list[SequenceState]
     stream: bool
     """Deltas (text and tokens since the last output) instead of cumulative outputs."""
-    arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.req_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
 
     @property
     def finished(self) -> bool:
@@ -60,26 +72,39 @@ class RequestState:
 
 
 class OutputProcessor:
+    """The front end's registry of live requests, and the maker of their RequestOutputs."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.seq_to_request: dict[str, tuple[RequestState, SequenceState]] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, seq_req_ids: list[str], stream: bool = False) -> None:
-        sequences = []
-        for index, seq_req_id in enumerate(seq_req_ids):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer else None
-            # best_of ranks sequences by cumulative logprob even when no logprobs are returned
-            keep_logprobs = params.logprobs is not None or (params.best_of or 1) > params.n
-            seq = SequenceState(seq_req_id, index, params, detok, logprobs=[] if keep_logprobs else None,
-                                cumulative_logprob=0.0 if keep_logprobs else None)
-            sequences.append(seq)
-        state = RequestState(request_id, prompt, list(prompt_token_ids), params, sequences, stream,
+    def add_request(self, request: EngineCoreRequest, prompt: str | None = None, stream: bool = False) -> None:
+        """Register a request and its sequences; InvalidRequestError (nothing registered) if an id is taken."""
+        seq_req_ids = request.sequence_req_ids()
+        if request.req_id in self.requests or any(s in self.seq_to_request for s in seq_req_ids):
+            raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
+        params = request.sampling_params
+        # best_of ranks sequences by cumulative logprob even when no logprobs are returned
+        keep_logprobs = params.logprobs is not None or (params.best_of or 1) > params.n
+        sequences = [
+            SequenceState(seq_req_id, index, params,
+                          IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+                          if self.tokenizer else None,
+                          logprobs=[] if keep_logprobs else None,
+                          cumulative_logprob=0.0 if keep_logprobs else None)
+            for index, seq_req_id in enumerate(seq_req_ids)
+        ]
+        state = RequestState(request, prompt, sequences, stream,
                              prompt_logprobs=[] if params.prompt_logprobs is not None else None)
-        self.requests[request_id] = state
+        self.requests[request.req_id] = state
         for seq in sequences:
             self.seq_to_request[seq.req_id] = (state, seq)
+
+    def request_id_of(self, seq_req_id: str) -> str | None:
+        """The user request a core request id belongs to (None when unknown or finished)."""
+        entry = self.seq_to_request.get(seq_req_id)
+        return entry[0].request_id if entry is not None else None
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its core request ids, to abort in the core."""
@@ -187,7 +212,7 @@ class OutputProcessor:
             finished=state.finished,
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
-            metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time or 0.0},
+            metrics={"arrival_time": state.request.arrival_time, "first_token_time": state.first_token_time or 0.0},
         )
 
     def _completion(self, seq: SequenceState, index: int, stream: bool) -> CompletionOutput | None:

@@ -5,42 +5,26 @@ Across a socket only the typed messages below travel, encoded with msgspec's msg
 
     front end -> core:  AddRequestMsg | AbortRequestsMsg | UtilityRequestMsg | ShutdownMsg
     core -> front end:  ReadyMsg | OutputsMsg | RequestRejectedMsg | UtilityResultMsg | EngineDeadMsg
+
+A request travels as `EngineCoreRequest` (defined in core/request.py, since the core's
+`Request` extends it); it is re-exported here with the other messages.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Any, Union
 
 import msgspec
 
-from pagedllm.core.request import RequestStatus
+from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
-from pagedllm.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class EngineCoreRequest:
-    """A tokenized, validated request, ready for the scheduler."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    max_tokens: int
-    arrival_time: float = field(default_factory=time.monotonic)
-    cache_salt: str | None = None
-    sequence_ids: list[str] | None = None
-    """n > 1 / best_of: one id per sequence (the first is req_id). The sequences share the
-    prompt's blocks and each samples with `sampling_params.for_sequence(index)`."""
 
 
 # --- front end -> core ----------------------------------------------------------------
 
 
 class AddRequestMsg(msgspec.Struct, tag="add"):
-    """Queue one core request (one sequence)."""
+    """Queue one request (all of its sequences when n > 1)."""
 
     request: EngineCoreRequest
 

@@ -160,22 +160,17 @@ def test_abort_frees_blocks_and_tells_the_runner():
     assert out.is_empty
 
 
-def test_impossible_requests_are_refused_when_added():
-    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=100)
-    with pytest.raises(InvalidRequestError, match="exceeds max_model_len"):
-        sched.add_request(make_request(90, max_tokens=20))
+def test_requests_this_engine_can_never_hold_are_refused_when_added():
+    # What only the scheduler knows: the cache size and max_num_seqs (the front end checks the rest).
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=100, max_num_seqs=2)
     with pytest.raises(InvalidRequestError, match="whole cache has 4"):
         sched.add_request(make_request(10, max_tokens=10))
-    with pytest.raises(InvalidRequestError, match="empty"):
-        sched.add_request(make_request(0))
-    assert not sched.has_unfinished_requests()
-
-
-def test_duplicate_request_id_is_refused():
-    sched = make_scheduler()
-    sched.add_request(make_request(2, req_id="x"))
-    with pytest.raises(InvalidRequestError, match="already in use"):
-        sched.add_request(make_request(2, req_id="x"))
+    samples = [make_request(2, req_id=f"s{i}") for i in range(2)]
+    with pytest.raises(InvalidRequestError, match="exceed max_num_seqs"):
+        sched.add_request(make_request(2), parallel_samples=samples)
+    assert not sched.has_unfinished_requests() and not sched.requests
+    sched.add_request(make_request(8, max_tokens=8))  # 16 tokens: exactly the 4 blocks
+    assert sched.has_unfinished_requests()
 
 
 def test_prefix_cache_hit_skips_cached_tokens():

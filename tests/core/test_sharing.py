@@ -20,7 +20,7 @@ def _sample_with_forks(sched, out, tokens):
     for req_id in list(runner_out.sampled_token_ids):
         request = sched.requests[req_id]
         runner_out.sampled_token_ids[req_id] = [tokens.get(req_id, 7)]
-        for child in request.pending_forks:
+        for child in sched.forks.samples_of(request):
             runner_out.sampled_token_ids[child.req_id] = [tokens.get(child.req_id, 8)]
     return runner_out
 
@@ -95,8 +95,9 @@ def test_beam_fork_replaces_the_last_token_and_shares_all_blocks():
     sched.add_request(parent)
     out = sched.schedule()
     sched.update_from_output(out, sample_for(sched, out, token_id=40))
-    child = make_request(1, max_tokens=10, req_id="c")
-    sched.fork_request("p", child, last_token_id=41)
+    child = sched.fork_request("p", "c", last_token_id=41)
+    assert child.req_id == "c" and sched.requests["c"] is child
+    assert child.max_tokens == parent.max_tokens and child.sampling_params is parent.sampling_params
     assert child.all_token_ids == parent.all_token_ids[:-1] + [41]
     assert child.num_computed_tokens == 6 and child.num_tokens == 7
     assert sched.kv.get_block_ids("c") == [0, 1] and _ref_cnts(sched, [0, 1]) == [2, 2]

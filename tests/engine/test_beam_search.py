@@ -237,16 +237,17 @@ def test_forks_share_pruned_beams_free_at_once_only_partial_blocks_copied(tiny_s
 
     real_fork = scheduler.fork_request
 
-    def fork_request(parent_id, child, last_token_id):
+    def fork_request(parent_id, child_id, last_token_id):
         parent_blocks = list(kv.req_to_blocks[parent_id])
         num_copies = kv.num_cow_copies
-        real_fork(parent_id, child, last_token_id)
+        child = real_fork(parent_id, child_id, last_token_id)
         # the child's table is the parent's: the same physical blocks, one more reference each, nothing copied
         assert kv.req_to_blocks[child.req_id] == parent_blocks
         assert all(a is b for a, b in zip(kv.req_to_blocks[child.req_id], parent_blocks))
         assert kv.num_cow_copies == num_copies  # forking never copies
         forks.append((parent_id, child.req_id, child.num_computed_tokens))
         events["forks"] += 1
+        return child
 
     real_abort = core.abort_requests
 
