@@ -88,7 +88,9 @@ def test_roofline_and_attention_smoke(smoke_results):
         assert 0 < r["achieved_fraction_of_floor"] and r["step_ms"] > 0 and 0 < r["schedule_prepare_fraction"] < 1
     attention = _load(smoke_results, "attention")
     assert {r["phase"] for r in attention["rows"]} == {"decode", "prefill"}
-    assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in attention["rows"])
+    assert all(r["reference_ms"] > 0 and r["contiguous_ms"] > 0 and (r["op_ms"] is None or r["op_ms"] > 0)
+               for r in attention["rows"])
+    assert attention["mixed"]["ref_mixed_ms"] > 0
 
 
 def test_the_report_has_every_section(smoke_results):
