@@ -248,8 +248,11 @@ class ContiguousKVCacheManager:
             return min(next_power_of_two(final_len), self.max_model_len)
         return min(final_len, self.max_model_len)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence = ()) -> list[int] | None:
-        """Reserve the request's region at its first call (None if no hole fits); then hand out its next blocks."""
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence = (),
+                       num_headroom_blocks: int = 0) -> list[int] | None:
+        """Reserve the request's region at its first call (None if no hole fits); then hand out its next blocks.
+
+        A region already holds the request's whole reservation, so no headroom is needed for growth."""
         assert not new_computed_blocks, "contiguous regions do not share prefix-cached blocks"
         region = self.regions.get(request.req_id)
         if region is None:
@@ -294,7 +297,8 @@ class ContiguousKVCacheManager:
     def is_swapped_out(self, request: Request) -> bool:
         return False
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def swap_in(self, request: Request, num_new_tokens: int,
+                num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None:
         raise AssertionError("nothing is ever swapped out of a contiguous region")
 
     def reset_prefix_cache(self) -> bool:

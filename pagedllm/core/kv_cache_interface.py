@@ -43,8 +43,10 @@ class KVCacheManagerProtocol(Protocol):
         """Prefix-cache hits for a waiting request, and how many tokens they hold."""
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence = ()) -> list[int] | None:
-        """Room for `num_new_tokens` more tokens; the block ids appended, or None if they do not fit."""
+                       new_computed_blocks: Sequence = (), num_headroom_blocks: int = 0) -> list[int] | None:
+        """Room for `num_new_tokens` more tokens; the block ids appended, or None if they do not fit
+        while leaving `num_headroom_blocks` free (admission keeps room for running requests to grow;
+        a manager that reserves a request's whole length up front may ignore it)."""
 
     def free(self, request: Request, keep_host_blocks: bool = False) -> None: ...
 
@@ -60,7 +62,8 @@ class KVCacheManagerProtocol(Protocol):
 
     def is_swapped_out(self, request: Request) -> bool: ...
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None: ...
+    def swap_in(self, request: Request, num_new_tokens: int,
+                num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None: ...
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False if some are still in use."""

@@ -87,11 +87,13 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
+        num_headroom_blocks: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens of `request`; None if they do not fit.
 
         `new_computed_blocks` are prefix-cache hits being attached at admission; they come
-        before any new block in the table. Returns the ids appended to the block table.
+        before any new block in the table. `num_headroom_blocks` must stay free afterwards
+        (None otherwise). Returns the ids appended to the block table.
         """
         held = self.req_to_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -102,7 +104,7 @@ class KVCacheManager:
         needs_cow = bool(held) and num_computed % self.block_size != 0 and held[-1].ref_cnt > 1
         # A cache hit sitting in the free queue stops being available once we take it.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks + needs_cow > self.pool.num_free_blocks - num_free_hits:
+        if num_new_blocks + needs_cow + num_headroom_blocks > self.pool.num_free_blocks - num_free_hits:
             return None
 
         if needs_cow:
@@ -166,14 +168,16 @@ class KVCacheManager:
     def is_swapped_out(self, request: Request) -> bool:
         return request.req_id in self.req_to_host_blocks
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def swap_in(self, request: Request, num_new_tokens: int,
+                num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None:
         """Bring a swapped-out request back into fresh device blocks, plus room for `num_new_tokens`.
 
-        Returns the (host block, device block) copies, or None (nothing changed) if it does not fit.
+        Returns the (host block, device block) copies, or None (nothing changed) if it does not
+        fit while leaving `num_headroom_blocks` free.
         """
         host_blocks = self.req_to_host_blocks[request.req_id]
         num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
-        if num_needed > self.pool.num_free_blocks:
+        if num_needed + num_headroom_blocks > self.pool.num_free_blocks:
             return None
         device_blocks = self.pool.get_new_blocks(len(host_blocks))
         self.req_to_blocks[request.req_id] = device_blocks
