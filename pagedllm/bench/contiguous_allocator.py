@@ -33,14 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import Request
 
 KV_ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
 CONTIGUOUS_ALLOCATORS = ("first_fit", "buddy")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def next_power_of_two(n: int) -> int:

@@ -15,7 +15,6 @@ from pagedllm.model.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from tests.model.tiny_models import make_hf_model, save_hf_model
@@ -62,12 +61,6 @@ def test_replicated_and_column_linear(bias):
             assert_converted(layer.weight, original)
             shards.append(layer)
         check_rows(lambda x: torch.cat([s(x) for s in shards], dim=-1), Ref(w, b if bias else None))
-    layer = ReplicatedLinear(HIDDEN, 48, bias=bias)
-    layer.weight.weight_loader(layer.weight, w)
-    if bias:
-        layer.bias.weight_loader(layer.bias, b)
-    layer.process_weights_after_loading()
-    check_rows(layer, Ref(w, b if bias else None))
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

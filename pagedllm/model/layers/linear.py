@@ -63,17 +63,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole weight."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
-        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
-        self._make_params(output_size, input_size, bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(materialize(loaded))
-
-
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's rows (output features) split across ranks; no communication."""
 
