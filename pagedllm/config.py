@@ -198,6 +198,44 @@ class ParallelConfig:
         return self.tensor_parallel_size if self.num_local_workers is None else self.num_local_workers
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much one request may ask for; the front end refuses more with an InvalidRequestError naming
+    the limit (HTTP 400). They bound what one request can cost its neighbours per step."""
+
+    max_stop_token_ids: int = 256
+    """Most stop_token_ids per request."""
+    max_logit_bias: int = 300
+    """Most logit_bias entries per request (OpenAI's limit)."""
+    max_stop_strings: int = 16
+    """Most stop strings per request (at most 64)."""
+    max_stop_string_chars: int = 1024
+    """Longest stop string, in characters."""
+    max_logprobs: int = 20
+    """Most top logprobs per generated or prompt token (at most 20)."""
+    max_sequences_per_request: int = 256
+    """Most sequences one request may generate: prompts x max(n, best_of)."""
+    max_prompt_logprobs_positions: int = 2048
+    """Longest prompt whose prompt_logprobs may be asked for (one entry per position)."""
+
+    def __post_init__(self) -> None:
+        from pagedllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
+        if self.max_stop_strings > MAX_STOP_STRINGS:
+            raise ValueError(f"max_stop_strings must be <= {MAX_STOP_STRINGS}, got {self.max_stop_strings}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be <= {MAX_LOGPROBS}, got {self.max_logprobs}")
+
+
+_LIMIT_GROUP = "request limits"
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can set when starting an engine; each field is also a CLI flag (`flag()` declares
@@ -245,7 +283,19 @@ class EngineArgs:
     distributed_timeout: float = flag(120.0, "Seconds a collective, worker start-up or step may wait for a peer "
                                              "before the engine dies.", group="tensor parallelism")
 
+    max_stop_token_ids: int = flag(256, "Most stop_token_ids one request may carry.", group=_LIMIT_GROUP)
+    max_logit_bias: int = flag(300, "Most logit_bias entries one request may carry.", group=_LIMIT_GROUP)
+    max_stop_strings: int = flag(16, "Most stop strings one request may carry (at most 64).", group=_LIMIT_GROUP)
+    max_stop_string_chars: int = flag(1024, "Longest stop string, in characters.", group=_LIMIT_GROUP)
+    max_logprobs: int = flag(20, "Most top logprobs per token a request may ask for (at most 20).",
+                             group=_LIMIT_GROUP)
+    max_sequences_per_request: int = flag(256, "Most sequences one request may generate: prompts x max(n, "
+                                               "best_of).", group=_LIMIT_GROUP)
+    max_prompt_logprobs_positions: int = flag(2048, "Longest prompt whose prompt_logprobs may be asked for.",
+                                              group=_LIMIT_GROUP)
+
     def __post_init__(self) -> None:
+        self.request_limits()  # refuse bad limits when the engine is configured, not at the first request
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -266,6 +316,9 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             swap_space=parse_memory_size(self.swap_space),
         )
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RequestLimits)})
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
