@@ -10,7 +10,7 @@ The figure that matters is limit / plain (target <= 1.5). Repeats are interleave
 hits every case alike; medians are reported. Runs on any tree (public surfaces only), so the same
 command on an older checkout shows what the per-step rebuilding used to cost.
 
-    PYTHONPATH=$PWD python scripts/bench_request_limits.py [--n 16] [--prompt-len 512] [--repeats 3]
+    PYTHONPATH=$PWD python scripts/bench_request_limits.py [--n 16] [--prompt-len 512] [--repeats 3] [--penalties]
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from pagedllm.config import EngineArgs
 from pagedllm.sampling_params import SamplingParams
 
 
-def hostile_params(n: int, vocab_size: int, at_limits: bool, max_tokens: int) -> SamplingParams:
+def hostile_params(n: int, vocab_size: int, at_limits: bool, max_tokens: int, penalties: bool) -> SamplingParams:
     base = dict(n=n, temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+    if penalties:  # [N, vocab] penalty tensors for the whole batch, in both cases
+        base.update(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)
     if not at_limits:
         return SamplingParams(**base)
     return SamplingParams(
@@ -62,6 +64,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--penalties", action="store_true", help="the hostile request (plain and at limits) also "
+                                                                 "sets repetition, presence and frequency penalties")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineArgs(model=args.model, enable_prefix_caching=False, max_model_len=2048))
@@ -69,8 +73,8 @@ def main() -> None:
     max_tokens = 64  # the hostile request outlives the neighbour
     cases = {
         "alone": None,
-        "beside plain": hostile_params(args.n, vocab_size, False, max_tokens),
-        "beside at-limits": hostile_params(args.n, vocab_size, True, max_tokens),
+        "beside plain": hostile_params(args.n, vocab_size, False, max_tokens, args.penalties),
+        "beside at-limits": hostile_params(args.n, vocab_size, True, max_tokens, args.penalties),
     }
     neighbour_latency(engine, None, args.prompt_len, "warm-up")
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -78,8 +82,8 @@ def main() -> None:
         for name, params in cases.items():
             times[name].append(neighbour_latency(engine, params, args.prompt_len, f"{name}-{r}"))
     medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"neighbour latency (8 tokens), hostile n={args.n}, prompt {args.prompt_len} tokens, "
-          f"median of {args.repeats}:")
+    print(f"neighbour latency (8 tokens), hostile n={args.n}, prompt {args.prompt_len} tokens"
+          f"{', penalties' if args.penalties else ''}, median of {args.repeats}:")
     for name, t in medians.items():
         print(f"  {name:18s} {1000 * t:8.1f} ms   runs: {', '.join(f'{1000 * x:.0f}' for x in times[name])}")
     print(f"  at-limits / plain: {medians['beside at-limits'] / medians['beside plain']:.2f}x  (target <= 1.5x)")
