@@ -154,6 +154,8 @@ INF, NAN = math.inf, math.nan
     (dict(min_tokens=-1), "min_tokens"),
     (dict(top_k=0), "top_k"),
     (dict(stop=["ok\udc80"]), "stop strings must be valid Unicode"),
+    (dict(stop=5), "stop must be a list"),
+    (dict(stop_token_ids={1: 2}), "stop_token_ids must be a list"),
 ])
 def test_non_finite_or_absurd_sampling_values_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
