@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -35,16 +36,17 @@ def _parse_bool(value: str | bool) -> bool:
 
 
 def flag(default, help: str, *, aliases: tuple[str, ...] = (), choices: tuple | None = None,
-         parse=None, group: str | None = None, negative: str | None = None):
+         parse=None, group: str | None = None, negative: str | None = None, secret: bool = False):
     """A dataclass field whose command-line flag is declared beside it; `add_flags` reads it.
 
     aliases: more spellings (e.g. "-tp"); parse: turns the flag's text into the value (e.g. a size);
-    group: the --help section; negative: a bool's switch-off flag (e.g. "--no-prefix-caching").
+    group: the --help section; negative: a bool's switch-off flag (e.g. "--no-prefix-caching");
+    secret: kept out of the dataclass's repr (and so out of logs).
     A field that must not become a flag carries `metadata={"cli": False}` instead.
     """
     metadata = {"help": help, "aliases": aliases, "choices": choices, "parse": parse, "group": group,
                 "negative": negative}
-    return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
 
 
 _FLAG_TYPES = (bool, int, float, str)
@@ -166,6 +168,11 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+DISTRIBUTED_SECRET_ENV = "PAGEDLLM_DISTRIBUTED_SECRET"
+"""The environment variable holding the tensor-parallel shared secret (preferred to the flag: argv is public)."""
+MIN_SECRET_CHARS = 16
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over processes (tensor parallelism) and how they find each other."""
@@ -180,6 +187,9 @@ class ParallelConfig:
     """Ranks 0..k-1 are started on this host; the others join with `pagedllm worker`. None: all."""
     distributed_timeout: float = 120.0
     """Seconds a collective, worker start-up or step may wait for a peer before the engine dies."""
+    distributed_secret: str | None = dataclasses.field(default=None, repr=False)
+    """Shared secret a worker must prove it knows before it may join (HMAC challenge-response).
+    Required when workers join from elsewhere; None with only local workers: a random one per engine."""
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -191,11 +201,56 @@ class ParallelConfig:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        if self.distributed_secret is not None and len(self.distributed_secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"the distributed secret must have at least {MIN_SECRET_CHARS} characters")
+        if self.num_local < tp and self.distributed_secret is None:
+            raise ValueError(
+                f"ranks {self.num_local}..{tp - 1} join from other hosts, which needs a shared secret: set "
+                f"{DISTRIBUTED_SECRET_ENV} (or --distributed-secret) here and on every worker"
+            )
 
     @property
     def num_local(self) -> int:
         """Ranks started on this host."""
         return self.tensor_parallel_size if self.num_local_workers is None else self.num_local_workers
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much one request may ask for; the front end refuses more with an InvalidRequestError naming
+    the limit (HTTP 400). They bound what one request can cost its neighbours per step."""
+
+    max_stop_token_ids: int = 256
+    """Most stop_token_ids per request."""
+    max_logit_bias: int = 300
+    """Most logit_bias entries per request (OpenAI's limit)."""
+    max_stop_strings: int = 16
+    """Most stop strings per request (at most 64)."""
+    max_stop_string_chars: int = 1024
+    """Longest stop string, in characters."""
+    max_logprobs: int = 20
+    """Most top logprobs per generated or prompt token (at most 20)."""
+    max_sequences_per_request: int = 256
+    """Most sequences one request may generate: prompts x max(n, best_of)."""
+    max_prompt_logprobs_positions: int = 2048
+    """Longest prompt whose prompt_logprobs may be asked for (one entry per position)."""
+
+    def __post_init__(self) -> None:
+        from pagedllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
+        if self.max_stop_strings > MAX_STOP_STRINGS:
+            raise ValueError(f"max_stop_strings must be <= {MAX_STOP_STRINGS}, got {self.max_stop_strings}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be <= {MAX_LOGPROBS}, got {self.max_logprobs}")
+
+
+_LIMIT_GROUP = "request limits"
 
 
 @dataclass
@@ -244,8 +299,25 @@ class EngineArgs:
                                                "worker`. Default: all of them.", group="tensor parallelism")
     distributed_timeout: float = flag(120.0, "Seconds a collective, worker start-up or step may wait for a peer "
                                              "before the engine dies.", group="tensor parallelism")
+    distributed_secret: str | None = flag(None, "Shared secret every worker must prove it knows before it joins "
+                                                f"(at least {MIN_SECRET_CHARS} characters); required with workers on "
+                                                f"other hosts. Prefer the {DISTRIBUTED_SECRET_ENV} environment "
+                                                "variable: command lines are visible to other users.",
+                                          group="tensor parallelism", secret=True)
+
+    max_stop_token_ids: int = flag(256, "Most stop_token_ids one request may carry.", group=_LIMIT_GROUP)
+    max_logit_bias: int = flag(300, "Most logit_bias entries one request may carry.", group=_LIMIT_GROUP)
+    max_stop_strings: int = flag(16, "Most stop strings one request may carry (at most 64).", group=_LIMIT_GROUP)
+    max_stop_string_chars: int = flag(1024, "Longest stop string, in characters.", group=_LIMIT_GROUP)
+    max_logprobs: int = flag(20, "Most top logprobs per token a request may ask for (at most 20).",
+                             group=_LIMIT_GROUP)
+    max_sequences_per_request: int = flag(256, "Most sequences one request may generate: prompts x max(n, "
+                                               "best_of).", group=_LIMIT_GROUP)
+    max_prompt_logprobs_positions: int = flag(2048, "Longest prompt whose prompt_logprobs may be asked for.",
+                                              group=_LIMIT_GROUP)
 
     def __post_init__(self) -> None:
+        self.request_limits()  # refuse bad limits when the engine is configured, not at the first request
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -267,6 +339,9 @@ class EngineArgs:
             swap_space=parse_memory_size(self.swap_space),
         )
 
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RequestLimits)})
+
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -274,6 +349,7 @@ class EngineArgs:
             master_port=self.master_port,
             num_local_workers=self.num_local_workers,
             distributed_timeout=self.distributed_timeout,
+            distributed_secret=self.distributed_secret or os.environ.get(DISTRIBUTED_SECRET_ENV) or None,
         )
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:

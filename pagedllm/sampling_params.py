@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-_MAX_STOP_STRINGS = 64
+MAX_STOP_STRINGS = 64
+"""The most stop strings any request may carry (RequestLimits.max_stop_strings may only lower it)."""
 MAX_LOGPROBS = 20
 """The most top logprobs a request may ask for, per token (beam search is bound by it too)."""
+MAX_TEMPERATURE = 100.0
+"""Beyond this the distribution is uniform to float32 precision: a larger value is a mistake."""
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""A penalty outside it scales logits by more than 100x: float32 logits overflow or lose all order."""
+_SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass(slots=True)
@@ -62,43 +70,45 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
     def _validate(self) -> None:
+        """Every value must be of its type, finite and in range; the message names the field."""
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None:
             if not _is_int(self.best_of) or self.best_of < self.n:
                 raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be None (disabled) or an integer >= 1, got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if len(self.stop) > _MAX_STOP_STRINGS:
-            raise ValueError(f"at most {_MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if not _is_valid_unicode(s):
+                raise ValueError("stop strings must be valid Unicode (a lone surrogate cannot be matched)")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
@@ -107,10 +117,12 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
             for token_id, bias in self.logit_bias.items():
                 if not _is_int(token_id) or token_id < 0:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-                if not _is_number(bias) or not -100 <= bias <= 100:
+                if not _is_finite(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
 
     @property
@@ -128,12 +140,15 @@ class SamplingParams:
         A seeded request gives each sequence its own seed (seed + index), so the samples differ
         and stay reproducible. best_of ranks by cumulative logprob, so logprobs are computed.
         """
-        changes: dict = {"n": 1, "best_of": None}
+        # A shallow copy, not dataclasses.replace: the validated stop_token_ids and logit_bias are
+        # shared by every sequence (never mutated), not copied and re-validated n times.
+        params = copy.copy(self)
+        params.n, params.best_of = 1, None
         if self.seed is not None:
-            changes["seed"] = self.seed + index
+            params.seed = self.seed + index
         if self.best_of is not None and self.best_of > self.n and self.logprobs is None:
-            changes["logprobs"] = 0
-        return dataclasses.replace(self, **changes)
+            params.logprobs = 0
+        return params
 
     def token_ids_to_check(self) -> list[int]:
         """Every token id these params mention, to be checked against the vocabulary."""
@@ -149,6 +164,29 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _is_finite(value: object) -> bool:
+    """A real number, not NaN or infinite (an int too large for a float is not finite either)."""
+    if not _is_number(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _check_range(name: str, value: object, low: float, high: float) -> None:
+    if not _is_finite(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value!r}")
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _EARLY_STOPPING_MODES = (False, True, "never")
@@ -182,7 +220,7 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in [1, 10], got {self.beam_width!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.length_penalty) or abs(self.length_penalty) == float("inf"):
+        if not _is_finite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

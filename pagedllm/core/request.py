@@ -90,20 +90,32 @@ class Request(EngineCoreRequest, eq=False):
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = msgspec.field(default_factory=list)
     """Hash chain of this request's full blocks, extended as tokens arrive (prefix caching)."""
+    stop_token_id_set: frozenset[int] = frozenset()
+    """sampling_params.stop_token_ids as a set, built once per user request and shared by its sequences
+    (each step checks the last token against it)."""
 
     @classmethod
     def for_sequences(cls, req: EngineCoreRequest) -> list[Request]:
-        """One Request per sequence of `req`; with n > 1, sequence i samples with `for_sequence(i)`."""
+        """One Request per sequence of `req`; with n > 1, sequence i samples with `for_sequence(i)`.
+
+        What the sequences have in common (prompt, eos ids, stop set, the params' lists) is built
+        once and shared, never copied per sequence: nothing mutates them.
+        """
         seq_ids = req.sequence_req_ids()
         params = req.sampling_params
+        prompt = list(req.prompt_token_ids)
+        eos = frozenset(req.eos_token_ids)
+        stop_set = frozenset(params.stop_token_ids)
         return [
-            cls(seq_id, list(req.prompt_token_ids), params if len(seq_ids) == 1 else params.for_sequence(index),
-                frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time, req.cache_salt)
+            cls(seq_id, prompt, params if len(seq_ids) == 1 else params.for_sequence(index),
+                eos, req.max_tokens, req.arrival_time, req.cache_salt, stop_token_id_set=stop_set)
             for index, seq_id in enumerate(seq_ids)
         ]
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if not self.stop_token_id_set and self.sampling_params.stop_token_ids:
+            self.stop_token_id_set = frozenset(self.sampling_params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

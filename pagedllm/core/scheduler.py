@@ -273,7 +273,7 @@ class Scheduler:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token_id in params.stop_token_ids:
+            if token_id in request.stop_token_id_set:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True

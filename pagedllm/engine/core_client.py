@@ -2,7 +2,7 @@
 
 InprocCoreClient steps an EngineCore directly (the offline path, and tests). MPCoreClient
 spawns EngineCoreProc and talks to it over two ipc sockets in a private temporary directory
-(mode 0700, unique per instance); only msgspec-encoded protocol messages cross them.
+(mode 0700, unique per instance, see ipc_dirs.py); only msgspec-encoded protocol messages cross them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
 import time
 
 import msgspec
@@ -24,6 +22,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_interface import KVCacheManagerFactory
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.ipc_dirs import make_ipc_dir, remove_ipc_dir, remove_stale_ipc_dirs, set_owners
 from pagedllm.engine.protocol import (
     AbortRequestsMsg,
     AddRequestMsg,
@@ -75,8 +74,8 @@ class MPCoreClient:
 
     def __init__(self, engine_args: EngineArgs, log_level: str = "INFO",
                  kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
-        os.chmod(self._ipc_dir, 0o700)
+        remove_stale_ipc_dirs()  # left by engines whose processes were killed
+        self._ipc_dir = make_ipc_dir()
         input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
         output_address = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
         self._ctx = zmq.Context()
@@ -102,6 +101,7 @@ class MPCoreClient:
             args=(engine_args, input_address, output_address, log_level, kv_cache_manager_factory),
         )
         self.process.start()
+        set_owners(self._ipc_dir, [os.getpid(), self.process.pid])
 
     @property
     def ipc_dir(self) -> str:
@@ -190,4 +190,4 @@ class MPCoreClient:
         self._input_socket.close(linger=0)
         self._output_socket.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        remove_ipc_dir(self._ipc_dir)

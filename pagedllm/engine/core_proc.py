@@ -2,9 +2,13 @@
 
     front end  --PUSH--> input socket  --> [poll, add/abort] -> step() -> output socket --PUSH--> front end
 
-The loop polls its input without blocking while it has work and blocks (in short slices, to
-notice a vanished parent) when idle. On going idle it checks that every KV block is free or
-cached and reports what it finds. A fatal error is sent as an EngineDeadMsg before exiting.
+The loop polls its input without blocking while it has work and blocks in short slices when
+idle. On going idle it checks that every KV block is free or cached and reports what it finds.
+A fatal error is sent as an EngineDeadMsg before exiting.
+
+A watchdog thread notices the death of the front end, busy or not: it asks the loop to stop,
+and if the loop has not ended within a grace period (a long step, a hung collective) it removes
+the socket directory and ends the process itself. Nobody is left to read the outputs anyway.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -22,6 +27,7 @@ import zmq
 from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_interface import KVCacheManagerFactory
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.ipc_dirs import ipc_dir_of, remove_ipc_dir
 from pagedllm.engine.protocol import (
     AbortRequestsMsg,
     AddRequestMsg,
@@ -40,8 +46,12 @@ from pagedllm.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500
-"""How long one idle wait lasts before checking that the parent process is still there."""
+"""How long one idle wait lasts before the loop checks whether it was asked to stop."""
 _SEND_LINGER_MS = 2000
+PARENT_POLL_S = 0.25
+"""How often the watchdog checks that the front-end process is still there."""
+PARENT_DEATH_GRACE_S = 2.0
+"""How long the loop may take to stop by itself once the front end is gone."""
 
 
 class EngineCoreProc:
@@ -60,6 +70,8 @@ class EngineCoreProc:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self._parent_pid = os.getppid()
+        self._ipc_dir = ipc_dir_of(input_address)
+        self.parent_gone = threading.Event()
         self._shutdown_requested = False
         self._num_kv_leaks = 0
         self.core: EngineCore | None = None
@@ -100,22 +112,39 @@ class EngineCoreProc:
                 idle_checked = False
 
     def close(self) -> None:
-        """Close the sockets, flushing what was already sent (idempotent)."""
+        """Stop the executor, close the sockets, flushing what was already sent (idempotent); without a
+        front end, nothing is flushed and the socket directory is removed."""
+        if self.core is not None:
+            self.core.shutdown()
         if not self._ctx.closed:
             self.input_socket.close(linger=0)
-            self.output_socket.close()
+            self.output_socket.close(linger=0 if self.parent_gone.is_set() else None)
             self._ctx.term()
+        if self.parent_gone.is_set() and self._ipc_dir is not None:
+            remove_ipc_dir(self._ipc_dir)
+
+    def start_parent_watchdog(self, poll_s: float = PARENT_POLL_S, grace_s: float = PARENT_DEATH_GRACE_S) -> None:
+        """Exit within poll_s + grace_s of the front end's death, whatever the loop is doing."""
+        threading.Thread(target=self._watch_parent, args=(poll_s, grace_s), name="parent-watchdog",
+                         daemon=True).start()
+
+    def _watch_parent(self, poll_s: float, grace_s: float) -> None:
+        while os.getppid() == self._parent_pid:
+            time.sleep(poll_s)
+        logger.warning("the front-end process went away; engine core exiting")
+        self.parent_gone.set()
+        self._shutdown_requested = True  # the loop stops after its current step
+        time.sleep(grace_s)
+        logger.error("the engine core did not stop within %.1f s of its front end's death; ending it", grace_s)
+        if self._ipc_dir is not None:
+            remove_ipc_dir(self._ipc_dir)
+        os._exit(1)
 
     # --- input ------------------------------------------------------------------------
 
     def _wait_for_input(self) -> bool:
         """Block up to one idle slice; returns whether input is waiting."""
-        if self.input_socket.poll(_IDLE_POLL_MS, zmq.POLLIN):
-            return True
-        if os.getppid() != self._parent_pid:
-            logger.warning("the front-end process went away; engine core exiting")
-            self._shutdown_requested = True
-        return False
+        return bool(self.input_socket.poll(_IDLE_POLL_MS, zmq.POLLIN))
 
     def _drain_input(self) -> None:
         while not self._shutdown_requested:
@@ -154,6 +183,8 @@ class EngineCoreProc:
     # --- output -----------------------------------------------------------------------
 
     def _send(self, msg) -> None:
+        if self.parent_gone.is_set():
+            return  # nobody reads it; a full queue to a dead peer must not block the exit
         self.output_socket.send(self._encoder.encode(msg), copy=False)
 
     def _stats(self) -> EngineStatsMsg:
@@ -180,6 +211,7 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
     proc = EngineCoreProc(engine_args, input_address, output_address, kv_cache_manager_factory)
+    proc.start_parent_watchdog()  # also while the model loads
     exit_code = 0
     try:
         proc.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from pagedllm.config import RequestLimits
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -34,10 +35,10 @@ class FrontendCore:
     """One admission path and one output path, whatever delivers the results."""
 
     def __init__(self, core: CoreInput, tokenizer, vocab_size: int, max_model_len: int,
-                 eos_token_ids: Sequence[int]) -> None:
+                 eos_token_ids: Sequence[int], limits: RequestLimits | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids)
+        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids, limits)
         self.output_processor = OutputProcessor(tokenizer)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+from pagedllm.config import RequestLimits
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
@@ -21,11 +22,13 @@ PromptType = Union[str, Sequence[int], Mapping[str, Any]]
 class InputProcessor:
     """Turns (request id, prompt, params) into a complete EngineCoreRequest, or InvalidRequestError."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
+                 limits: RequestLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = list(eos_token_ids)
+        self.limits = limits if limits is not None else RequestLimits()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text if any, token ids)."""
@@ -44,6 +47,10 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer; give the prompt as token ids")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("the prompt is not valid Unicode (it contains a lone surrogate)") from None
         return self.tokenizer.encode(text)
 
     def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
@@ -55,9 +62,16 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        self.check_limits(params)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
+        limit = self.limits.max_prompt_logprobs_positions
+        if params.prompt_logprobs is not None and len(token_ids) > limit:
+            raise InvalidRequestError(
+                f"prompt_logprobs was asked for a prompt of {len(token_ids)} tokens; the limit "
+                f"max_prompt_logprobs_positions is {limit}"
+            )
         self.check_token_ids(token_ids, "prompt")
         self.check_token_ids(params.token_ids_to_check(), "stop_token_ids/logit_bias")
         num_prompt = len(token_ids)
@@ -72,6 +86,10 @@ class InputProcessor:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} exceeds "
                 f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this request may generate"
+            )
         return text, EngineCoreRequest(
             req_id=req_id,
             prompt_token_ids=token_ids,
@@ -81,9 +99,40 @@ class InputProcessor:
             cache_salt=cache_salt,
         )
 
+    def check_limits(self, params: SamplingParams, num_prompts: int = 1) -> None:
+        """Refuse params beyond the engine's RequestLimits, naming the limit (InvalidRequestError).
+
+        `num_prompts`: a request with several prompts (the OpenAI API allows a list) runs
+        max(n, best_of) sequences for each; the server checks the whole request with it once.
+        """
+        limits = self.limits
+        num_sequences = num_prompts * params.num_sequences
+        if num_sequences > limits.max_sequences_per_request:
+            raise InvalidRequestError(
+                f"this request would generate {num_sequences} sequences ({num_prompts} prompt(s) x "
+                f"max(n, best_of) = {params.num_sequences}); the limit max_sequences_per_request is "
+                f"{limits.max_sequences_per_request}"
+            )
+        _check_count("stop_token_ids", len(params.stop_token_ids), "max_stop_token_ids", limits.max_stop_token_ids)
+        _check_count("logit_bias", len(params.logit_bias or ()), "max_logit_bias", limits.max_logit_bias)
+        _check_count("stop", len(params.stop), "max_stop_strings", limits.max_stop_strings)
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise InvalidRequestError(f"a stop string has {longest} characters; the limit max_stop_string_chars "
+                                      f"is {limits.max_stop_string_chars}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limits.max_logprobs:
+                raise InvalidRequestError(f"{name} is {value}; the limit max_logprobs is {limits.max_logprobs}")
+
     def check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
                     f"{what} contains token id {t!r}, outside the vocabulary [0, {self.vocab_size})"
                 )
+
+
+def _check_count(field: str, count: int, limit_name: str, limit: int) -> None:
+    if count > limit:
+        raise InvalidRequestError(f"{field} has {count} entries; the limit {limit_name} is {limit}")

@@ -34,7 +34,8 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.max_model_len = self.core.scheduler_config.max_model_len
         self.frontend = FrontendCore(self.core, self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
-                                     eos_token_ids_of(self.hf_config, self.tokenizer))
+                                     eos_token_ids_of(self.hf_config, self.tokenizer),
+                                     limits=self.engine_args.request_limits())
 
     @property
     def input_processor(self) -> InputProcessor:

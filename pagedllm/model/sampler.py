@@ -33,6 +33,35 @@ from pagedllm.sampling_params import SamplingParams
 _MIN_TEMPERATURE = 1e-5
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTensors:
+    """A request's token-indexed sampling data as tensors, built once when the request arrives and
+    shared by its sequences: a step gathers these, it never walks a request's dicts or lists."""
+
+    bias_token_ids: torch.Tensor | None
+    """[B] int64 token ids of logit_bias (in-vocabulary ones); None without a bias."""
+    bias_values: torch.Tensor | None
+    """[B] float32 biases, aligned with bias_token_ids."""
+    suppressed_token_ids: torch.Tensor | None
+    """[S] int64 eos + stop ids, set to -inf while the output is shorter than min_tokens; None when
+    min_tokens is 0 or there is nothing to suppress."""
+
+    @classmethod
+    def build(cls, params: SamplingParams, eos_token_ids, vocab_size: int, device) -> "RequestTensors":
+        """Token ids outside [0, vocab_size) are dropped: the front end validates ids against the vocabulary."""
+        bias_ids = bias_values = suppressed = None
+        if params.logit_bias:
+            pairs = [(t, float(b)) for t, b in params.logit_bias.items() if 0 <= t < vocab_size]
+            if pairs:
+                bias_ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device)
+                bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+        if params.min_tokens > 0:
+            ids = sorted({t for t in (*eos_token_ids, *params.stop_token_ids) if 0 <= t < vocab_size})
+            if ids:
+                suppressed = torch.tensor(ids, dtype=torch.int64, device=device)
+        return cls(bias_ids, bias_values, suppressed)
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """One sequence to sample a token for in this step."""
@@ -47,6 +76,9 @@ class SamplingRow:
     """The request's own generator when params.seed is set; the runner keeps it across steps."""
     eos_token_ids: list[int] = field(default_factory=list)
     """End-of-sequence ids, suppressed with stop_token_ids while len(output) < min_tokens."""
+    tensors: RequestTensors | None = None
+    """The request's prebuilt RequestTensors (the runner keeps them per request); None builds them
+    for this step only."""
 
 
 @dataclass(slots=True)
@@ -95,6 +127,8 @@ class SamplingMetadata:
         here: the front end validates request token ids against the vocabulary.
         """
         params = [row.params for row in rows]
+        tensors = [row.tensors if row.tensors is not None
+                   else RequestTensors.build(row.params, row.eos_token_ids, vocab_size, device) for row in rows]
         greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
         top_k, max_top_k = _top_k(params, greedy, vocab_size, device)
         generators, unseeded_random_rows = _noise_sources(rows, greedy, device)
@@ -112,8 +146,8 @@ class SamplingMetadata:
             min_p=_min_p(params, greedy, device),
             generators=generators,
             unseeded_random_rows=unseeded_random_rows,
-            logit_bias=_logit_bias(params, vocab_size, device),
-            suppressed=_min_tokens_suppression(rows, vocab_size, device),
+            logit_bias=_logit_bias(tensors, device),
+            suppressed=_min_tokens_suppression(rows, tensors, device),
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             presence_penalty=presence,
@@ -169,35 +203,34 @@ def _noise_sources(rows: list[SamplingRow], greedy: list[bool],
     return generators, (torch.tensor(unseeded, dtype=torch.int64, device=device) if unseeded else None)
 
 
-def _logit_bias(params: list[SamplingParams], vocab_size: int,
+def _logit_bias(tensors: list[RequestTensors],
                 device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Flat (row, token, bias) triples; None when no row has a bias."""
-    triples = [(i, token_id, float(bias)) for i, p in enumerate(params) if p.logit_bias
-               for token_id, bias in p.logit_bias.items() if 0 <= token_id < vocab_size]
-    if not triples:
+    """Flat (row, token, bias) triples, concatenated from the rows' prebuilt tensors; None when no row has a bias."""
+    with_bias = [(i, t) for i, t in enumerate(tensors) if t.bias_token_ids is not None]
+    if not with_bias:
         return None
-    bias_rows, bias_tokens, bias_values = zip(*triples)
     return (
-        torch.tensor(bias_rows, dtype=torch.int64, device=device),
-        torch.tensor(bias_tokens, dtype=torch.int64, device=device),
-        torch.tensor(bias_values, dtype=torch.float32, device=device),
+        _row_indices([i for i, _ in with_bias], [t.bias_token_ids.numel() for _, t in with_bias], device),
+        torch.cat([t.bias_token_ids for _, t in with_bias]),
+        torch.cat([t.bias_values for _, t in with_bias]),
     )
 
 
-def _min_tokens_suppression(rows: list[SamplingRow], vocab_size: int,
+def _min_tokens_suppression(rows: list[SamplingRow], tensors: list[RequestTensors],
                             device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row, token) pairs to set to -inf: eos + stop ids of rows short of min_tokens."""
-    sup_rows: list[int] = []
-    sup_tokens: list[int] = []
-    for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens:
-            ids = {t for t in (*row.eos_token_ids, *row.params.stop_token_ids) if 0 <= t < vocab_size}
-            sup_rows.extend([i] * len(ids))
-            sup_tokens.extend(ids)
-    if not sup_rows:
+    short = [(i, t.suppressed_token_ids) for i, (row, t) in enumerate(zip(rows, tensors))
+             if t.suppressed_token_ids is not None and len(row.output_token_ids) < row.params.min_tokens]
+    if not short:
         return None
-    return (torch.tensor(sup_rows, dtype=torch.int64, device=device),
-            torch.tensor(sup_tokens, dtype=torch.int64, device=device))
+    return (_row_indices([i for i, _ in short], [ids.numel() for _, ids in short], device),
+            torch.cat([ids for _, ids in short]))
+
+
+def _row_indices(row_ids: list[int], counts: list[int], device) -> torch.Tensor:
+    """[sum(counts)] int64: row_ids[j] repeated counts[j] times (built on the host: no device sync)."""
+    return torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64),
+                                   torch.tensor(counts, dtype=torch.int64)).to(device)
 
 
 def _penalties(rows: list[SamplingRow], vocab_size: int, device) -> tuple[torch.Tensor | None, ...]:

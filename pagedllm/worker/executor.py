@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import time
 import weakref
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 import zmq
 
-from pagedllm.config import CacheConfig, EngineArgs, ParallelConfig, SchedulerConfig
+from pagedllm.config import DISTRIBUTED_SECRET_ENV, CacheConfig, EngineArgs, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
 from pagedllm.model.loader import load_model, load_model_info
@@ -134,6 +136,10 @@ class MultiprocTPExecutor(Executor):
         self._dead: str | None = None
         self._step_id = 0
         self.procs: dict[int, subprocess.Popen] = {}
+        # Local-only groups get a random secret of their own; workers from elsewhere need the configured one.
+        self._secret = parallel_config.distributed_secret or secrets.token_hex(32)
+        self._identities: dict[int, bytes] = {}
+        """rank -> the socket identity of the worker that proved the secret for it."""
         self._launched = False
         self._closed = False
 
@@ -167,6 +173,7 @@ class MultiprocTPExecutor(Executor):
         threads = max(1, (os.cpu_count() or 1) // max(1, num_local))
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        env[DISTRIBUTED_SECRET_ENV] = self._secret  # in the environment, not argv: `ps` shows argv to everyone
         for rank in range(num_local):
             self.procs[rank] = subprocess.Popen(
                 [sys.executable, "-m", "pagedllm.worker.tp_worker", "--master-addr", master_addr,
@@ -192,10 +199,28 @@ class MultiprocTPExecutor(Executor):
     def _start(self, model_dir, dtype, kv_spec, num_blocks, num_host_blocks, seed) -> None:
         deadline = time.monotonic() + self.timeout_s
         hosts: dict[int, str] = {}
+        challenges: dict[bytes, tuple[proto.HelloMsg, bytes]] = {}  # identity -> (hello, engine nonce)
         while len(hosts) < self.tp_size:
-            msg = self._recv(deadline, "to join", set(range(self.tp_size)) - set(hosts), heartbeats=False)
+            ident, msg = self._recv(deadline, "to join", set(range(self.tp_size)) - set(hosts), heartbeats=False)
             if isinstance(msg, proto.HelloMsg):
-                hosts[msg.rank] = msg.hostname
+                if not 0 <= msg.rank < self.tp_size:
+                    self._refuse(ident, f"rank {msg.rank} is outside [0, {self.tp_size})")
+                    continue
+                nonce = proto.new_nonce()
+                challenges[ident] = (msg, nonce)
+                self._send_to(ident, proto.ChallengeMsg(nonce, proto.engine_proof(self._secret, msg.nonce, nonce)))
+            elif isinstance(msg, proto.AuthMsg) and ident in challenges:
+                hello, nonce = challenges.pop(ident)
+                expected = proto.worker_proof(self._secret, hello.rank, hello.nonce, nonce)
+                if msg.rank != hello.rank or not proto.proof_matches(expected, msg.proof):
+                    logger.warning("refused a worker for rank %d (pid %d on %s): wrong distributed secret",
+                                   hello.rank, hello.pid, hello.hostname)
+                    self._refuse(ident, "wrong distributed secret")
+                elif hello.rank in self._identities:
+                    self._refuse(ident, f"rank {hello.rank} has already joined")
+                else:
+                    self._identities[hello.rank] = ident
+                    hosts[hello.rank] = hello.hostname
         init = proto.InitWorkerMsg(model_dir=model_dir, dtype=dtype, num_blocks=num_blocks,
                                    num_host_blocks=num_host_blocks, block_size=kv_spec.block_size,
                                    seed=seed, timeout_s=self.timeout_s)
@@ -203,7 +228,7 @@ class MultiprocTPExecutor(Executor):
         ready: set[int] = set()
         deadline = time.monotonic() + self.timeout_s
         while len(ready) < self.tp_size:
-            msg = self._recv(deadline, "to load its shard", set(range(self.tp_size)) - ready, heartbeats=False)
+            _, msg = self._recv(deadline, "to load its shard", set(range(self.tp_size)) - ready, heartbeats=False)
             if isinstance(msg, proto.ReadyMsg):
                 if msg.num_kv_heads != kv_spec.num_kv_heads:
                     raise _WorkerFailure(f"rank {msg.rank} holds {msg.num_kv_heads} KV heads, "
@@ -231,7 +256,7 @@ class MultiprocTPExecutor(Executor):
             others: dict[int, dict[str, list[int]] | None] = {}
             deadline = time.monotonic() + self.timeout_s + 5.0  # the collective timeout fires first
             while pending:
-                msg = self._recv(deadline, f"to finish step {step_id}", pending)
+                _, msg = self._recv(deadline, f"to finish step {step_id}", pending)
                 if isinstance(msg, proto.StepDoneMsg) and msg.step_id == step_id:
                     pending.discard(msg.rank)
                     if msg.rank == 0:
@@ -253,21 +278,44 @@ class MultiprocTPExecutor(Executor):
     # --- messaging and liveness ------------------------------------------------------------
 
     def _broadcast(self, payload: bytes) -> None:
-        for rank in range(self.tp_size):
+        """Send to every rank that joined (all of them, once start-up is past the handshake)."""
+        for rank, ident in self._identities.items():
             try:
-                self._sock.send_multipart([f"rank{rank}".encode(), payload])
+                self._sock.send_multipart([ident, payload])
             except zmq.ZMQError as e:
                 raise _WorkerFailure(self._explain(f"tensor-parallel rank {rank} is unreachable ({e})")) from e
 
-    def _recv(self, deadline: float, what: str, waiting_for: set[int], heartbeats: bool = True):
-        """The next worker message; raises _WorkerFailure on an error report, a death or the deadline."""
+    def _send_to(self, ident: bytes, msg) -> None:
+        try:
+            self._sock.send_multipart([ident, proto.encoder.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # a peer gone during the handshake is simply not admitted
+
+    def _refuse(self, ident: bytes, reason: str) -> None:
+        self._send_to(ident, proto.RefusedMsg(reason))
+
+    def _recv(self, deadline: float, what: str, waiting_for: set[int],
+              heartbeats: bool = True) -> tuple[bytes, object]:
+        """The next (sender identity, message) from a worker; raises _WorkerFailure on an error report, a
+        death or the deadline. Until a peer has proved the secret only HelloMsg and AuthMsg count from it."""
+        joined = set(self._identities.values())
         while True:
             if self._sock.poll(_POLL_MS):
-                _, payload = self._sock.recv_multipart()
-                msg = proto.from_worker_decoder.decode(payload)
+                frames = self._sock.recv_multipart()
+                ident = frames[0]
+                try:
+                    msg = proto.from_worker_decoder.decode(frames[-1]) if len(frames) == 2 else None
+                except msgspec.DecodeError:
+                    msg = None
+                if ident not in joined and not isinstance(msg, (proto.HelloMsg, proto.AuthMsg)):
+                    logger.warning("dropped a message from a peer that has not joined (%s)",
+                                   type(msg).__name__ if msg is not None else "undecodable")
+                    continue
+                if msg is None:
+                    raise _WorkerFailure("a tensor-parallel worker sent an undecodable message")
                 if isinstance(msg, proto.WorkerErrorMsg):
                     raise _WorkerFailure(self._explain(f"tensor-parallel rank {msg.rank} failed: {msg.message}"))
-                return msg
+                return ident, msg
             now = time.monotonic()
             if now - self._last_liveness_check >= 0.5:
                 self._last_liveness_check = now
@@ -321,9 +369,9 @@ class MultiprocTPExecutor(Executor):
             self._dead = "the engine was shut down"
             return
         stop = proto.encoder.encode(proto.StopWorkerMsg())
-        for rank in range(self.tp_size):
+        for ident in self._identities.values():
             try:
-                self._sock.send_multipart([f"rank{rank}".encode(), stop], zmq.NOBLOCK)
+                self._sock.send_multipart([ident, stop], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         _stop_processes(self.procs)

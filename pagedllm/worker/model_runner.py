@@ -15,7 +15,13 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, Token
 from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.forward_context import set_forward_context
-from pagedllm.model.sampler import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
+from pagedllm.model.sampler import (
+    RequestTensors,
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    compute_prompt_logprobs,
+)
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
@@ -33,6 +39,51 @@ class RunnerRequestState:
     eos_token_ids: list[int]
     fork_children: list[tuple[str, SamplingParams]]
     """Parallel samples drawn from this request's first sampling logits (then forked by the scheduler)."""
+    tensors: RequestTensors | None = None
+    """logit_bias and min_tokens ids as tensors, shared with the request's other sequences (None: built
+    per step, for states made outside the runner)."""
+
+
+class RequestTensorCache:
+    """RequestTensors built once per user request and shared by all of its sequences.
+
+    The sequences of an n > 1 request carry shallow copies of one SamplingParams (same logit_bias
+    dict, same stop_token_ids list), so those objects identify the request. Each entry keeps the
+    params it was built from (their ids cannot be reused while it lives) and counts its users.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._entries: dict[tuple, list] = {}  # key -> [params, tensors, users]
+        self.num_builds = 0
+
+    @staticmethod
+    def _key(params: SamplingParams, eos_token_ids: list[int]) -> tuple:
+        return id(params.logit_bias), id(params.stop_token_ids), params.min_tokens > 0, tuple(eos_token_ids)
+
+    def acquire(self, params: SamplingParams, eos_token_ids: list[int]) -> RequestTensors:
+        entry = self._entries.get(self._key(params, eos_token_ids))
+        if entry is None:
+            self.num_builds += 1
+            tensors = RequestTensors.build(params, eos_token_ids, self.vocab_size, self.device)
+            entry = self._entries[self._key(params, eos_token_ids)] = [params, tensors, 0]
+        entry[2] += 1
+        return entry[1]
+
+    def peek(self, params: SamplingParams, eos_token_ids: list[int]) -> RequestTensors | None:
+        entry = self._entries.get(self._key(params, eos_token_ids))
+        return entry[1] if entry is not None else None
+
+    def release(self, params: SamplingParams, eos_token_ids: list[int]) -> None:
+        key = self._key(params, eos_token_ids)
+        entry = self._entries[key]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def _describe(error: BaseException) -> str:
@@ -66,6 +117,7 @@ class ModelRunner:
                                                    self.block_size, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
+        self.request_tensors = RequestTensorCache(vocab_size, self.device)
         # Seeded requests keep their generator across preemption; dropped only when finished.
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # the shared stream of unseeded requests
@@ -74,11 +126,13 @@ class ModelRunner:
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._drop_state(req_id)
             self.generators.pop(req_id, None)
         for req_id in sched.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            self._drop_state(req_id)
         for new in sched.scheduled_new_reqs:
+            self._drop_state(new.req_id)  # a preempted request resumed in the same step it was preempted
+            eos_token_ids = sorted(new.eos_token_ids)
             self.requests[new.req_id] = RunnerRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
@@ -86,8 +140,9 @@ class ModelRunner:
                 params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                eos_token_ids=sorted(new.eos_token_ids),
+                eos_token_ids=eos_token_ids,
                 fork_children=list(new.fork_children),
+                tensors=self.request_tensors.acquire(new.sampling_params, eos_token_ids),
             )
             self._ensure_generator(new.req_id, new.sampling_params)
             for child_id, child_params in new.fork_children:
@@ -100,6 +155,11 @@ class ModelRunner:
             assert state.num_computed_tokens == cached.num_computed_tokens, (
                 f"{cached.req_id}: runner at {state.num_computed_tokens}, scheduler at {cached.num_computed_tokens}"
             )
+
+    def _drop_state(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.request_tensors.release(state.params, state.eos_token_ids)
 
     def _ensure_generator(self, req_id: str, params: SamplingParams) -> None:
         if params.seed is not None and req_id not in self.generators:
@@ -202,6 +262,9 @@ class ModelRunner:
                 output_token_ids=state.token_ids[state.num_prompt_tokens :],
                 generator=self.generators.get(req_id),
                 eos_token_ids=state.eos_token_ids,
+                # a parallel sample about to fork shares its leader's params objects, hence its tensors
+                tensors=state.tensors if params is state.params
+                else self.request_tensors.peek(params, state.eos_token_ids),
             )
             for state, req_id, params in row_owner
         ]

@@ -3,21 +3,33 @@
 The engine binds one ROUTER socket; each worker connects one DEALER, so a "broadcast" is the same
 encoded bytes sent to every rank. Typed messages only, never pickle:
 
-    worker -> engine:  HelloMsg, ReadyMsg, StepDoneMsg, WorkerErrorMsg
-    engine -> worker:  InitWorkerMsg, ExecuteStepMsg, StopWorkerMsg
+    worker -> engine:  HelloMsg, AuthMsg, ReadyMsg, StepDoneMsg, WorkerErrorMsg
+    engine -> worker:  ChallengeMsg, RefusedMsg, InitWorkerMsg, ExecuteStepMsg, StopWorkerMsg
 
     worker                                  engine
       | -- TCPStore get "engine_address" -->  |   (the rendezvous store is hosted by the engine)
-      | -- HelloMsg(rank) ------------------> |
+      | -- HelloMsg(rank, nonce_w) ---------> |
+      | <------ ChallengeMsg(nonce_e, proof) --|   proof = HMAC(secret, "engine" nonce_w nonce_e)
+      | -- AuthMsg(rank, proof) ------------> |   proof = HMAC(secret, "worker" rank nonce_w nonce_e)
+      | <---------- RefusedMsg (wrong secret) |   ... or, once every rank has proved it:
       | <------------------ InitWorkerMsg --- |   model, dtype, KV blocks, timeouts
       |   init_process_group, load shard, KV  |
       | -- ReadyMsg ------------------------> |
       | <------------------ ExecuteStepMsg -- |   every step, to every rank
       | -- StepDoneMsg ---------------------> |   rank 0 carries the ModelRunnerOutput
+
+The shared secret authenticates both ends before any work is exchanged: a worker must know it to
+join, and an engine must know it before a worker loads what it is told to. Each worker connects
+with a random socket identity that the engine accepts only once the worker has proved the secret;
+messages from any other peer are dropped. The secret is never sent, and nothing is encrypted: run
+the control plane (and gloo) on a network you trust.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 from typing import Union
 
 import msgspec
@@ -29,10 +41,32 @@ HEARTBEAT_KEY = "pagedllm/heartbeat/{rank}"
 STORE_PREFIX_TP = "pagedllm/tp"
 
 
+NONCE_BYTES = 32
+
+
 class HelloMsg(msgspec.Struct, tag="hello"):
     rank: int
     pid: int
     hostname: str
+    nonce: bytes
+    """The worker's challenge to the engine."""
+
+
+class ChallengeMsg(msgspec.Struct, tag="challenge"):
+    nonce: bytes
+    """The engine's challenge to the worker."""
+    proof: bytes
+    """engine_proof(secret, the worker's nonce, nonce): the engine knows the secret."""
+
+
+class AuthMsg(msgspec.Struct, tag="auth"):
+    rank: int
+    proof: bytes
+    """worker_proof(secret, rank, the worker's nonce, the engine's nonce)."""
+
+
+class RefusedMsg(msgspec.Struct, tag="refused"):
+    reason: str
 
 
 class InitWorkerMsg(msgspec.Struct, tag="init"):
@@ -76,8 +110,29 @@ class WorkerErrorMsg(msgspec.Struct, tag="error"):
     message: str
 
 
-ToWorker = Union[InitWorkerMsg, ExecuteStepMsg, StopWorkerMsg]
-FromWorker = Union[HelloMsg, ReadyMsg, StepDoneMsg, WorkerErrorMsg]
+ToWorker = Union[ChallengeMsg, RefusedMsg, InitWorkerMsg, ExecuteStepMsg, StopWorkerMsg]
+FromWorker = Union[HelloMsg, AuthMsg, ReadyMsg, StepDoneMsg, WorkerErrorMsg]
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def engine_proof(secret: str, worker_nonce: bytes, engine_nonce: bytes) -> bytes:
+    return _mac(secret, b"engine", worker_nonce, engine_nonce)
+
+
+def worker_proof(secret: str, rank: int, worker_nonce: bytes, engine_nonce: bytes) -> bytes:
+    return _mac(secret, b"worker", rank.to_bytes(4, "big"), worker_nonce, engine_nonce)
+
+
+def proof_matches(expected: bytes, given: bytes) -> bool:
+    return hmac.compare_digest(expected, given)
+
+
+def _mac(secret: str, *parts: bytes) -> bytes:
+    # Every part has a fixed length (6-byte role, 4-byte rank, 32-byte nonces): the message is unambiguous.
+    return hmac.new(secret.encode("utf-8"), b"pagedllm-tp-v1|" + b"|".join(parts), hashlib.sha256).digest()
 
 encoder = msgspec.msgpack.Encoder()
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

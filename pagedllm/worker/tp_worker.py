@@ -24,6 +24,8 @@ from urllib.parse import urlparse
 
 import zmq
 
+from pagedllm.config import DISTRIBUTED_SECRET_ENV
+
 logger = logging.getLogger("pagedllm.worker.tp_worker")  # also when run as __main__
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -40,7 +42,46 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--connect-timeout", type=float, default=300.0,
                         help="seconds to wait for the engine to appear")
+    parser.add_argument("--distributed-secret", default=None,
+                        help=f"the engine's shared secret (prefer the {DISTRIBUTED_SECRET_ENV} environment "
+                             "variable: command lines are visible to other users)")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # local workers
+
+
+class WorkerRefusedError(Exception):
+    """The handshake failed: the engine refused this worker, or the peer does not know the secret."""
+
+
+def distributed_secret(args: argparse.Namespace) -> str:
+    secret = getattr(args, "distributed_secret", None) or os.environ.get(DISTRIBUTED_SECRET_ENV)
+    if not secret:
+        raise ValueError(f"no shared secret: set {DISTRIBUTED_SECRET_ENV} (or pass --distributed-secret) to the "
+                         "engine's --distributed-secret")
+    return secret
+
+
+def _handshake(sock, proto, rank: int, secret: str, timeout_s: float):
+    """Prove the secret to the engine and check that it knows it too; returns the engine's next message."""
+    nonce = proto.new_nonce()
+    sock.send(proto.encoder.encode(proto.HelloMsg(rank, os.getpid(), socket.gethostname(), nonce)))
+    challenge = _recv_or_timeout(sock, proto, timeout_s, "a challenge")
+    if isinstance(challenge, (proto.StopWorkerMsg, proto.RefusedMsg)):
+        return challenge
+    if not isinstance(challenge, proto.ChallengeMsg):
+        raise WorkerRefusedError(f"expected a challenge from the engine, got {type(challenge).__name__}")
+    if not proto.proof_matches(proto.engine_proof(secret, nonce, challenge.nonce), challenge.proof):
+        # An empty proof tells a real engine (which then logs the refusal) without helping a false one.
+        sock.send(proto.encoder.encode(proto.AuthMsg(rank, b"")))
+        raise WorkerRefusedError(f"wrong distributed secret: this worker and the engine do not share it (check "
+                                 f"{DISTRIBUTED_SECRET_ENV} or --distributed-secret on both sides)")
+    sock.send(proto.encoder.encode(proto.AuthMsg(rank, proto.worker_proof(secret, rank, nonce, challenge.nonce))))
+    return _recv_or_timeout(sock, proto, timeout_s, "an InitWorkerMsg")
+
+
+def _recv_or_timeout(sock, proto, timeout_s: float, what: str):
+    if not sock.poll(int(timeout_s * 1000)):
+        raise TimeoutError(f"no reply from the engine within {timeout_s} s (waiting for {what})")
+    return proto.to_worker_decoder.decode(sock.recv())
 
 
 def rendezvous_address(args: argparse.Namespace) -> tuple[str, int]:
@@ -93,6 +134,7 @@ def run_worker(args: argparse.Namespace) -> int:
     rank = args.rank
     if not 0 <= rank < args.world_size:
         raise ValueError(f"--rank must be in [0, {args.world_size}), got {rank}")
+    secret = distributed_secret(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     host, port = rendezvous_address(args)
@@ -102,17 +144,17 @@ def run_worker(args: argparse.Namespace) -> int:
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+    # A random identity: nobody can take this worker's place on the engine's socket by guessing it.
+    sock.setsockopt(zmq.IDENTITY, f"rank{rank}-{os.urandom(8).hex()}".encode())
     sock.connect(engine_address)
-    sock.send(proto.encoder.encode(proto.HelloMsg(rank, os.getpid(), socket.gethostname())))
     stop_heartbeat = threading.Event()
     exit_code = 0
     try:
-        if not sock.poll(int(args.connect_timeout * 1000)):
-            raise TimeoutError(f"no InitWorkerMsg from the engine within {args.connect_timeout} s")
-        init = proto.to_worker_decoder.decode(sock.recv())
+        init = _handshake(sock, proto, rank, secret, args.connect_timeout)
         if isinstance(init, proto.StopWorkerMsg):
             return 0
+        if isinstance(init, proto.RefusedMsg):
+            raise WorkerRefusedError(f"the engine refused rank {rank}: {init.reason}")
         assert isinstance(init, proto.InitWorkerMsg), f"expected InitWorkerMsg, got {type(init).__name__}"
         threading.Thread(target=_heartbeat, args=(host, port, rank, args.parent_pid, stop_heartbeat),
                          name="heartbeat", daemon=True).start()
@@ -144,6 +186,9 @@ def run_worker(args: argparse.Namespace) -> int:
                 done = proto.StepDoneMsg(rank, msg.step_id, sampled_token_ids=output.sampled_token_ids)
             sock.send(proto.encoder.encode(done))
         destroy_tensor_parallel()
+    except WorkerRefusedError as e:
+        logger.error("rank %d not admitted: %s", rank, e)
+        exit_code = 2
     except Exception as e:  # noqa: BLE001 - report, then exit: the engine decides what it means
         logger.exception("rank %d failed", rank)
         try:

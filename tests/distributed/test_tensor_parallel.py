@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,26 +110,47 @@ def test_tiny_llama_tp4_matches_unsharded_and_hf(tiny):
     _assert_exited(llm.engine.core.executor.procs.values())
 
 
-def test_tiny_llama_tp2_with_a_worker_joining_by_cli(tiny):
-    """Rank 1 is a separate `pagedllm worker` process, as on a second host (here: loopback)."""
+SECRET = "a-shared-secret-for-tests"
+
+
+def _cli_worker(port: int, secret: str, **popen) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PAGEDLLM_DISTRIBUTED_SECRET=secret)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "worker", "--distributed-init-method",
+         f"tcp://127.0.0.1:{port}", "--rank", "1", "--world-size", "2", "--num-threads", "1"], env=env, **popen,
+    )
+
+
+def test_tiny_llama_tp2_with_a_worker_joining_by_cli_and_an_impostor_refused(tiny):
+    """Rank 1 is a separate `pagedllm worker` process, as on a second host (here: loopback). A worker
+    with the wrong secret comes first: it is refused (and says so), the engine waits for the right one."""
     path, prompts, references, expected = tiny
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    remote = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "worker", "--distributed-init-method",
-         f"tcp://127.0.0.1:{port}", "--rank", "1", "--world-size", "2", "--num-threads", "1"], env=env,
-    )
+    impostor = _cli_worker(port, "not-the-shared-secret", stderr=subprocess.PIPE, text=True)
+    remote: list[subprocess.Popen] = []
+
+    def start_the_real_worker_once_the_impostor_is_gone():
+        impostor.wait(120)
+        remote.append(_cli_worker(port, SECRET))
+
+    starter = threading.Thread(target=start_the_real_worker_once_the_impostor_is_gone, daemon=True)
+    starter.start()
     try:
-        llm = LLM(model=path, tensor_parallel_size=2, master_port=port, num_local_workers=1, **PRESSURE)
+        llm = LLM(model=path, tensor_parallel_size=2, master_port=port, num_local_workers=1,
+                  distributed_secret=SECRET, **PRESSURE)
         try:
+            assert impostor.returncode == 2
+            assert "rank 1 not admitted: wrong distributed secret" in impostor.stderr.read()
             assert set(llm.engine.core.executor.procs) == {0}
             _check(llm, prompts, references, expected, "tiny llama, N=2")
         finally:
             llm.engine.core.shutdown()
-        assert remote.wait(15) == 0
+        assert remote[0].wait(15) == 0
     finally:
-        if remote.poll() is None:
-            remote.kill()
+        starter.join(5)
+        for proc in [impostor, *remote]:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_killed_worker_kills_the_engine_cleanly(tiny):
