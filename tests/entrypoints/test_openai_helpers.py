@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from starlette.requests import Request
 
-from pagedllm.engine.async_llm import RequestFailedError
+from pagedllm.engine.async_llm import EngineStoppingError, RequestFailedError, RequestTimeoutError
 from pagedllm.entrypoints.openai.auth import find_api_key, tenant_cache_salt
-from pagedllm.entrypoints.openai.errors import APIError, api_error_from, check_failed
+from pagedllm.entrypoints.openai.errors import APIError, api_error_from, check_failed, current_request_id
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.request_body import parse_model
 from pagedllm.errors import EngineDeadError, InvalidRequestError
@@ -23,16 +23,24 @@ def test_errors_map_to_openai_statuses():
     assert api_error_from(InvalidRequestError("temperature must be >= 0")).status == 400
     assert api_error_from(InvalidRequestError("temperature must be >= 0")).param == "temperature"
     assert api_error_from(EngineDeadError("gone")).status == 503
-    failed = api_error_from(RequestFailedError("sampler blew up"))
-    assert failed.status == 500 and "sampler blew up" in failed.message
+    token = current_request_id.set("req-42")
+    try:
+        failed = api_error_from(RequestFailedError("sampler blew up at /home/me/model"))
+    finally:
+        current_request_id.reset(token)
+    # a 500 names the request id only: exception text (paths, internals) stays in the log
+    assert failed.status == 500 and "req-42" in failed.message and "blew up" not in failed.message
+    assert api_error_from(RequestTimeoutError("too slow")).status == 504
+    assert api_error_from(EngineStoppingError("bye")).status == 503
     assert set(APIError(404, "x").body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_sequence_that_failed_alone_is_a_500_naming_its_error():
+def test_a_sequence_that_failed_alone_is_a_500_hiding_its_error(caplog):
     output = RequestOutput("r", "p", [1], [CompletionOutput(0, "", [], None, None, "abort", error="NaN logits")], True)
     with pytest.raises(APIError) as info:
         check_failed(output)
-    assert info.value.status == 500 and "NaN logits" in info.value.message
+    assert info.value.status == 500 and "NaN logits" not in info.value.message
+    assert "NaN logits" in caplog.text
 
 
 def test_api_key_matching():
