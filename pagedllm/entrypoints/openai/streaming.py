@@ -43,8 +43,10 @@ async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, 
                        headers={"Retry-After": str(ctx.config.retry_after_s)})
     streams: list[RequestStream] = []
     timeout_s = ctx.config.request_timeout
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     if timeout_s:
-        asyncio.get_running_loop().call_later(timeout_s, _expire, streams, timeout_s, ctx)
+        loop.call_later(timeout_s, _expire, streams, timeout_s, ctx)
     try:
         for i, prompt in enumerate(prompts):
             streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream))
@@ -54,6 +56,8 @@ async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, 
         if isinstance(e, Exception):
             raise api_error_from(e) from None
         raise
+    if timeout_s and loop.time() - started >= timeout_s:  # the deadline passed while the last was tokenized
+        _expire(streams, timeout_s, ctx)
     return streams
 
 
