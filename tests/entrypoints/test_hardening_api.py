@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -329,3 +331,22 @@ def test_sigterm_drains(model_dir, tmp_path_factory):
         assert 2.5 < time.monotonic() - signalled < 15
     finally:
         srv.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls(model_dir, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    srv = RemoteServer(model_dir, ["--num-kv-blocks", "32", "--max-model-len", "256", "--ssl-keyfile", str(key),
+                                   "--ssl-certfile", str(cert)], tmp_path / "tls.log")
+    try:
+        assert srv.url.startswith("https://")
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, verify=str(cert),
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not spoken there
+            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5).raise_for_status()
+    finally:
+        assert srv.stop() == 0

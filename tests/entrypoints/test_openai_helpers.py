@@ -77,3 +77,53 @@ def test_request_models_validate_and_convert():
     assert info.value.status == 400 and info.value.param == "n"
     with pytest.raises(InvalidRequestError, match="best_of"):
         parse_model(CompletionRequest, {"prompt": "x", "best_of": 3, "stream": True}).to_sampling_params()
+
+
+def test_strict_json_bodies():
+    from pagedllm.entrypoints.openai.request_body import parse_json_body
+
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00", "ids": [1, 2]}') == {"prompt": "\U0001F600", "ids": [1, 2]}
+    for body, words in ((b'{"t": NaN}', "NaN"), (b'{"t": [1e999]}', "not finite"), (b'{"x": {"y": 2e400}}', "x.y"),
+                        (b'{"ids": [1, 9223372036854775808]}', "64-bit"), (b'{"s": -9223372036854775809}', "64-bit"),
+                        (b'{"p": ["ok", "\\udc00"]}', "p[1]"), (b'{"\\ud800": 1}', "surrogate"),
+                        (b"[" * 50_000 + b"]" * 50_000, "nested"), (b"  ", "empty"), (b"\xff", "UTF-8")):
+        with pytest.raises(APIError) as info:
+            parse_json_body(body)
+        assert info.value.status == 400 and words in info.value.message, (body[:40], info.value.message)
+    assert parse_json_body(b'{"s": 9223372036854775807, "f": 1e308}')["s"] == 2**63 - 1
+
+
+def test_tools_and_response_formats_are_refused_until_they_exist():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({"tools": [{"type": "function"}]}, {"tool_choice": "auto"}, {"functions": [{"name": "f"}]},
+                  {"response_format": {"type": "json_schema"}}):
+        with pytest.raises(APIError) as info:
+            parse_model(ChatCompletionRequest, {**base, **extra})
+        assert info.value.status == 400 and "not supported" in info.value.message
+    # asking for nothing is fine
+    parse_model(ChatCompletionRequest, {**base, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}})
+    with pytest.raises(APIError):
+        parse_model(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}})
+
+
+def test_cached_tokens_are_reported_only_where_they_leak_nothing():
+    from pagedllm.entrypoints.openai.cli_args import ServerConfig
+    from pagedllm.entrypoints.openai.context import ServingContext
+
+    def reported(**config) -> bool:
+        ctx = ServingContext(engine=None, served_model_names=["m"], config=ServerConfig(**config))
+        return "prompt_tokens_details" in ctx.usage(3, 1, 2)
+
+    assert not reported()  # no keys: anyone could probe anyone's prefixes
+    assert reported(api_keys=("k",))  # tenants isolated: only their own
+    assert not reported(api_keys=("k",), share_prefix_cache_across_keys=True)
+    assert reported(enable_prompt_tokens_details=True)
+
+
+def test_server_config_validates_its_limits():
+    from pagedllm.entrypoints.openai.cli_args import ServerConfig
+
+    for bad in ({"max_num_waiting": -1}, {"shutdown_timeout": 0}, {"ssl_keyfile": "k.pem"},
+                {"num_frontend_threads": 0}, {"timeout_request_header": -1}, {"allowed_origins": ("",)}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)
