@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -343,7 +344,7 @@ def test_tls(model_dir, tmp_path):
                                    "--ssl-certfile", str(cert)], tmp_path / "tls.log")
     try:
         assert srv.url.startswith("https://")
-        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, verify=str(cert),
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, verify=ssl.create_default_context(cafile=str(cert)),
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not spoken there

@@ -127,3 +127,22 @@ def test_server_config_validates_its_limits():
                 {"num_frontend_threads": 0}, {"timeout_request_header": -1}, {"allowed_origins": ("",)}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
+
+
+def test_an_unhandled_error_is_a_500_naming_only_the_request_id(caplog):
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.lifecycle import RequestIdMiddleware
+
+    app = FastAPI()
+
+    @app.get("/x")
+    async def broken():
+        raise RuntimeError("secret at /home/me/models/llama")
+
+    app.add_middleware(RequestIdMiddleware)  # as build_app does
+    r = TestClient(app, raise_server_exceptions=False).get("/x", headers={"X-Request-Id": "rid-7"})
+    assert r.status_code == 500 and r.headers["x-request-id"] == "rid-7"
+    assert "rid-7" in r.json()["error"]["message"] and "secret" not in r.text and "/home" not in r.text
+    assert "secret at /home/me/models/llama" in caplog.text

@@ -25,7 +25,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, add_serve_args, configs_from_args
 from pagedllm.entrypoints.openai.context import ServingContext, now_s
-from pagedllm.entrypoints.openai.errors import APIError, api_error_from, internal_error
+from pagedllm.entrypoints.openai.errors import APIError, api_error_from
 from pagedllm.entrypoints.openai.lifecycle import (
     DrainMiddleware,
     Lifecycle,
@@ -76,11 +76,6 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
         return APIError(400, str(exc.errors()[0].get("msg", exc))).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
-        logger.exception("unhandled error")
-        return internal_error().response()
 
     def require_engine() -> None:
         if engine.is_dead:

@@ -17,7 +17,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineStoppingError
-from pagedllm.entrypoints.openai.errors import APIError, current_request_id
+from pagedllm.entrypoints.openai.errors import APIError, current_request_id, internal_error
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ _ABORTED_GRACE_S = 3.0
 
 class RequestIdMiddleware:
     """Take the client's X-Request-Id (if sane) or make one; echo it on the response and expose it
-    to handlers (errors.current_request_id), so a 500 can name it."""
+    to handlers (errors.current_request_id), so a 500 can name it. An unhandled exception becomes
+    that 500 here (inside, where the id is still known), its text going to the log only."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -41,13 +42,22 @@ class RequestIdMiddleware:
         request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         token = current_request_id.set(request_id)
 
+        started = False
+
         async def send_with_id(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s failed", request_id)
+            if started:  # too late for a status; the connection is cut
+                raise
+            await internal_error().response()(scope, receive, send_with_id)
         finally:
             current_request_id.reset(token)
 
