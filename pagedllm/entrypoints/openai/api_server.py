@@ -182,10 +182,12 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_man
                                   kv_cache_manager_factory=kv_cache_manager_factory,
                                   num_threads=config.num_frontend_threads)
     try:
-        logger.info("engine core ready (%d KV blocks, max_model_len %d); serving %s on http://%s:%d",
-                    engine.num_kv_blocks, engine.max_model_len, names, config.host, config.port)
+        scheme = "https" if config.ssl_certfile else "http"
+        logger.info("engine core ready (%d KV blocks, max_model_len %d); serving %s on %s://%s:%d",
+                    engine.num_kv_blocks, engine.max_model_len, names, scheme, config.host, config.port)
         if not config.api_keys:
-            logger.warning("no API key set: /v1/* is open to anyone who can reach %s", config.host)
+            logger.warning("no API key set: /v1/*, /tokenize and /detokenize are open to anyone who can reach %s",
+                           config.host)
         lifecycle = Lifecycle()
         app = build_app(ServingContext(engine, names, config, metrics), config, metrics, lifecycle)
         uvicorn_config = uvicorn.Config(
@@ -198,8 +200,9 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_man
             ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
         server = PagedLLMServer(uvicorn_config, lifecycle, engine, config.shutdown_timeout,
                                 config.keep_alive_on_engine_death)
-        # uvicorn turns SIGINT/SIGTERM into a graceful exit, then re-raises the signal to whatever
-        # handler was installed before it: make that a no-op so the engine shutdown below runs.
+        # PagedLLMServer turns SIGINT/SIGTERM into a drain; should a signal still reach the handler
+        # installed before it (uvicorn re-raises the ones it captures), make that a no-op so the
+        # engine shutdown below runs.
         previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             await server.serve()
