@@ -135,6 +135,9 @@ class PagedLLMServer(uvicorn.Server):
                 f"the server is shutting down and ended this request after its {self.shutdown_timeout_s:g} s "
                 f"drain timeout"))
             logger.warning("drain timeout: ended %d unfinished requests", num_ended)
+            if self.engine.metrics is not None:
+                for _ in range(num_ended):
+                    self.engine.metrics.record_rejected("shutdown")
             await self._wait_idle(_ABORTED_GRACE_S)
         self.should_exit = True
 
