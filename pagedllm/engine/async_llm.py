@@ -4,7 +4,8 @@
         ^                                                                  │
         └── per-request asyncio.Queue <── FrontendCore (OutputProcessor) <── output handler task
 
-Tokenization and validation happen here (InvalidRequestError before anything is queued);
+Tokenization and validation happen here, on a worker thread so that a huge prompt never stalls
+the event loop (InvalidRequestError before anything is queued);
 admission, text, stop strings, n > 1 and logprobs are the same FrontendCore the offline
 engine uses. Closing a generate() stream early aborts its request in the core. When the
 core dies, every waiting stream and every later call raises EngineDeadError.
@@ -13,9 +14,12 @@ core dies, every waiting stream and every later call raises EngineDeadError.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.config import EngineArgs
@@ -39,6 +43,14 @@ logger = logging.getLogger(__name__)
 
 class RequestFailedError(RuntimeError):
     """The engine could not serve one request (an internal error); others are unaffected."""
+
+
+class RequestTimeoutError(RequestFailedError):
+    """The request ran past its deadline and was aborted (its KV blocks are freed)."""
+
+
+class EngineStoppingError(RequestFailedError):
+    """The server is shutting down and ended this request before it finished."""
 
 
 def load_tokenizer(model_path: str):
@@ -77,6 +89,13 @@ class RequestStream:
             self.close()
         return item
 
+    def fail(self, error: BaseException) -> bool:
+        """Abort the request unless it finished or was closed; iterating raises `error`. True if it was open."""
+        if self.finished or self._closed:
+            return False
+        self.engine.abort(self.request_id, error)
+        return True
+
     def close(self) -> None:
         """Stop listening; abort the request in the core if it has not finished."""
         if self._closed:
@@ -84,6 +103,7 @@ class RequestStream:
         self._closed = True
         if self.engine._queues.get(self.request_id) is self._queue:
             del self.engine._queues[self.request_id]
+            self.engine._started.discard(self.request_id)
         if not self.finished:
             self.engine._abort_in_core(self.request_id)
 
@@ -91,7 +111,8 @@ class RequestStream:
 class AsyncLLM:
     """Serve many concurrent requests from one event loop. Build it with `await AsyncLLM.start(args)`."""
 
-    def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None,
+                 num_threads: int = 4) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_path = ready.model_path
@@ -103,13 +124,19 @@ class AsyncLLM:
         self.latest_stats: EngineStatsMsg | None = None
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._started: set[str] = set()
+        """Requests that produced an output (or failed): the others are still waiting to run."""
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
+        """Called once, on the event loop, when the core dies (the server decides whether to exit)."""
+        self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="pagedllm-frontend")
+        """Where CPU-heavy front-end work runs: tokenization, chat templates, big responses."""
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._output_task = asyncio.get_running_loop().create_task(self._run_output_handler())
 
     @classmethod
     async def start(cls, engine_args: EngineArgs, metrics: ServerMetrics | None = None,
                     log_level: str = "INFO", ready_timeout_s: float = 900.0,
-                    kv_cache_manager_factory=None) -> AsyncLLM:
+                    kv_cache_manager_factory=None, num_threads: int = 4) -> AsyncLLM:
         """Spawn the engine core, wait until its model is loaded, and load the tokenizer here."""
         client = MPCoreClient(engine_args, log_level, kv_cache_manager_factory)
         try:
@@ -118,7 +145,7 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(client, ready, tokenizer, metrics)
+        return cls(client, ready, tokenizer, metrics, num_threads)
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -126,20 +153,35 @@ class AsyncLLM:
 
     # --- requests ----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    cache_salt: str | None = None, stream: bool = True) -> RequestStream:
-        """Validate, tokenize and queue a request; iterate the returned stream for its outputs.
+    async def run_blocking(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args) on the front-end thread pool, so the event loop keeps serving meanwhile."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)  # keeps e.g. the request id
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          cache_salt: str | None = None, stream: bool = True) -> RequestStream:
+        """Validate, tokenize (off the event loop) and queue a request; iterate the returned stream.
 
         Raises InvalidRequestError (nothing queued) for a request that can never be served, and
         EngineDeadError when the core is gone. A refusal by the core (the request can never fit
-        its KV cache) arrives on the stream.
+        its KV cache) arrives on the stream. Cancelled while tokenizing, nothing is queued.
         """
         self._check_alive()
         if request_id in self._queues:  # an earlier stream under this id is still open
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = self.frontend.add_request(request_id, prompt, params, cache_salt, stream)
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[request_id] = queue  # holds the id (and counts as waiting) while tokenizing
+        try:
+            text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
+                                                    cache_salt)
+            self._check_alive()
+            if self._queues.get(request_id) is not queue:  # aborted (e.g. by a shutdown) while tokenizing
+                raise queue.get_nowait() if not queue.empty() else RequestFailedError(f"request {request_id} was aborted")
+            self.frontend.submit(request, text, stream)
+        except BaseException:
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
+            raise
         if self.metrics is not None:
             self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time)
         return RequestStream(self, request_id, queue)
@@ -151,19 +193,37 @@ class AsyncLLM:
         Raises like add_request, and RequestFailedError when this request failed alone. Closing
         the generator before it finishes aborts the request in the core.
         """
-        request_stream = self.add_request(request_id, prompt, params, cache_salt, stream)
+        request_stream = await self.add_request(request_id, prompt, params, cache_salt, stream)
         try:
             async for output in request_stream:
                 yield output
         finally:
             request_stream.close()
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request by id now (no-op when unknown or finished); its stream ends."""
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort a request by id now (no-op when unknown or finished); its stream raises `error`
+        (default: RequestFailedError)."""
         queue = self._queues.pop(request_id, None)
+        self._started.discard(request_id)
         self._abort_in_core(request_id)
         if queue is not None:
-            queue.put_nowait(RequestFailedError(f"request {request_id} was aborted"))
+            queue.put_nowait(error if error is not None else RequestFailedError(f"request {request_id} was aborted"))
+
+    def abort_all(self, error: BaseException) -> int:
+        """Abort every open request, each stream raising `error` (a draining server's last word)."""
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            self.abort(request_id, error)
+        return len(request_ids)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests accepted here that have not produced an output yet: tokenizing, or queued in the core."""
+        return len(self._queues) - len(self._started)
 
     def _abort_in_core(self, request_id: str) -> None:
         if self.metrics is not None:
@@ -198,16 +258,19 @@ class AsyncLLM:
         """Raise EngineDeadError unless the core is alive."""
         self._check_alive()
         if not self.client.process.is_alive():
+            self._set_dead(EngineDeadError("the engine core process is not running"))
             raise EngineDeadError("the engine core process is not running")
 
     async def shutdown(self) -> None:
         """Stop the output handler and the core process (idempotent)."""
+        self.on_dead = None  # the core stopping now is no death
         self._output_task.cancel()
         try:
             await self._output_task
         except (asyncio.CancelledError, Exception):
             pass
         await asyncio.to_thread(self.client.shutdown)
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     # --- the output handler ---------------------------------------------------------------
 
@@ -254,10 +317,15 @@ class AsyncLLM:
                 self.metrics.record_request_finished(output.request_id, reasons[0] if reasons else None, now)
             queue = self._queues.get(output.request_id)
             if queue is not None:
+                if output.finished:
+                    self._started.discard(output.request_id)
+                else:
+                    self._started.add(output.request_id)
                 queue.put_nowait(output)
 
     def _handle_rejected(self, msg: RequestRejectedMsg) -> None:
         queue = self._queues.get(msg.req_id)  # the front end's request id (one message for all n sequences)
+        self._started.discard(msg.req_id)
         if queue is not None:
             error_cls = InvalidRequestError if msg.invalid_request else RequestFailedError
             queue.put_nowait(error_cls(msg.message))
@@ -274,3 +342,5 @@ class AsyncLLM:
         for future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(error)
+        if self.on_dead is not None:
+            self.on_dead(error)

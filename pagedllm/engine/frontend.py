@@ -50,13 +50,18 @@ class FrontendCore:
         cache), the request is unregistered and the error propagates.
         """
         text, request = self.input_processor.process(request_id, prompt, params, cache_salt)
+        self.submit(request, text, stream)
+        return request
+
+    def submit(self, request: EngineCoreRequest, text: str | None, stream: bool = False) -> None:
+        """Register and send a request `input_processor.process` made (the asyncio server processes it
+        on a worker thread, then submits it on the event loop); raises like add_request."""
         self.output_processor.add_request(request, text, stream)
         try:
             self.core.add_request(request)
         except BaseException:
-            self.output_processor.abort_request(request_id)
+            self.output_processor.abort_request(request.req_id)
             raise
-        return request
 
     def abort_request(self, request_id: str) -> None:
         """Forget a request and abort its unfinished sequences in the core (no-op when unknown)."""

@@ -58,6 +58,9 @@ class ServerMetrics:
         self.generation_tokens = counter("pagedllm_generation_tokens", "Tokens generated")
         self.request_success = Counter("pagedllm_request_success", "Finished requests by finish reason",
                                        labelnames=["model_name", "finish_reason"], registry=r)
+        self.requests_rejected = Counter("pagedllm_requests_rejected", "Requests the server refused or cut short, "
+                                         "by reason (overloaded, timeout, shutdown)",
+                                         labelnames=["model_name", "reason"], registry=r)
         self._model_name = model_name
         self.time_to_first_token = histogram("pagedllm_time_to_first_token_seconds",
                                              "Arrival to first generated token", _LATENCY_BUCKETS)
@@ -117,6 +120,10 @@ class ServerMetrics:
         self.request_success.labels(self._model_name, finish_reason or "abort").inc()
         if finish_reason != "abort":
             self.e2e_latency.observe(now - timing.arrival_time)
+
+    def record_rejected(self, reason: str) -> None:
+        """Count a request refused at admission (429), aborted at its deadline, or ended by a shutdown."""
+        self.requests_rejected.labels(self._model_name, reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

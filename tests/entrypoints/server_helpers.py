@@ -47,7 +47,8 @@ class RemoteServer:
     def __init__(self, model_dir: Path, extra_args: list[str], log_path: Path, env: dict | None = None,
                  startup_timeout_s: float = 180.0) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.scheme = "https" if "--ssl-certfile" in extra_args else "http"
+        self.url = f"{self.scheme}://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "serve", str(model_dir),
@@ -62,7 +63,7 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, verify=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -107,3 +107,17 @@ def test_flags_follow_whatever_fields_exist(capsys):
     out = capsys.readouterr().out
     assert "Memory, 100% of it. (default: 3MiB)" in out and "output:" in out
     assert "--hook" not in out and "--internal" not in out
+
+
+def test_hardening_flags(monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    _, server = _serve("--allowed-origins", "https://a.example,https://b.example", "--allowed-origins",
+                       "http://localhost:3000", "--max-num-waiting", "0", "--request-timeout", "30",
+                       "--shutdown-timeout", "5", "--keep-alive-on-engine-death", "--timeout-request-header", "2",
+                       "--h11-max-incomplete-event-size", "32KiB", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem")
+    assert server.allowed_origins == ("https://a.example", "https://b.example", "http://localhost:3000")
+    assert (server.max_num_waiting, server.request_timeout, server.shutdown_timeout) == (0, 30.0, 5.0)
+    assert server.keep_alive_on_engine_death and server.h11_max_incomplete_event_size == 32 * 1024
+    assert (server.ssl_keyfile, server.ssl_certfile) == ("k.pem", "c.pem")
+    defaults = ServerConfig()
+    assert defaults.allowed_origins == () and defaults.shutdown_timeout == 30.0 and defaults.max_num_waiting > 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from starlette.requests import Request
 
-from pagedllm.engine.async_llm import RequestFailedError
+from pagedllm.engine.async_llm import EngineStoppingError, RequestFailedError, RequestTimeoutError
 from pagedllm.entrypoints.openai.auth import find_api_key, tenant_cache_salt
-from pagedllm.entrypoints.openai.errors import APIError, api_error_from, check_failed
+from pagedllm.entrypoints.openai.errors import APIError, api_error_from, check_failed, current_request_id
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.request_body import parse_model
 from pagedllm.errors import EngineDeadError, InvalidRequestError
@@ -23,16 +23,24 @@ def test_errors_map_to_openai_statuses():
     assert api_error_from(InvalidRequestError("temperature must be >= 0")).status == 400
     assert api_error_from(InvalidRequestError("temperature must be >= 0")).param == "temperature"
     assert api_error_from(EngineDeadError("gone")).status == 503
-    failed = api_error_from(RequestFailedError("sampler blew up"))
-    assert failed.status == 500 and "sampler blew up" in failed.message
+    token = current_request_id.set("req-42")
+    try:
+        failed = api_error_from(RequestFailedError("sampler blew up at /home/me/model"))
+    finally:
+        current_request_id.reset(token)
+    # a 500 names the request id only: exception text (paths, internals) stays in the log
+    assert failed.status == 500 and "req-42" in failed.message and "blew up" not in failed.message
+    assert api_error_from(RequestTimeoutError("too slow")).status == 504
+    assert api_error_from(EngineStoppingError("bye")).status == 503
     assert set(APIError(404, "x").body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_sequence_that_failed_alone_is_a_500_naming_its_error():
+def test_a_sequence_that_failed_alone_is_a_500_hiding_its_error(caplog):
     output = RequestOutput("r", "p", [1], [CompletionOutput(0, "", [], None, None, "abort", error="NaN logits")], True)
     with pytest.raises(APIError) as info:
         check_failed(output)
-    assert info.value.status == 500 and "NaN logits" in info.value.message
+    assert info.value.status == 500 and "NaN logits" not in info.value.message
+    assert "NaN logits" in caplog.text
 
 
 def test_api_key_matching():
@@ -69,3 +77,72 @@ def test_request_models_validate_and_convert():
     assert info.value.status == 400 and info.value.param == "n"
     with pytest.raises(InvalidRequestError, match="best_of"):
         parse_model(CompletionRequest, {"prompt": "x", "best_of": 3, "stream": True}).to_sampling_params()
+
+
+def test_strict_json_bodies():
+    from pagedllm.entrypoints.openai.request_body import parse_json_body
+
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00", "ids": [1, 2]}') == {"prompt": "\U0001F600", "ids": [1, 2]}
+    for body, words in ((b'{"t": NaN}', "NaN"), (b'{"t": [1e999]}', "not finite"), (b'{"x": {"y": 2e400}}', "x.y"),
+                        (b'{"ids": [1, 9223372036854775808]}', "64-bit"), (b'{"s": -9223372036854775809}', "64-bit"),
+                        (b'{"p": ["ok", "\\udc00"]}', "p[1]"), (b'{"\\ud800": 1}', "surrogate"),
+                        (b"[" * 50_000 + b"]" * 50_000, "nested"), (b"  ", "empty"), (b"\xff", "UTF-8")):
+        with pytest.raises(APIError) as info:
+            parse_json_body(body)
+        assert info.value.status == 400 and words in info.value.message, (body[:40], info.value.message)
+    assert parse_json_body(b'{"s": 9223372036854775807, "f": 1e308}')["s"] == 2**63 - 1
+
+
+def test_tools_and_response_formats_are_refused_until_they_exist():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({"tools": [{"type": "function"}]}, {"tool_choice": "auto"}, {"functions": [{"name": "f"}]},
+                  {"response_format": {"type": "json_schema"}}):
+        with pytest.raises(APIError) as info:
+            parse_model(ChatCompletionRequest, {**base, **extra})
+        assert info.value.status == 400 and "not supported" in info.value.message
+    # asking for nothing is fine
+    parse_model(ChatCompletionRequest, {**base, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}})
+    with pytest.raises(APIError):
+        parse_model(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}})
+
+
+def test_cached_tokens_are_reported_only_where_they_leak_nothing():
+    from pagedllm.entrypoints.openai.cli_args import ServerConfig
+    from pagedllm.entrypoints.openai.context import ServingContext
+
+    def reported(**config) -> bool:
+        ctx = ServingContext(engine=None, served_model_names=["m"], config=ServerConfig(**config))
+        return "prompt_tokens_details" in ctx.usage(3, 1, 2)
+
+    assert not reported()  # no keys: anyone could probe anyone's prefixes
+    assert reported(api_keys=("k",))  # tenants isolated: only their own
+    assert not reported(api_keys=("k",), share_prefix_cache_across_keys=True)
+    assert reported(enable_prompt_tokens_details=True)
+
+
+def test_server_config_validates_its_limits():
+    from pagedllm.entrypoints.openai.cli_args import ServerConfig
+
+    for bad in ({"max_num_waiting": -1}, {"shutdown_timeout": 0}, {"ssl_keyfile": "k.pem"},
+                {"num_frontend_threads": 0}, {"timeout_request_header": -1}, {"allowed_origins": ("",)}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)
+
+
+def test_an_unhandled_error_is_a_500_naming_only_the_request_id(caplog):
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.lifecycle import RequestIdMiddleware
+
+    app = FastAPI()
+
+    @app.get("/x")
+    async def broken():
+        raise RuntimeError("secret at /home/me/models/llama")
+
+    app.add_middleware(RequestIdMiddleware)  # as build_app does
+    r = TestClient(app, raise_server_exceptions=False).get("/x", headers={"X-Request-Id": "rid-7"})
+    assert r.status_code == 500 and r.headers["x-request-id"] == "rid-7"
+    assert "rid-7" in r.json()["error"]["message"] and "secret" not in r.text and "/home" not in r.text
+    assert "secret at /home/me/models/llama" in caplog.text

@@ -1,5 +1,6 @@
-"""Killing the engine-core process: in-flight and new requests get prompt 503s, /health says
-unhealthy, nothing hangs, and SIGTERM still stops the server cleanly."""
+"""Killing the engine-core process of a server started with --keep-alive-on-engine-death: in-flight
+and new requests get prompt 503s, /health says unhealthy, nothing hangs, and SIGTERM still stops the
+server cleanly. (Without the flag the server exits 1: test_hardening_api.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.entrypoints.server_helpers import RemoteServer, pid_alive
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = build_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
-    srv = RemoteServer(model_dir, ["--num-kv-blocks", "64", "--max-model-len", "1024"],
+    srv = RemoteServer(model_dir, ["--num-kv-blocks", "64", "--max-model-len", "1024", "--keep-alive-on-engine-death"],
                        tmp_path_factory.mktemp("logs") / "server.log")
     yield srv
     srv.stop()

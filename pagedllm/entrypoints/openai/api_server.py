@@ -15,7 +15,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -25,13 +26,20 @@ from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, add_serve_args, configs_from_args
 from pagedllm.entrypoints.openai.context import ServingContext, now_s
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from
+from pagedllm.entrypoints.openai.lifecycle import (
+    DrainMiddleware,
+    Lifecycle,
+    PagedLLMServer,
+    RequestIdMiddleware,
+    h11_protocol_with_header_timeout,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.request_body import parse_model, read_json_body
+from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.errors import EngineDeadError, PagedLLMError
@@ -41,11 +49,16 @@ from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
 logger = logging.getLogger(__name__)
 
 
-def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
-    """The FastAPI app: routes, OpenAI-style error bodies, auth."""
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
+def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
+              lifecycle: Lifecycle | None = None) -> FastAPI:
+    """The FastAPI app: routes, OpenAI-style error bodies, auth, CORS, request ids, draining."""
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     engine = ctx.engine
-    max_body = config.max_request_body_bytes
+
+    async def body(raw_request: Request, model_cls):
+        return await read_model(raw_request, model_cls, config.max_request_body_bytes, config.timeout_request_body,
+                                engine.run_blocking)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -64,31 +77,27 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics)
     async def _validation_error(_: Request, exc: RequestValidationError):
         return APIError(400, str(exc.errors()[0].get("msg", exc))).response()
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
-        logger.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
-
     def require_engine() -> None:
         if engine.is_dead:
-            raise APIError(503, f"the engine is not available: {engine.dead_error}", code="engine_dead")
+            raise APIError(503, "the engine is not available; it stopped", code="engine_dead")
 
     @app.post("/v1/completions")
     async def completions(raw_request: Request):
         require_engine()
-        request = parse_model(CompletionRequest, await read_json_body(raw_request, max_body))
+        request = await body(raw_request, CompletionRequest)
         return await create_completion(request, raw_request, ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request):
         require_engine()
-        request = parse_model(ChatCompletionRequest, await read_json_body(raw_request, max_body))
+        request = await body(raw_request, ChatCompletionRequest)
         return await create_chat_completion(request, raw_request, ctx)
 
     @app.get("/v1/models")
     async def models():
+        # "root" is the served name, never the local path the model was loaded from
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": engine.model_path,
+            {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": name,
              "max_model_len": engine.max_model_len}
             for name in ctx.served_model_names
         ]}
@@ -97,8 +106,8 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics)
     async def health():
         try:
             await engine.check_health()
-        except EngineDeadError as e:
-            return APIError(503, f"unhealthy: {e}", code="engine_dead").response()
+        except EngineDeadError:
+            return APIError(503, "unhealthy: the engine core is not running", code="engine_dead").response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -107,32 +116,48 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics)
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
-        request = parse_model(TokenizeRequest, await read_json_body(raw_request, max_body))
+        request = await body(raw_request, TokenizeRequest)
         ctx.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'")
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        if request.messages is not None:
-            tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
-        else:
-            tokens = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": engine.max_model_len}
+
+        def run() -> JSONResponse:
+            if request.messages is not None:
+                tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
+            else:
+                tokens = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            return JSONResponse({"tokens": list(tokens), "count": len(tokens), "max_model_len": engine.max_model_len})
+
+        return await engine.run_blocking(run)
 
     @app.post("/detokenize")
     async def detokenize(raw_request: Request):
-        request = parse_model(DetokenizeRequest, await read_json_body(raw_request, max_body))
+        request = await body(raw_request, DetokenizeRequest)
         ctx.check_model(request.model)
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        engine.input_processor.check_token_ids(request.tokens, "tokens")
-        return {"prompt": engine.tokenizer.decode(request.tokens)}
+
+        def run() -> JSONResponse:
+            engine.input_processor.check_token_ids(request.tokens, "tokens")
+            return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+
+        return await engine.run_blocking(run)
 
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
+    # Outermost last: request id, then draining, then CORS (its preflights need no key), then auth.
     app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    if lifecycle is not None:
+        app.add_middleware(DrainMiddleware, lifecycle=lifecycle)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -146,40 +171,54 @@ def _ignore_signal(signum, frame) -> None:
     logger.info("received signal %d; shutting down", signum)
 
 
-async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_manager_factory=None) -> None:
-    """Start the engine core, serve HTTP until SIGINT/SIGTERM, then stop both.
+async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_manager_factory=None) -> int:
+    """Start the engine core, serve HTTP until SIGINT/SIGTERM (draining first), then stop both.
 
+    Returns the exit code: 0, or 1 when the engine core died (unless config.keep_alive_on_engine_death).
     `kv_cache_manager_factory`: see EngineCore (the serving benchmark's allocation baselines)."""
     names = list(config.served_model_names) or [default_served_model_name(engine_args)]
     metrics = ServerMetrics(names[0])
     engine = await AsyncLLM.start(engine_args, metrics, log_level=config.log_level,
-                                  kv_cache_manager_factory=kv_cache_manager_factory)
+                                  kv_cache_manager_factory=kv_cache_manager_factory,
+                                  num_threads=config.num_frontend_threads)
     try:
-        logger.info("engine core ready (%d KV blocks, max_model_len %d); serving %s on http://%s:%d",
-                    engine.num_kv_blocks, engine.max_model_len, names, config.host, config.port)
+        scheme = "https" if config.ssl_certfile else "http"
+        logger.info("engine core ready (%d KV blocks, max_model_len %d); serving %s on %s://%s:%d",
+                    engine.num_kv_blocks, engine.max_model_len, names, scheme, config.host, config.port)
         if not config.api_keys:
-            logger.warning("no API key set: /v1/* is open to anyone who can reach %s", config.host)
-        app = build_app(ServingContext(engine, names, config.share_prefix_cache_across_keys), config, metrics)
-        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                                        access_log=False, timeout_graceful_shutdown=5, lifespan="off")
-        # uvicorn turns SIGINT/SIGTERM into a graceful exit, then re-raises the signal to whatever
-        # handler was installed before it: make that a no-op so the engine shutdown below runs.
+            logger.warning("no API key set: /v1/*, /tokenize and /detokenize are open to anyone who can reach %s",
+                           config.host)
+        lifecycle = Lifecycle()
+        app = build_app(ServingContext(engine, names, config, metrics), config, metrics, lifecycle)
+        uvicorn_config = uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
+            lifespan="off", http=h11_protocol_with_header_timeout(config.timeout_request_header),
+            # the drain (PagedLLMServer) has already waited for requests; this only bounds the stragglers
+            timeout_graceful_shutdown=5, timeout_keep_alive=config.timeout_keep_alive,
+            h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
+            limit_concurrency=config.limit_concurrency or None,
+            ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
+        server = PagedLLMServer(uvicorn_config, lifecycle, engine, config.shutdown_timeout,
+                                config.keep_alive_on_engine_death)
+        # PagedLLMServer turns SIGINT/SIGTERM into a drain; should a signal still reach the handler
+        # installed before it (uvicorn re-raises the ones it captures), make that a no-op so the
+        # engine shutdown below runs.
         previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            await uvicorn.Server(uvicorn_config).serve()
+            await server.serve()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     finally:
         logger.info("shutting down the engine core")
         await engine.shutdown()
+    return server.exit_code
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand."""
     engine_args, config = configs_from_args(args)
-    asyncio.run(run_server(engine_args, config))
-    return 0
+    return asyncio.run(run_server(engine_args, config))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,16 @@ def find_api_key(request: Request, api_keys: Sequence[str]) -> str | None:
     return matched
 
 
+_KEYED_PATHS = ("/tokenize", "/detokenize")
+"""Besides /v1/*: they run the tokenizer on whatever they are sent."""
+
+
+def _needs_key(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/") or path in _KEYED_PATHS
+
+
 class APIKeyMiddleware:
-    """Bearer-token auth on /v1/*: a 401 unless the token matches a key (the key lands in scope state)."""
+    """Bearer-token auth on /v1/*, /tokenize and /detokenize: a 401 unless the token matches a key (the key lands in scope state)."""
 
     def __init__(self, app, api_keys: tuple[str, ...]) -> None:
         self.app = app
@@ -34,7 +42,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.api_keys and (path == "/v1" or path.startswith("/v1/")):
+        if scope["type"] == "http" and self.api_keys and _needs_key(path) and scope.get("method") != "OPTIONS":
             key = find_api_key(Request(scope), self.api_keys)
             if key is None:
                 response = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",

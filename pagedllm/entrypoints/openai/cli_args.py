@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 
@@ -23,6 +24,33 @@ class ServerConfig:
     share_prefix_cache_across_keys: bool = flag(False, "Let requests of different API keys share cached prefixes "
                                                        "(default: tenants are isolated).")
     max_request_body_bytes: int = flag(8 * 2**20, "Larger request bodies get 413, e.g. 8MiB.", parse=parse_memory_size)
+    enable_prompt_tokens_details: bool = flag(False, "Report usage.prompt_tokens_details.cached_tokens even when "
+                                                     "it can tell one client what another sent (no API keys, or "
+                                                     "keys sharing the prefix cache).")
+    allowed_origins: tuple[str, ...] = ()
+    """Origins browsers may call the API from (CORS); empty = none (flag: --allowed-origins, repeatable)."""
+    max_num_waiting: int = flag(512, "Most requests waiting to start (tokenizing or queued); beyond it new ones "
+                                     "get 429 with Retry-After. 0 = unbounded.", group="admission")
+    retry_after_s: int = flag(1, "The Retry-After (seconds) of a 429.", group="admission")
+    request_timeout: float = flag(0.0, "Seconds after which an unfinished request is aborted and its client "
+                                       "told why (504 / an error event). 0 = no deadline.", group="admission")
+    shutdown_timeout: float = flag(30.0, "On SIGTERM, seconds in-flight requests get to finish (new ones get "
+                                         "503) before the rest are ended with an error.", group="lifecycle")
+    keep_alive_on_engine_death: bool = flag(False, "Keep answering 503 when the engine core dies, instead of "
+                                                   "exiting non-zero for a supervisor to restart.", group="lifecycle")
+    num_frontend_threads: int = flag(4, "Threads for tokenization, chat templates and big responses, so the "
+                                        "event loop stays free.")
+    timeout_keep_alive: float = flag(5.0, "Seconds an idle keep-alive connection is held open.", group="http")
+    timeout_request_header: float = flag(10.0, "Seconds a connection may take to send a request's headers "
+                                               "before it is closed.", group="http")
+    timeout_request_body: float = flag(30.0, "Seconds a request body may stall between chunks before a 408.",
+                                       group="http")
+    h11_max_incomplete_event_size: int = flag(64 * 2**10, "Largest request line + headers accepted, e.g. 64KiB.",
+                                              parse=parse_memory_size, group="http")
+    limit_concurrency: int = flag(0, "Most concurrent connections and tasks before new ones get 503 "
+                                     "(uvicorn's limit). 0 = unbounded.", group="http")
+    ssl_keyfile: Optional[str] = flag(None, "TLS private key file (serve HTTPS with --ssl-certfile).", group="http")
+    ssl_certfile: Optional[str] = flag(None, "TLS certificate file.", group="http")
     log_level: str = dataclasses.field(default="INFO", metadata={"cli": False})
     """Set by the top-level --log-level."""
 
@@ -33,6 +61,20 @@ class ServerConfig:
             raise ValueError("an API key must not be empty")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+        for name in ("max_num_waiting", "limit_concurrency", "request_timeout", "retry_after_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        for name in ("shutdown_timeout", "timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_frontend_threads < 1:
+            raise ValueError(f"num_frontend_threads must be >= 1, got {self.num_frontend_threads}")
+        if self.h11_max_incomplete_event_size < 1024:
+            raise ValueError(f"h11_max_incomplete_event_size must be >= 1024, got {self.h11_max_incomplete_event_size}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("give both --ssl-keyfile and --ssl-certfile, or neither")
+        if any(not origin for origin in self.allowed_origins):
+            raise ValueError("an allowed origin must not be empty")
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -42,6 +84,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add_flags(serve, ServerConfig)
     serve.add_argument("--api-key", dest="api_keys", action="append", default=None,
                        help="accept this bearer token on /v1/* (repeatable; default $PAGEDLLM_API_KEY, else no auth)")
+    serve.add_argument("--allowed-origins", dest="allowed_origins", action="append", default=None,
+                       help="an origin browsers may call the API from, e.g. https://app.example (CORS; "
+                            "repeatable or comma-separated; default none)")
     serve.add_argument("--served-model-name", dest="served_model_names", action="append", default=None,
                        help="a name clients use for the model (repeatable; the first is reported)")
     EngineArgs.add_cli_args(serve)
@@ -58,5 +103,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         api_keys = [env_key] if env_key else []
     flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     server_config = ServerConfig(**{**flagged, "api_keys": tuple(api_keys),
-                                    "served_model_names": tuple(args.served_model_names or ())})
+                                    "served_model_names": tuple(args.served_model_names or ()),
+                                    "allowed_origins": tuple(o.strip() for arg in (args.allowed_origins or ())
+                                                             for o in arg.split(","))})
     return EngineArgs.from_cli_args(args), server_config

@@ -11,7 +11,9 @@ from fastapi import Request
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import request_api_key, tenant_cache_salt
+from pagedllm.entrypoints.openai.cli_args import ServerConfig
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.metrics import ServerMetrics
 
 
 @dataclass
@@ -20,11 +22,19 @@ class ServingContext:
 
     engine: AsyncLLM
     served_model_names: list[str]
-    share_prefix_cache_across_keys: bool = False
+    config: ServerConfig
+    metrics: ServerMetrics | None = None
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    @property
+    def report_cached_tokens(self) -> bool:
+        """Whether usage may say how many prompt tokens were cached: only when no tenant can learn
+        from it what another sent (keys that do not share the cache), or when the operator opts in."""
+        c = self.config
+        return c.enable_prompt_tokens_details or (bool(c.api_keys) and not c.share_prefix_cache_across_keys)
 
     def check_model(self, requested: str | None) -> str:
         """The model name to answer with; 404 for a model this server does not serve."""
@@ -34,7 +44,14 @@ class ServingContext:
                             f"{', '.join(map(repr, self.served_model_names))}", param="model", code="model_not_found")
 
     def cache_salt(self, raw_request: Request, request_salt: str | None) -> str | None:
-        return tenant_cache_salt(request_api_key(raw_request), request_salt, self.share_prefix_cache_across_keys)
+        return tenant_cache_salt(request_api_key(raw_request), request_salt, self.config.share_prefix_cache_across_keys)
+
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+        usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                 "total_tokens": num_prompt_tokens + num_completion_tokens}
+        if self.report_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+        return usage
 
 
 def new_id(prefix: str) -> str:
@@ -43,9 +60,3 @@ def new_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
-
-
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}

@@ -1,38 +1,61 @@
-"""OpenAI-style error bodies, and the status each engine-side failure maps to."""
+"""OpenAI-style error bodies, and the status each engine-side failure maps to.
+
+A 5xx never carries exception text (it may hold paths or internals): the client gets the request
+id, the log gets the details.
+"""
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import re
 
 from fastapi.responses import JSONResponse
 
-from pagedllm.engine.async_llm import RequestFailedError
+from pagedllm.engine.async_llm import EngineStoppingError, RequestFailedError, RequestTimeoutError
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import RequestOutput
 
+logger = logging.getLogger(__name__)
+
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-    500: "internal_server_error", 503: "service_unavailable",
+    405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+    415: "invalid_request_error", 422: "invalid_request_error", 429: "overloaded",
+    500: "internal_server_error", 503: "service_unavailable", 504: "timeout_error",
 }
+
+current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+"""The X-Request-Id of the request being served (set by RequestIdMiddleware)."""
 
 
 class APIError(Exception):
     """An error to answer with an OpenAI-style body: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def internal_error(exc: BaseException | str | None = None) -> APIError:
+    """A 500 that names the request id only; the cause goes to the log."""
+    request_id = current_request_id.get()
+    if exc is not None:
+        logger.error("request %s failed: %s", request_id, exc if isinstance(exc, str) else repr(exc))
+    suffix = f" (request id {request_id})" if request_id else ""
+    return APIError(500, f"the request failed{suffix}; the server log has the details", code="internal_error")
 
 
 def api_error_from(exc: BaseException) -> APIError:
@@ -43,14 +66,18 @@ def api_error_from(exc: BaseException) -> APIError:
         named = re.match(r"([a-z_]+) must", str(exc))  # SamplingParams names the field first
         return APIError(400, str(exc), param=named.group(1) if named else None)
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine is not available: {exc}", code="engine_dead")
+        return APIError(503, "the engine is not available; it stopped", code="engine_dead")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), code="request_timeout")
+    if isinstance(exc, EngineStoppingError):
+        return APIError(503, str(exc), code="server_shutting_down")
     if isinstance(exc, RequestFailedError):
-        return APIError(500, f"the request failed: {exc}")
-    return APIError(500, f"the request failed: {type(exc).__name__}: {exc}")
+        return internal_error(exc)
+    return internal_error(exc)
 
 
 def check_failed(output: RequestOutput) -> None:
-    """A sequence that failed alone makes its request fail with a 500 naming the error."""
+    """A sequence that failed alone makes its request fail with a 500 (its error goes to the log)."""
     for completion in output.outputs:
         if completion.error is not None:
-            raise APIError(500, f"the request failed: {completion.error}")
+            raise internal_error(completion.error)

@@ -55,6 +55,16 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = Field(None, max_length=256)
+    response_format: Optional[Any] = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text_only(cls, response_format):
+        # Structured output does not exist yet: refusing beats silently answering free text.
+        if response_format is not None and not (isinstance(response_format, dict)
+                                                and response_format.get("type") == "text"):
+            raise ValueError("response_format is not supported (only {\"type\": \"text\"})")
+        return response_format
 
     def make_sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """Build validated SamplingParams; a bad value raises InvalidRequestError naming it."""
@@ -92,7 +102,7 @@ class SamplingFields(OpenAIModel):
                 skip_special_tokens=self.skip_special_tokens,
                 **extra,
             )
-        except ValueError as e:
+        except (ValueError, TypeError, OverflowError) as e:  # whatever a hostile value trips, it is a 400
             raise InvalidRequestError(str(e)) from None
 
     @property
@@ -176,6 +186,24 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        if value:  # an empty list asks for nothing
+            raise ValueError(f"{info.field_name} is not supported: this server has no tool calling")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value, info):
+        if value is not None and value != "none":
+            raise ValueError(f"{info.field_name} is not supported: this server has no tool calling")
+        return value
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -1,8 +1,18 @@
-"""Reading a request body: size limit, UTF-8, JSON, then validation into a protocol model."""
+"""Reading a request body: content type, size and time limits, UTF-8, strict JSON, then validation
+into a protocol model.
+
+Strict JSON here means what no engine can use is a 400 up front: NaN/Infinity (and numbers that
+overflow to infinity), integers beyond 64 bits, and lone UTF-16 surrogates (valid JSON, but no
+tokenizer can encode them).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import re
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -12,19 +22,67 @@ from pagedllm.entrypoints.openai.errors import APIError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_PARSE_ON_LOOP_BYTES = 64 * 1024
+"""Smaller bodies are parsed on the event loop (a thread hop costs more than the parse)."""
 
-async def read_json_body(request: Request, max_bytes: int) -> Any:
-    """The body as JSON; 413 past max_bytes, 400 for invalid UTF-8 or invalid JSON."""
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON: a cross-site form or text/plain post must not be obeyed."""
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = f"'{content_type}'" if content_type else "none"
+        raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' "
+                            f"(got {shown})", code="unsupported_media_type")
+
+
+async def read_model(request: Request, model_cls: type[ModelT], max_bytes: int, read_timeout_s: float | None = None,
+                     run_blocking: Callable[..., Awaitable[Any]] | None = None) -> ModelT:
+    """The body validated into `model_cls` (see read_json_body); a big body is parsed and validated
+    by `run_blocking` (a worker thread), so the event loop stays free."""
+    body = await read_body_bytes(request, max_bytes, read_timeout_s)
+    if run_blocking is not None and len(body) > _PARSE_ON_LOOP_BYTES:
+        return await run_blocking(lambda: parse_model(model_cls, parse_json_body(body)))
+    return parse_model(model_cls, parse_json_body(body))
+
+
+async def read_json_body(request: Request, max_bytes: int, read_timeout_s: float | None = None) -> Any:
+    """The body as JSON; 415 unless declared JSON, 413 past max_bytes, 408 when the client stalls
+    more than read_timeout_s between chunks, 400 for invalid UTF-8 or JSON (see the module doc)."""
+    return parse_json_body(await read_body_bytes(request, max_bytes, read_timeout_s))
+
+
+async def read_body_bytes(request: Request, max_bytes: int, read_timeout_s: float | None = None) -> bytes:
+    """The raw body, after the content-type, size and stall checks of read_json_body."""
+    check_content_type(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"the request body ({declared} bytes) exceeds the limit of {max_bytes} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), read_timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stalled: nothing received for {read_timeout_s:g} s",
+                           code="request_timeout") from None
         size += len(chunk)
         if size > max_bytes:
             raise APIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
         chunks.append(chunk)
-    body = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> Any:
+    raise APIError(400, f"the request body is not valid JSON: {name} is not a number JSON allows")
+
+
+def parse_json_body(body: bytes) -> Any:
+    """Decode and parse a body strictly (see the module doc); APIError(400) naming the problem."""
     if not body.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
@@ -32,9 +90,53 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        return json.loads(text)
+        data = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    _check_values(data, "", check_strings=_SURROGATE_ESCAPE.search(text) is not None)
+    return data
+
+
+def _check_values(value: Any, path: str, check_strings: bool) -> None:
+    """400 for a number no field can hold or a string no tokenizer can encode, naming where it is."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if check_strings:
+                    _check_string(key, f"{where}.{key!r}" if where else repr(key))
+                stack.append((child, f"{where}.{key}" if where else str(key)))
+        elif isinstance(item, list):
+            if item and all(type(x) is int for x in item):  # the common long list: token ids
+                if max(item) > _INT64_MAX or min(item) < _INT64_MIN:
+                    raise APIError(400, f"{where or 'the body'}: an integer is out of the 64-bit range",
+                                   param=where or None)
+                continue
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int):
+            if not _INT64_MIN <= item <= _INT64_MAX:
+                raise APIError(400, f"{where or 'the body'}: the integer is out of the 64-bit range",
+                               param=where or None)
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise APIError(400, f"{where or 'the body'}: the number is too large (not finite)",
+                               param=where or None)
+        elif isinstance(item, str) and check_strings:
+            _check_string(item, where)
+
+
+def _check_string(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{where or 'the body'}: the text contains a lone UTF-16 surrogate "
+                            f"(\\u{ord(text[e.start]):04x}) at character {e.start}, which is not valid Unicode",
+                       param=where or None) from None
 
 
 def parse_model(model_cls: type[ModelT], data: Any) -> ModelT:

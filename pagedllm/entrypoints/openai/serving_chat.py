@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s, usage_dict
+from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
 from pagedllm.entrypoints.openai.errors import APIError, check_failed
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
-from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict
+from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 
 
 def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
@@ -64,14 +64,25 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     model = ctx.check_model(request.model)
     params = request.to_sampling_params()
     engine = ctx.engine
-    prompt_ids = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
+    prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
+                                           request.add_generation_prompt)
+    room = engine.max_model_len - len(prompt_ids)
+    if params.max_tokens is None and 0 < room < params.min_tokens:
+        # max_tokens resolves to what is left of the context; min_tokens must fit in it
+        raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds the {room} tokens this conversation "
+                            f"leaves of max_model_len ({engine.max_model_len})", param="min_tokens")
     request_id = new_id("chatcmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
-    streams = open_streams(engine, request_id, [prompt_ids], params, salt, request.stream)
+    streams = await open_streams(ctx, request_id, [prompt_ids], params, salt, request.stream)
     if request.stream:
         return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model))
 
     (output,) = await final_outputs(raw_request, streams)
+    return await engine.run_blocking(_response, ctx, request, output, request_id, model)
+
+
+def _response(ctx: ServingContext, request: ChatCompletionRequest, output: RequestOutput, request_id: str,
+              model: str) -> JSONResponse:
     check_failed(output)
     choices = [{
         "index": c.index,
@@ -83,7 +94,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     num_completion = sum(len(c.token_ids) for c in output.outputs)
     return JSONResponse({
         "id": request_id, "object": "chat.completion", "created": now_s(), "model": model, "choices": choices,
-        "usage": usage_dict(len(output.prompt_token_ids), num_completion, output.num_cached_tokens),
+        "usage": ctx.usage(len(output.prompt_token_ids), num_completion, output.num_cached_tokens),
     })
 
 
@@ -112,4 +123,4 @@ async def _chunks(ctx: ServingContext, request: ChatCompletionRequest, outputs: 
         if choices:
             yield chunk(choices)
     if request.include_usage_in_stream:
-        yield chunk([], usage=usage_dict(num_prompt_tokens, num_completion_tokens, num_cached))
+        yield chunk([], usage=ctx.usage(num_prompt_tokens, num_completion_tokens, num_cached))

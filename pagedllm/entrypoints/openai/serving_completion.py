@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s, usage_dict
+from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
 from pagedllm.entrypoints.openai.errors import check_failed
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
@@ -67,11 +67,18 @@ async def create_completion(request: CompletionRequest, raw_request: Request, ct
     engine = ctx.engine
     request_id = new_id("cmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
-    streams = open_streams(engine, request_id, request.prompts(), params, salt, request.stream)
+    streams = await open_streams(ctx, request_id, request.prompts(), params, salt, request.stream)
     if request.stream:
-        return SSEResponse(streams, lambda outputs: _chunks(request, engine, outputs, request_id, model))
+        return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model))
 
     outputs = await final_outputs(raw_request, streams)
+    # Echoed prompts and logprobs of long outputs take a while to decode and encode: off the loop.
+    return await engine.run_blocking(_response, ctx, request, params.n, outputs, request_id, model)
+
+
+def _response(ctx: ServingContext, request: CompletionRequest, n: int, outputs: list[RequestOutput],
+              request_id: str, model: str) -> JSONResponse:
+    engine = ctx.engine
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
     for prompt_index, output in enumerate(outputs):
         check_failed(output)
@@ -80,15 +87,16 @@ async def create_completion(request: CompletionRequest, raw_request: Request, ct
         for completion in output.outputs:
             num_completion += len(completion.token_ids)
             choices.append(_choice(engine, request, output, completion,
-                                   prompt_index * params.n + completion.index, request.echo))
+                                   prompt_index * n + completion.index, request.echo))
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": now_s(), "model": model,
-        "choices": choices, "usage": usage_dict(num_prompt, num_completion, num_cached),
+        "choices": choices, "usage": ctx.usage(num_prompt, num_completion, num_cached),
     })
 
 
-async def _chunks(request: CompletionRequest, engine, outputs: IndexedOutputs, request_id: str,
+async def _chunks(ctx: ServingContext, request: CompletionRequest, outputs: IndexedOutputs, request_id: str,
                   model: str) -> AsyncIterator[dict]:
+    engine = ctx.engine
     created = now_s()
     n = request.n
     num_prompt_tokens: dict[int, int] = {}
@@ -118,4 +126,4 @@ async def _chunks(request: CompletionRequest, engine, outputs: IndexedOutputs, r
                    "choices": choices}
     if request.include_usage_in_stream:
         yield {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-               "usage": usage_dict(sum(num_prompt_tokens.values()), num_completion_tokens, num_cached)}
+               "usage": ctx.usage(sum(num_prompt_tokens.values()), num_completion_tokens, num_cached)}

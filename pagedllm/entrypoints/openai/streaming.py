@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.engine.async_llm import AsyncLLM, RequestFailedError, RequestStream
+from pagedllm.engine.async_llm import RequestFailedError, RequestStream, RequestTimeoutError
+from pagedllm.entrypoints.openai.context import ServingContext
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from
 from pagedllm.outputs import RequestOutput
 
@@ -25,20 +26,49 @@ IndexedOutputs = AsyncIterator[tuple[int, RequestOutput]]
 """(prompt index, cumulative-or-delta output) pairs as they arrive from a request's streams."""
 
 
-def open_streams(engine: AsyncLLM, request_id: str, prompts: Sequence, params, salt: str | None,
-                 stream: bool) -> list[RequestStream]:
-    """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others); APIError on failure."""
+async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, params, salt: str | None,
+                       stream: bool) -> list[RequestStream]:
+    """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others); APIError on failure.
+
+    Past the bound on waiting requests the answer is 429 (nothing queued); past the request
+    timeout every stream raises RequestTimeoutError and its request is aborted in the core.
+    """
+    engine = ctx.engine
+    bound = ctx.config.max_num_waiting
+    if bound and engine.num_waiting_requests + len(prompts) > bound:
+        if ctx.metrics is not None:
+            ctx.metrics.record_rejected("overloaded")
+        raise APIError(429, f"the server is overloaded: {engine.num_waiting_requests} requests are waiting "
+                            f"(the limit is {bound}); retry later", code="overloaded",
+                       headers={"Retry-After": str(ctx.config.retry_after_s)})
     streams: list[RequestStream] = []
+    timeout_s = ctx.config.request_timeout
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    if timeout_s:
+        loop.call_later(timeout_s, _expire, streams, timeout_s, ctx)
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream))
+            streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream))
     except BaseException as e:
         for s in streams:
             s.close()
         if isinstance(e, Exception):
             raise api_error_from(e) from None
         raise
+    if timeout_s and loop.time() - started >= timeout_s:  # the deadline passed while the last was tokenized
+        _expire(streams, timeout_s, ctx)
     return streams
+
+
+def _expire(streams: list[RequestStream], timeout_s: float, ctx: ServingContext) -> None:
+    """The deadline passed: abort what is still open (freeing its blocks); its consumer learns why."""
+    expired = False
+    for s in streams:
+        expired |= s.fail(RequestTimeoutError(f"the request did not finish within the server's request timeout "
+                                              f"of {timeout_s:g} s and was aborted"))
+    if expired and ctx.metrics is not None:
+        ctx.metrics.record_rejected("timeout")
 
 
 async def final_outputs(raw_request: Request, streams: Sequence[RequestStream]) -> list[RequestOutput]:
