@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, RequestLimits
 from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.frontend import FrontendCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -112,14 +112,15 @@ class AsyncLLM:
     """Serve many concurrent requests from one event loop. Build it with `await AsyncLLM.start(args)`."""
 
     def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None,
-                 num_threads: int = 4) -> None:
+                 num_threads: int = 4, limits: RequestLimits | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_path = ready.model_path
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
-        self.frontend = FrontendCore(client, tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids)
+        self.frontend = FrontendCore(client, tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids,
+                                     limits)
         self.metrics = metrics
         self.latest_stats: EngineStatsMsg | None = None
         self.dead_error: EngineDeadError | None = None
@@ -145,7 +146,7 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(client, ready, tokenizer, metrics, num_threads)
+        return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits())
 
     @property
     def input_processor(self) -> InputProcessor:

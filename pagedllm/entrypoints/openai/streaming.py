@@ -48,6 +48,8 @@ async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, 
     if timeout_s:
         loop.call_later(timeout_s, _expire, streams, timeout_s, ctx)
     try:
+        # prompts x max(n, best_of) is bounded per request, not per prompt
+        engine.input_processor.check_limits(params, num_prompts=len(prompts))
         for i, prompt in enumerate(prompts):
             streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream))
     except BaseException as e:
