@@ -44,6 +44,11 @@ static inline vf vexp(vf x, vf m) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
+// The tiled path's register tile: MR rows x NB vectors of accumulators (12 of the
+// 16 vector registers), plus NB loads and one broadcast.
+constexpr int MR = 6;
+constexpr int NB = 2;
+
 #include "paged_attention_kernel.h"
 
 }  // namespace

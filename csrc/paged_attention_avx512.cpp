@@ -45,6 +45,11 @@ static inline vf vexp(vf x, vf m) {
   return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
 }
 
+// The tiled path's register tile: MR rows x NB vectors of accumulators (24 of the
+// 32 vector registers), plus NB loads and one broadcast.
+constexpr int MR = 6;
+constexpr int NB = 4;
+
 #include "paged_attention_kernel.h"
 
 }  // namespace

@@ -19,6 +19,12 @@ namespace {
 constexpr int64_t kIsaAvx2 = 1, kIsaAvx512 = 2;
 // A context split keeps at least this many keys: below it the merge costs more than it frees.
 constexpr int64_t kMinSplitKeys = 256;
+// Items of at least this many rows (query rows x group) take the tiled path; below it the
+// per-key path wins (measured: see the tiled-path notes in paged_attention_tile.h).
+constexpr int64_t kDefaultTileMinRows = 16;
+// Rows (query rows x group) per item of a long chunk: more rows reuse each gathered key tile
+// more, fewer leave more items for the threads.
+constexpr int64_t kDefaultTileRows = 96;
 
 int64_t best_isa() {
   static const int64_t isa = [] {
@@ -109,7 +115,7 @@ void merge_splits(const AttnParams& p, const std::vector<SplitGroup>& groups) {
 
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                               int64_t num_splits, int64_t isa) {
+                               int64_t num_splits, int64_t isa, int64_t tile_min_rows, int64_t tile_rows) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
               "paged_attention_cpu: float32 query and kv_cache only");
@@ -135,15 +141,19 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   const int64_t* len_p = lens.data_ptr<int64_t>();
   const int64_t* start_p = starts.data_ptr<int64_t>();
   const int64_t group = num_heads / num_kv_heads;
+  if (tile_min_rows <= 0) tile_min_rows = kDefaultTileMinRows;
+  if (tile_rows <= 0) tile_rows = kDefaultTileRows;
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(16, 64 / group));  // query rows per item
+  const int64_t long_tile = std::max<int64_t>(tile, tile_rows / group);  // for chunks longer than `tile`
 
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = start_p[s + 1] - start_p[s];
     const int64_t first_pos = len_p[s] - q_len;
     TORCH_CHECK(q_len >= 0 && first_pos >= 0, "sequence ", s, ": query_len exceeds seq_len");
-    for (int64_t qb = 0; qb < q_len; qb += tile) {
-      const int64_t qc = std::min(tile, q_len - qb);
+    const int64_t t = q_len > tile ? long_tile : tile;
+    for (int64_t qb = 0; qb < q_len; qb += t) {
+      const int64_t qc = std::min(t, q_len - qb);
       const int64_t key_end = first_pos + qb + qc;
       for (int64_t h = 0; h < num_kv_heads; ++h)
         items.push_back(WorkItem{s, h, qb, qc, 0, key_end, -1, key_end * (qc * group + 4)});
@@ -155,7 +165,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   // Longest first: the atomic work queue then balances a prefill chunk against many decodes.
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
-  const int64_t max_rows = tile * group;
+  int64_t max_rows = 0;
+  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.q_count * group);
   at::Tensor part_acc, part_max, part_sum;
   if (num_parts > 0) {
     part_acc = at::empty({num_parts, max_rows, head_dim}, query.options());
@@ -184,6 +195,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   p.group = group;
   p.head_dim = head_dim;
   p.max_rows = max_rows;
+  p.tile_min_rows = tile_min_rows;
   p.scale = static_cast<float>(scale);
 
   const auto run = isa == kIsaAvx512 ? run_items_avx512 : run_items_avx2;
@@ -203,7 +215,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention_cpu(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale, int num_splits=0, int isa=0) -> Tensor");
+      "Tensor query_start_loc, float scale, int num_splits=0, int isa=0, int tile_min_rows=0, "
+      "int tile_rows=0) -> Tensor");
   // 2 = AVX-512, 1 = AVX2 + FMA, 0 = neither (the op then refuses to run).
   m.def("cpu_isa() -> int", &pagedllm::best_isa);
 }

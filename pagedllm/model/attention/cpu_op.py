@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp")
-HEADERS = ("paged_attention.h", "paged_attention_kernel.h")
+HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2).
 CFLAGS = ("-O3", "-fno-math-errno")
@@ -139,11 +139,13 @@ def paged_attention_cpu(
     scale: float,
     num_splits: int = 0,  # > 0 forces that many context splits per item (tests)
     isa: int = 0,  # 0 = the best this CPU has; 1 = AVX2 (tests the baseline kernel on an AVX-512 CPU)
+    tile_min_rows: int = 0,  # > 0: items of at least this many rows (queries x group) go tiled; 0 = default
+    tile_rows: int = 0,  # > 0: rows per item of a long chunk; 0 = default
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same contract as ``paged.paged_attention``, in one varlen call that reads blocks in place."""
     return torch.ops.pagedllm.paged_attention_cpu(
         query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale, num_splits, isa,
+        scale, num_splits, isa, tile_min_rows, tile_rows,
     )
 
 
