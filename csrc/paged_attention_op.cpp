@@ -144,7 +144,19 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   if (tile_min_rows <= 0) tile_min_rows = kDefaultTileMinRows;
   if (tile_rows <= 0) tile_rows = kDefaultTileRows;
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(16, 64 / group));  // query rows per item
-  const int64_t long_tile = std::max<int64_t>(tile, tile_rows / group);  // for chunks longer than `tile`
+  const int64_t num_threads = at::get_num_threads();
+  // Query rows per item of chunks longer than `tile`: tile_rows / group, but small enough that
+  // the long chunks make about 4 items per thread (one short chunk alone must still spread over
+  // the threads), and never under the tiled path's minimum.
+  int64_t long_queries = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = start_p[s + 1] - start_p[s];
+    if (q_len > tile) long_queries += q_len;
+  }
+  const int64_t balanced = (long_queries * num_kv_heads + 4 * num_threads - 1) / (4 * num_threads);
+  const int64_t most = std::max<int64_t>(1, tile_rows / group);
+  const int64_t least = std::min(most, (tile_min_rows + group - 1) / group);
+  const int64_t long_tile = std::max(least, std::min(most, balanced));
 
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -159,7 +171,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
         items.push_back(WorkItem{s, h, qb, qc, 0, key_end, -1, key_end * (qc * group + 4)});
     }
   }
-  const int64_t num_threads = at::get_num_threads();
   std::vector<SplitGroup> groups;
   const int64_t num_parts = split_items(items, groups, num_threads, num_splits);
   // Longest first: the atomic work queue then balances a prefill chunk against many decodes.
