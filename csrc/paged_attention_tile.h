@@ -10,6 +10,28 @@
 // then an online softmax per row over the tile, and O = alpha O + P V as a second micro-GEMM
 // that reads the tile's V rows in place (each is D contiguous floats, and the tile stays in L1/L2).
 
+alignas(64) static const float kZeroRow[256] = {};  // stands in for keys past a tile's end
+
+// dst[k * ld + i] = rows[i][d0 + k] for i, k < 8: eight keys' dims d0..d0+7, transposed.
+static inline void transpose8x8(const float* const* rows, int d0, float* dst, int64_t ld) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d0);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(dst + k * ld, _mm256_permute2f128_ps(u[k], u[k + 4], 0x20));
+    _mm256_storeu_ps(dst + (k + 4) * ld, _mm256_permute2f128_ps(u[k], u[k + 4], 0x31));
+  }
+}
+
 // s[r, 0:KT] = q[r, :] . kt[:, 0:KT] for the MR rows from q (row stride D).
 template <int D>
 static inline void score_rows(const float* q, const float* kt, float* s) {
@@ -99,12 +121,11 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KT) {
     const int64_t n = min64(KT, key_stop - c0);
     key_offsets(p, table, c0, n, offs);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = kbase + offs[j];
-      for (int d = 0; d < D; ++d) kt[d * KT + j] = k[d];
+    for (int64_t j0 = 0; j0 < KT; j0 += 8) {  // keys past n read as zeros
+      const float* rows[8];
+      for (int i = 0; i < 8; ++i) rows[i] = j0 + i < n ? kbase + offs[j0 + i] : kZeroRow;
+      for (int d0 = 0; d0 < D; d0 += 8) transpose8x8(rows, d0, kt + d0 * KT + j0, KT);
     }
-    for (int64_t j = n; j < KT; ++j)
-      for (int d = 0; d < D; ++d) kt[d * KT + j] = 0.f;
 
     // Rows are in query order, so their key limits only grow: skip the leading row tiles that
     // see none of this key tile.
@@ -124,9 +145,11 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
         alpha[r] = 1.f;
         continue;
       }
-      float m_new = mx[r];
-      for (int64_t j = 0; j < nr; ++j) m_new = s[j] > m_new ? s[j] : m_new;
       for (int64_t j = nr; j < KT; ++j) s[j] = -INFINITY;
+      vf vmx = vload(s);
+      for (int j = VW; j < KT; j += VW) vmx = vmax(vmx, vload(s + j));
+      const float tile_max = vreduce_max(vmx);
+      const float m_new = tile_max > mx[r] ? tile_max : mx[r];
       const vf vm = vset1(m_new);
       vf tot = vzero();
       for (int j = 0; j < KT; j += VW) {
