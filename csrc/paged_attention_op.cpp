@@ -21,10 +21,10 @@ constexpr int64_t kIsaAvx2 = 1, kIsaAvx512 = 2;
 constexpr int64_t kMinSplitKeys = 256;
 // Items of at least this many rows (query rows x group) take the tiled path; below it the
 // per-key path wins (measured: see the tiled-path notes in paged_attention_tile.h).
-constexpr int64_t kDefaultTileMinRows = 16;
+constexpr int64_t kDefaultTileMinRows = 10;
 // Rows (query rows x group) per item of a long chunk: more rows reuse each gathered key tile
 // more, fewer leave more items for the threads.
-constexpr int64_t kDefaultTileRows = 96;
+constexpr int64_t kDefaultTileRows = 192;
 
 int64_t best_isa() {
   static const int64_t isa = [] {
