@@ -220,6 +220,45 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   return out;
 }
 
+// kv_cache[0 / 1] at each token's flat slot = its key / value rows (in place). Reads strided
+// views (the fused QKV projection's K and V columns) as they are; a slot < 0 skips the token.
+void kv_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(),
+              "kv_write_cpu: CPU tensors only");
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat &&
+                  kv_cache.scalar_type() == at::kFloat && slot_mapping.scalar_type() == at::kLong,
+              "kv_write_cpu: float32 key, value and kv_cache, int64 slot_mapping");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim]");
+  const int64_t num_tokens = key.size(0), heads = kv_cache.size(3), dim = kv_cache.size(4);
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == heads && key.size(2) == dim &&
+                  key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must be [num_tokens, num_kv_heads, head_dim] with a dense last dim");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, "one slot per token");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), row = heads * dim;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot_p[t] < num_slots, "kv_write_cpu: slot ", slot_p[t], " past the cache's ", num_slots);
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + num_slots * row;
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  // A decode step's few rows are copied faster than threads start; long prompts are split.
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot_p[t] < 0) continue;
+      float* kd = kc + slot_p[t] * row;
+      float* vd = vc + slot_p[t] * row;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::copy_n(k + t * ks0 + h * ks1, dim, kd + h * dim);
+        std::copy_n(v + t * vs0 + h * vs1, dim, vd + h * dim);
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace pagedllm
 
@@ -230,6 +269,10 @@ TORCH_LIBRARY(pagedllm, m) {
       "int tile_rows=0) -> Tensor");
   // 2 = AVX-512, 1 = AVX2 + FMA, 0 = neither (the op then refuses to run).
   m.def("cpu_isa() -> int", &pagedllm::best_isa);
+  m.def("kv_write_cpu(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("paged_attention_cpu", &pagedllm::paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("paged_attention_cpu", &pagedllm::paged_attention_cpu);
+  m.impl("kv_write_cpu", &pagedllm::kv_write_cpu);
+}

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.model.attention import cpu_op
 from pagedllm.model.attention.backend import CpuAttentionBackend, make_attention_backend, resolve_backend_name
-from pagedllm.model.attention.paged import paged_attention
+from pagedllm.model.attention.paged import paged_attention, write_kv_cache
 from tests.model.paged_kv_helpers import build_metadata
 
 
@@ -183,3 +183,24 @@ def test_tiled_item_sizes(tile_rows):
 def test_tiled_other_head_dims():
     for head_dim in (32, 80, 96):  # register tiles wider than the head: the one-vector remainder
         check([140, 70], [100, 1], paths=("tiled",), head_dim=head_dim, num_heads=4, num_kv_heads=2, seed=head_dim)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_kv_write_matches_index_copy(num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    kv_cache = torch.randn(2, 40, 16, 3, 64, generator=gen)
+    qkv = torch.randn(num_tokens, (9 + 2 * 3) * 64, generator=gen)  # K and V as strided views, as the model has them
+    key, value = qkv[:, 576:768].view(num_tokens, 3, 64), qkv[:, 768:].view(num_tokens, 3, 64)
+    slots = torch.randperm(40 * 16, generator=gen)[:num_tokens]
+    expected = kv_cache.clone()
+    write_kv_cache(key, value, expected, slots)
+    assert cpu_op.supports_kv_write(key, value, kv_cache)
+    CpuAttentionBackend().write_kv_cache(key, value, kv_cache, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_kv_write_rejects_a_slot_past_the_cache():
+    kv_cache = torch.zeros(2, 4, 16, 3, 64)
+    key = torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_op.kv_write_cpu(key, key, kv_cache, torch.tensor([3, 64]))

@@ -149,6 +149,17 @@ def paged_attention_cpu(
     )
 
 
+def supports_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``kv_write_cpu`` handles these inputs (else the caller uses ``index_copy_``)."""
+    return (key.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1)
+
+
+def kv_write_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as ``paged.write_kv_cache``: each token's K and V at its flat slot, in place."""
+    torch.ops.pagedllm.kv_write_cpu(key, value, kv_cache, slot_mapping)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedllm.model.attention.cpu_op")
     parser.add_argument("command", choices=["build", "status"])
