@@ -6,6 +6,10 @@ hashes the sources, the torch version and the flags: editing a source or upgradi
 new key, so a stale library is never loaded. Nothing is compiled at the first request (several
 tensor-parallel workers would race to build it).
 
+The library holds two ops: ``paged_attention_cpu`` (one varlen call for decode rows, prompt chunks
+over a cached prefix and mixed steps: a per-key path for items of few rows, a tiled micro-GEMM path
+for long chunks) and ``kv_write_cpu`` (the slot-mapped K/V store).
+
 ``load()`` loads the library and registers ``torch.ops.pagedllm.paged_attention_cpu``. If it is
 not built, fails to load, the CPU lacks AVX2 + FMA, or ``PAGEDLLM_DISABLE_CPU_OP=1`` is set, it
 logs the reason once and returns False; the engine then uses the torch reference.
