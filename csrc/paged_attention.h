@@ -6,7 +6,9 @@
 
 namespace pagedllm {
 
-constexpr int kKeyChunk = 16;  // keys scored and exponentiated together
+constexpr int kKeyChunk = 16;  // keys scored and exponentiated together (per-key path)
+constexpr int kKeyTile = 64;   // keys per tile of the tiled (GEMM-like) path
+constexpr int kMaxTileMR = 8;  // the most rows any ISA's register tile pads an item to
 
 struct AttnParams {
   const float* query;  // [num_tokens, num_heads, head_dim]
@@ -22,6 +24,7 @@ struct AttnParams {
   float* part_max;  // [num_parts, max_rows]
   float* part_sum;  // [num_parts, max_rows]
   int64_t block_size, num_heads, group, head_dim, max_rows;
+  int64_t tile_min_rows;  // items with at least this many rows (query rows x group) take the tiled path
   float scale;
 };
 
@@ -33,7 +36,10 @@ struct WorkItem {
 
 // Scratch floats one call needs per thread for items of at most max_rows rows.
 static inline int64_t scratch_floats(int64_t max_rows, int64_t head_dim) {
-  return max_rows * (2 * head_dim + 4) + kKeyChunk + 64;
+  const int64_t per_key = max_rows * (2 * head_dim + 4) + kKeyChunk + 64;
+  const int64_t rp = max_rows + kMaxTileMR;
+  const int64_t tiled = rp * (2 * head_dim + kKeyTile + 6) + head_dim * kKeyTile + 64;
+  return per_key > tiled ? per_key : tiled;
 }
 
 // Runs items[i] for every i taken from *next (an atomic counter shared by the threads) until

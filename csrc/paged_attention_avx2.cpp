@@ -17,6 +17,13 @@ static inline vf vset1(float x) { return _mm256_set1_ps(x); }
 static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vreduce_max(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 static inline float vreduce_add(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -43,6 +50,11 @@ static inline vf vexp(vf x, vf m) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
+
+// The tiled path's register tile: MR rows x NB vectors of accumulators (12 of the
+// 16 vector registers), plus NB loads and one broadcast.
+constexpr int MR = 6;
+constexpr int NB = 2;
 
 #include "paged_attention_kernel.h"
 

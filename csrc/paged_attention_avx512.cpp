@@ -17,6 +17,8 @@ static inline vf vset1(float x) { return _mm512_set1_ps(x); }
 static inline vf vzero() { return _mm512_setzero_ps(); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 static inline float vreduce_add(vf v) {
   __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -44,6 +46,11 @@ static inline vf vexp(vf x, vf m) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
 }
+
+// The tiled path's register tile: MR rows x NB vectors of accumulators (24 of the
+// 32 vector registers), plus NB loads and one broadcast.
+constexpr int MR = 6;
+constexpr int NB = 4;
 
 #include "paged_attention_kernel.h"
 

@@ -134,13 +134,18 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   }
 }
 
+#include "paged_attention_tile.h"
+
 template <int D>
 static void run_all(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
                     float* scratch) {
   for (;;) {
     const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
     if (i >= num_items) return;
-    run_item<D>(p, items[i], scratch);
+    if (items[i].q_count * p.group >= p.tile_min_rows)
+      run_item_tiled<D>(p, items[i], scratch);
+    else
+      run_item<D>(p, items[i], scratch);
   }
 }
 

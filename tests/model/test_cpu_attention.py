@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.model.attention import cpu_op
 from pagedllm.model.attention.backend import CpuAttentionBackend, make_attention_backend, resolve_backend_name
-from pagedllm.model.attention.paged import paged_attention
+from pagedllm.model.attention.paged import paged_attention, write_kv_cache
 from tests.model.paged_kv_helpers import build_metadata
 
 
@@ -51,12 +51,20 @@ def random_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64, 
     return query, kv_cache, metadata, head_dim**-0.5
 
 
-def check(seq_lens, query_lens, num_splits=0, **kw):
+# tile_min_rows: 0 = the op's default choice per item, 1 = every item on the tiled path (decode
+# rows included), huge = every item on the per-key path.
+PATHS = {"default": 0, "tiled": 1, "per_key": 1 << 30}
+
+
+def check(seq_lens, query_lens, num_splits=0, paths=("default",), tile_rows=0, **kw):
     query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, **kw)
     expected = paged_attention(query, kv_cache, metadata, scale)
     for isa in available_isas():
-        out = cpu_op.paged_attention_cpu(query, kv_cache, metadata, scale, num_splits=num_splits, isa=isa)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"isa {isa}: {m}")
+        for path in paths:
+            out = cpu_op.paged_attention_cpu(query, kv_cache, metadata, scale, num_splits=num_splits, isa=isa,
+                                             tile_min_rows=PATHS[path], tile_rows=tile_rows)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"isa {isa}, {path} path: {m}")
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -117,15 +125,15 @@ def test_backend_resolution_and_forced_fallback(monkeypatch):
 
 
 @pytest.mark.parametrize("seq_lens,query_lens", [
-    ([60, 33], [1, 12]),  # all through the op
-    ([60, 200, 9, 70, 48], [1, 40, 1, 5, 48]),  # long chunks through SDPA, the rest through the op
+    ([60, 33], [1, 12]),  # decode rows and a short chunk
+    ([60, 200, 9, 70, 48], [1, 40, 1, 5, 48]),  # long chunks (tiled) beside decode rows
     ([100, 64], [64, 64]),  # only long chunks
 ])
 def test_backend_matches_reference(seq_lens, query_lens):
     query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, seed=9)
-    backend = CpuAttentionBackend(sdpa_min_query_len=32)
     expected = paged_attention(query, kv_cache, metadata, scale)
-    torch.testing.assert_close(backend.forward(query, kv_cache, metadata, scale), expected, atol=1e-5, rtol=1e-5)
+    out = CpuAttentionBackend().forward(query, kv_cache, metadata, scale)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_backend_falls_back_for_other_dtypes():
@@ -134,3 +142,65 @@ def test_backend_falls_back_for_other_dtypes():
     expected = paged_attention(query, kv_cache, metadata, scale)
     out = backend.forward(query.double(), kv_cache.double(), metadata, scale)  # the reference handles it
     torch.testing.assert_close(out, expected.double(), atol=1e-5, rtol=1e-5)
+
+
+# The tiled path (long chunks): key tiles of 64 gathered through the table, register tiles of
+# MR rows, causal limits inside a tile. Every case runs on both paths and every ISA.
+BOTH = ("default", "tiled", "per_key")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_tiled_long_chunk_over_cached_prefix(head_dim, block_size):
+    # 300 new tokens after a 437-token prefix (tiles straddle blocks and the prefix boundary),
+    # a whole 129-token prompt, and decode rows in the same call.
+    check([737, 129, 90, 33], [300, 129, 1, 1], paths=BOTH, head_dim=head_dim, block_size=block_size, seed=11)
+
+
+@pytest.mark.parametrize("chunk", [17, 33, 63, 65, 97, 130])
+def test_tiled_chunk_lengths_not_multiples_of_the_tiles(chunk):
+    # Rows padded to the register tile, the last key tile partial, item tiles of uneven length.
+    check([chunk + 70, chunk], [chunk, chunk], paths=BOTH, tile_rows=40, seed=chunk)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (9, 3), (8, 1), (32, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tiled_mha_gqa_mqa(num_heads, num_kv_heads, head_dim):
+    check([200, 150, 40], [120, 150, 1], paths=BOTH, num_heads=num_heads, num_kv_heads=num_kv_heads,
+          head_dim=head_dim, seed=12)
+
+
+def test_tiled_shared_blocks_and_splits():
+    check([170, 190, 96], [60, 190, 1], paths=BOTH, shared_prefix_blocks=4, seed=13)
+    check([900], [200], num_splits=3, paths=BOTH, seed=14)  # tiled items split over their keys
+
+
+@pytest.mark.parametrize("tile_rows", [6, 50, 96, 400])
+def test_tiled_item_sizes(tile_rows):
+    check([520, 300], [512, 100], paths=("default", "tiled"), tile_rows=tile_rows, seed=15)
+
+
+def test_tiled_other_head_dims():
+    for head_dim in (32, 80, 96):  # register tiles wider than the head: the one-vector remainder
+        check([140, 70], [100, 1], paths=("tiled",), head_dim=head_dim, num_heads=4, num_kv_heads=2, seed=head_dim)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_kv_write_matches_index_copy(num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    kv_cache = torch.randn(2, 40, 16, 3, 64, generator=gen)
+    qkv = torch.randn(num_tokens, (9 + 2 * 3) * 64, generator=gen)  # K and V as strided views, as the model has them
+    key, value = qkv[:, 576:768].view(num_tokens, 3, 64), qkv[:, 768:].view(num_tokens, 3, 64)
+    slots = torch.randperm(40 * 16, generator=gen)[:num_tokens]
+    expected = kv_cache.clone()
+    write_kv_cache(key, value, expected, slots)
+    assert cpu_op.supports_kv_write(key, value, kv_cache)
+    CpuAttentionBackend().write_kv_cache(key, value, kv_cache, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_kv_write_rejects_a_slot_past_the_cache():
+    kv_cache = torch.zeros(2, 4, 16, 3, 64)
+    key = torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_op.kv_write_cpu(key, key, kv_cache, torch.tensor([3, 64]))

@@ -6,6 +6,10 @@ hashes the sources, the torch version and the flags: editing a source or upgradi
 new key, so a stale library is never loaded. Nothing is compiled at the first request (several
 tensor-parallel workers would race to build it).
 
+The library holds two ops: ``paged_attention_cpu`` (one varlen call for decode rows, prompt chunks
+over a cached prefix and mixed steps: a per-key path for items of few rows, a tiled micro-GEMM path
+for long chunks) and ``kv_write_cpu`` (the slot-mapped K/V store).
+
 ``load()`` loads the library and registers ``torch.ops.pagedllm.paged_attention_cpu``. If it is
 not built, fails to load, the CPU lacks AVX2 + FMA, or ``PAGEDLLM_DISABLE_CPU_OP=1`` is set, it
 logs the reason once and returns False; the engine then uses the torch reference.
@@ -28,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp")
-HEADERS = ("paged_attention.h", "paged_attention_kernel.h")
+HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2).
 CFLAGS = ("-O3", "-fno-math-errno")
@@ -139,12 +143,25 @@ def paged_attention_cpu(
     scale: float,
     num_splits: int = 0,  # > 0 forces that many context splits per item (tests)
     isa: int = 0,  # 0 = the best this CPU has; 1 = AVX2 (tests the baseline kernel on an AVX-512 CPU)
+    tile_min_rows: int = 0,  # > 0: items of at least this many rows (queries x group) go tiled; 0 = default
+    tile_rows: int = 0,  # > 0: rows per item of a long chunk; 0 = default
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same contract as ``paged.paged_attention``, in one varlen call that reads blocks in place."""
     return torch.ops.pagedllm.paged_attention_cpu(
         query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale, num_splits, isa,
+        scale, num_splits, isa, tile_min_rows, tile_rows,
     )
+
+
+def supports_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``kv_write_cpu`` handles these inputs (else the caller uses ``index_copy_``)."""
+    return (key.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1)
+
+
+def kv_write_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as ``paged.write_kv_cache``: each token's K and V at its flat slot, in place."""
+    torch.ops.pagedllm.kv_write_cpu(key, value, kv_cache, slot_mapping)
 
 
 def main(argv: list[str] | None = None) -> int:
