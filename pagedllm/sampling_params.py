@@ -126,10 +126,6 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def num_sequences(self) -> int:
         """How many sequences are generated (best_of, or n)."""
         return self.best_of if self.best_of is not None else self.n

@@ -31,7 +31,6 @@ from pagedllm.engine.protocol import (
     OutputsMsg,
     ReadyMsg,
     RequestRejectedMsg,
-    UtilityResultMsg,
 )
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.metrics import ServerMetrics
@@ -131,7 +130,6 @@ class AsyncLLM:
         """Called once, on the event loop, when the core dies (the server decides whether to exit)."""
         self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="pagedllm-frontend")
         """Where CPU-heavy front-end work runs: tokenization, chat templates, big responses."""
-        self._utility_calls: dict[int, asyncio.Future] = {}
         self._output_task = asyncio.get_running_loop().create_task(self._run_output_handler())
 
     @classmethod
@@ -244,17 +242,6 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
 
-    async def call_utility(self, method: str, timeout_s: float = 30.0) -> Any:
-        """Run a utility method in the core (see protocol.UTILITY_METHODS) and return its result."""
-        self._check_alive()
-        call_id = self.client.request_utility(method)
-        future = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = future
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        finally:
-            self._utility_calls.pop(call_id, None)
-
     async def check_health(self) -> None:
         """Raise EngineDeadError unless the core is alive."""
         self._check_alive()
@@ -283,13 +270,6 @@ class AsyncLLM:
                     self._handle_outputs(msg)
                 elif isinstance(msg, RequestRejectedMsg):
                     self._handle_rejected(msg)
-                elif isinstance(msg, UtilityResultMsg):
-                    future = self._utility_calls.get(msg.call_id)
-                    if future is not None and not future.done():
-                        if msg.error is not None:
-                            future.set_exception(RuntimeError(msg.error))
-                        else:
-                            future.set_result(msg.result)
         except EngineDeadError as e:
             self._set_dead(e)
         except Exception as e:  # a bug here must not leave requests hanging
@@ -340,8 +320,5 @@ class AsyncLLM:
             self.metrics.record_engine_dead()
         for queue in self._queues.values():
             queue.put_nowait(error)
-        for future in self._utility_calls.values():
-            if not future.done():
-                future.set_exception(error)
         if self.on_dead is not None:
             self.on_dead(error)

@@ -1,7 +1,6 @@
-"""Clients of the engine core: in the same process, or in its own process over ZMQ.
+"""The client of an engine core in its own process, over ZMQ (in-process callers step EngineCore).
 
-InprocCoreClient steps an EngineCore directly (the offline path, and tests). MPCoreClient
-spawns EngineCoreProc and talks to it over two ipc sockets in a private temporary directory
+MPCoreClient spawns EngineCoreProc and talks to it over two ipc sockets in a private temporary directory
 (mode 0700, unique per instance, see ipc_dirs.py); only msgspec-encoded protocol messages cross them.
 """
 
@@ -39,30 +38,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 """Slice of each wait for output; between slices the client checks that the core is alive."""
-
-
-class InprocCoreClient:
-    """The core in this process: every call runs synchronously."""
-
-    def __init__(self, engine_args: EngineArgs) -> None:
-        from pagedllm.engine.core import EngineCore
-
-        self.core = EngineCore(engine_args)
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; raises InvalidRequestError if it could never be served."""
-        self.core.add_request(request)
-
-    def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """End requests now; their blocks are free on return."""
-        self.core.abort_requests(req_ids, status)
-
-    def step(self) -> list[EngineCoreOutput]:
-        """One engine iteration."""
-        return self.core.step()
-
-    def shutdown(self) -> None:
-        """Nothing to stop in-process (kept for symmetry with MPCoreClient)."""
 
 
 class MPCoreClient:

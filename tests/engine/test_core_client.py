@@ -19,7 +19,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_interface import paged_kv_cache_manager
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.core_client import InprocCoreClient, MPCoreClient
+from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.protocol import (
     AddRequestMsg,
     CoreMessage,
@@ -92,12 +92,12 @@ def test_messages_are_typed_msgpack():
 
 def test_mp_client_matches_inproc_and_cleans_up(engine_args):
     """Greedy tokens over ZMQ equal the in-process core's; rejection, abort and shutdown behave."""
-    inproc = InprocCoreClient(engine_args)
+    inproc = EngineCore(engine_args)
     prompts = {"a": [1, 2, 3, 4, 5], "b": [10, 20, 30]}
     for req_id, prompt in prompts.items():
         inproc.add_request(_request(req_id, prompt))
     expected: dict[str, list[int]] = {r: [] for r in prompts}
-    while inproc.core.has_unfinished_requests():
+    while inproc.has_unfinished_requests():
         for out in inproc.step():
             expected[out.req_id].extend(out.new_token_ids)
 
