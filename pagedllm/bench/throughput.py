@@ -54,7 +54,10 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_e
     result = _rates("engine", requests, num_out, elapsed, num_preemptions=preemptions, num_steps=len(recorder.steps),
                     **engine_memory(llm))
     if trace_efficiency:
-        model = llm.engine.core.executor.runner.model  # instrumentation: the ideal times the model's own layers
+        runner = getattr(llm.engine.core.executor, "runner", None)
+        if runner is None:
+            raise ValueError("trace efficiency times the model in this process: use tensor_parallel_size 1")
+        model = runner.model  # instrumentation: the ideal times the model's own layers
         result["trace_efficiency"] = efficiency_result(recorder.steps, start, elapsed, model, preemptions)
     return result
 

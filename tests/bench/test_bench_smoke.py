@@ -148,4 +148,6 @@ def test_decode_step_profile_smoke(smoke_results):
     assert shares["matmuls"] > 0 and shares["attention"] > 0 and shares["other"] > 0
     assert 0 < result["lm_head_share"] < shares["matmuls"]
     assert result["num_preemptions"] == 0 and result["step_ms"] > 0
+    # The batch was prefilled once alone; resubmitted, each prompt hits every full block but the last token's.
+    assert result["prefix_cache_hit_tokens"] == 4 * ((32 - 1) // 16) * 16
     assert "aten::" in (smoke_results / "profile_ops.txt").read_text()
