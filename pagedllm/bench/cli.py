@@ -403,7 +403,7 @@ def bench_all(args, engine_args: dict) -> dict:
              "shapes": None, "ns": "2,4,6", "widths": "2,4,6", "prefix_lens": "80,341", "suffix_len": 24,
              "zero_hit_repeats": 5, "block_sizes": "8,16,32,64", "context_len": 512,
              "e2e_num_requests": 24, "hf_time_cap_s": None, "trace_efficiency": False, "result_name": None,
-             "batch_size": 64, "context_len": 512, "torch_profiler": False}
+             "batch_size": 64, "torch_profiler": False}
         d.update(overrides)
         return argparse.Namespace(**d)
 

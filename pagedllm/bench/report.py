@@ -164,9 +164,9 @@ def fast_path_sections(results: dict) -> str:
         parts.append(f"{r['workload']}: {_trace_line(r['trace'])}, the engine run of the throughput table above. "
                      "Each step's shape was recorded during the run (tokens scheduled, sequences sampled); then, in "
                      "the same process, the model's own linear layers were timed alone at a grid of row counts "
-                     "(every decoder linear at the step's tokens, the LM head at its sampled sequences; best of 3, "
-                     "interpolated) and summed over the steps. Efficiency = ideal / engine wall time; everything "
-                     "else a step does (attention, norms, sampling, scheduling, input preparation) is the gap. "
+                     "(every decoder linear at the step's tokens, the LM head at its sampled sequences; best of at "
+                     "least 3 tries, interpolated) and summed over the steps. Efficiency = ideal / engine wall "
+                     "time; everything else a step does (attention, norms, sampling, scheduling, input preparation) is the gap. "
                      f"Preemptions in the run: {r['num_preemptions']}. Steps by kind: *decode* (one token per "
                      "sequence), *prefill* (prompt chunks only), *mixed*.\n")
         parts.append(_table(efficiency_table(r)) + "\n")

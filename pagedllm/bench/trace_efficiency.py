@@ -8,7 +8,8 @@ same threads, the model's own layers are timed alone on random inputs at a grid 
     linear(M)  one pass of every linear layer of the model (QKV, O, gate/up, down; all layers) at M rows
     head(M)    the LM head (model.compute_logits) at M rows
 
-each the best of a few repeats; between grid points the time is interpolated linearly in M. Then
+each the best of at least 3 repeats (more for cheap shapes); between grid points the time is
+interpolated linearly in M. Then
 
     ideal       = sum over steps of linear(tokens of the step) + head(sequences sampled in it)
     efficiency  = ideal / engine wall time (the whole generate call: scheduling, input
@@ -77,13 +78,20 @@ def linear_modules(model) -> list[tuple[torch.nn.Module, int]]:
             for m in model.modules() if isinstance(m, LinearBase)]
 
 
-def _best_of(fn, repeats: int) -> float:
+def _best_of(fn, repeats: int, budget_s: float = 1.0, max_repeats: int = 20) -> float:
+    """Best of `repeats` runs, and of more (up to `max_repeats`) while they fit in `budget_s`:
+    cheap shapes get more tries, which matters on a shared, noisy machine."""
     fn()  # warm-up (first-touch of the output buffers, MKL's per-shape setup)
     best = float("inf")
-    for _ in range(repeats):
+    spent = 0.0
+    count = 0
+    while count < repeats or (count < max_repeats and spent + best < budget_s):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed)
+        spent += elapsed
+        count += 1
     return best
 
 
