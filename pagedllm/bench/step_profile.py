@@ -129,8 +129,10 @@ def run_step_profile(llm, batch_size: int, context_len: int, decode_steps: int =
     prefill_start = time.perf_counter()
     # Prefill alone first (one token each, so no step mixes decodes in), leaving every prompt's full
     # blocks in the prefix cache: the batch below then starts decoding at once, over distinct blocks.
-    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
-                 [request_params(BenchRequest(r.prompt_token_ids, 1)) for r in requests], use_tqdm=False)
+    # Without prefix caching the batch prefills in chunks, mixed with the decodes of the first requests.
+    if core.cache_config.enable_prefix_caching:
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                     [request_params(BenchRequest(r.prompt_token_ids, 1)) for r in requests], use_tqdm=False)
     hits_before = engine.stats().prefix_cache_hits
     for i, r in enumerate(requests):
         engine.add_request(f"profile-{i}", {"prompt_token_ids": r.prompt_token_ids}, request_params(r))
