@@ -9,6 +9,8 @@
     pagedllm bench prefix --prefix-lens 80,341            (prefix caching: shared prefix, 0% hit overhead)
     pagedllm bench preemption --block-sizes 8,16,32,64    (swap vs recompute recovery cost)
     pagedllm bench hardening --max-num-waiting 16 --overload 2   (a neighbour of a request at every limit; 2x overload)
+    pagedllm bench trace-efficiency --num-requests 64   (engine wall time vs the trace's matmul-only ideal)
+    pagedllm bench profile --batch-size 64 --context-len 512   (a decode step: matmuls, attention, other)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 """
 
@@ -65,6 +67,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--hf-max-requests", type=int, default=None, help="run the HF baselines on the first K requests")
     p.add_argument("--no-hf", dest="run_hf", action="store_false", help="skip HF static generate")
     p.add_argument("--no-hf-cb", dest="run_hf_cb", action="store_false", help="skip HF continuous batching")
+    p.add_argument("--hf-time-cap", dest="hf_time_cap_s", type=float, default=None,
+                   help="stop HF continuous batching after this many seconds; count the tokens streamed by then")
+    p.add_argument("--trace-efficiency", action="store_true",
+                   help="also compare the engine's wall time with the trace's matmul-only ideal")
+    p.add_argument("--name", dest="result_name", default=None, help="result name (default throughput_WORKLOAD)")
 
     p = bsub.add_parser("memory", help="KV memory efficiency: paged vs max / pow2 / oracle reservation")
     _common(p)
@@ -128,10 +135,17 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--limit-n", type=int, default=64, help="n of the request at every limit (x 4 prompts)")
     p.add_argument("--limit-stop-token-ids", type=int, default=1024)
     p.add_argument("--limit-logit-bias", type=int, default=300)
+    from pagedllm.bench.cli_fast_path import add_fast_path_parsers
+
+    add_fast_path_parsers(bsub, _common)
 
     p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
     _common(p)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a smoke test of the whole pipeline)")
+    p.add_argument("--long-trace-requests", type=int, default=200,
+                   help="requests of the long ShareGPT-like run to completion (0 skips it; the longest benchmark)")
+    p.add_argument("--hf-time-cap", dest="hf_time_cap_s", type=float, default=120.0,
+                   help="seconds HF continuous batching runs on the ShareGPT-like traces (tokens counted by then)")
     p.add_argument("--report", default=None, help="also write the markdown report here (docs/benchmarks.md)")
 
 
@@ -145,8 +159,9 @@ def bench_throughput(args, engine_args: dict) -> dict:
     max_len = engine_args.get("max_model_len") or 2048
     requests = make_workload(spec_from_args(args, 100, max_len))
     result = run_throughput(requests, engine_args, args.hf_batch_size, args.hf_max_requests, args.run_hf,
-                            args.run_hf_cb, args.progress)
-    name = f"throughput_{args.workload}"
+                            args.run_hf_cb, args.progress, hf_time_cap_s=args.hf_time_cap_s,
+                            trace_efficiency=args.trace_efficiency)
+    name = args.result_name or f"throughput_{args.workload}"
     result["workload"] = args.workload
     result["length_scale"] = args.length_scale
     result["engine_args"] = engine_args
@@ -158,6 +173,10 @@ def bench_throughput(args, engine_args: dict) -> dict:
     print(format_table(headers, rows))
     for system, error in result["errors"].items():
         print(f"{system}: not measured: {error}")
+    if "trace_efficiency" in result["systems"][0]:
+        from pagedllm.bench.cli_fast_path import print_efficiency
+
+        print_efficiency(result["systems"][0]["trace_efficiency"])
     return result
 
 
@@ -309,13 +328,20 @@ def bench_attention(args, engine_args: dict | None = None) -> dict:
 
 # --- all ---------------------------------------------------------------------------------------
 
-# The sizes `bench all` runs (docs/benchmarks.md). Chosen so the whole run fits ~20 minutes on a
-# 2-core CPU; the smoke sizes run the same pipeline in seconds with a tiny model.
+# The sizes `bench all` runs (docs/benchmarks.md). Chosen so the whole run fits ~30 minutes on a
+# 2-core CPU once the engine reaches its targets (the long ShareGPT-like run is the biggest part:
+# --long-trace-requests sizes it); the smoke sizes run the same pipeline in seconds with a tiny model.
+# "HF_CAP" and "LONG" are filled in from `bench all`'s --hf-time-cap and --long-trace-requests.
 ALL_SIZES = {
     "full": {
         "throughput": [
-            dict(workload="sharegpt", num_requests=16, length_scale=0.25, hf_batch_size=8),
-            dict(workload="alpaca", num_requests=24, length_scale=1.0, hf_batch_size=8),
+            # HF static generate is left out at ShareGPT lengths: a batch runs to its longest request
+            # (~1800 tokens), tens of minutes here; hf_cb is the issue's baseline.
+            dict(workload="sharegpt", num_requests=64, length_scale=1.0, run_hf=False, hf_time_cap_s="HF_CAP",
+                 trace_efficiency=True),
+            dict(workload="alpaca", num_requests=64, length_scale=1.0, hf_batch_size=32),
+            dict(workload="sharegpt", num_requests="LONG", length_scale=1.0, run_hf=False, hf_time_cap_s="HF_CAP",
+                 result_name="throughput_sharegpt_long"),
         ],
         # The model run: a small KV budget (2048 slots) so that memory, not the CPU, limits the batch.
         "memory": dict(workload="alpaca", num_requests=24, length_scale=1.0, sim_num_requests=1000,
@@ -325,6 +351,7 @@ ALL_SIZES = {
         "serving": dict(workload="alpaca", num_requests=12, length_scale=0.5, rates="1,4", policies="paged,max",
                         kv_cache_memory=str(2048 * DEFAULT_KV_BYTES_PER_TOKEN), max_model_len=512),
         "roofline": dict(batch_sizes="1,16,64", prompt_len=64, decode_steps=4),
+        "profile": dict(batch_size=64, context_len=512, decode_steps=5, torch_profiler=True),
         "attention": dict(repeats=5),
         "sharing": dict(workload="alpaca", workload_seed=1, num_requests=8, ns="2,4,6", widths="2,4,6"),
         "prefix": dict(prefix_lens="80,341", num_requests=32, output_len=32, zero_hit_repeats=5),
@@ -388,16 +415,27 @@ def bench_all(args, engine_args: dict) -> dict:
              "url": None, "batch_sizes": "1,16,64", "prompt_len": 64, "decode_steps": 8, "repeats": 5,
              "shapes": None, "ns": "2,4,6", "widths": "2,4,6", "prefix_lens": "80,341", "suffix_len": 24,
              "zero_hit_repeats": 5, "block_sizes": "8,16,32,64", "context_len": 512,
-             "e2e_num_requests": 24}
+             "e2e_num_requests": 24, "hf_time_cap_s": None, "trace_efficiency": False, "result_name": None,
+             "batch_size": 64, "torch_profiler": False}
         d.update(overrides)
         return argparse.Namespace(**d)
 
     sizes = ALL_SIZES["full"]
     if args.smoke:
         sizes = smoke_sizes()
+    knobs = {"HF_CAP": args.hf_time_cap_s, "LONG": args.long_trace_requests}
+    if args.smoke:
+        knobs = {"HF_CAP": min(args.hf_time_cap_s, 2.0), "LONG": min(args.long_trace_requests, 6)}
     results = {}
-    for i, t in enumerate(sizes["throughput"]):
-        results[f"throughput_{t['workload']}"] = bench_throughput(ns(**t), engine_args)
+    for t in sizes["throughput"]:
+        t = {k: knobs.get(v, v) if isinstance(v, str) else v for k, v in t.items()}
+        if t["num_requests"] == 0:
+            continue
+        name = t.get("result_name") or f"throughput_{t['workload']}"
+        results[name] = bench_throughput(ns(**t), engine_args)
+        efficiency = results[name]["systems"][0].get("trace_efficiency")
+        if efficiency:
+            results["trace_efficiency"] = {"workload": t["workload"], "trace": results[name]["trace"], **efficiency}
     for key in ("memory", "memory_sharegpt"):
         m = dict(sizes[key])
         ea = _with_memory(engine_args, m)
@@ -410,6 +448,9 @@ def bench_all(args, engine_args: dict) -> dict:
         logger.exception("serving benchmark failed")
         results["serving"] = {"error": f"{type(e).__name__}: {e}"}
     results["roofline"] = bench_roofline(ns(**sizes["roofline"]), engine_args)
+    from pagedllm.bench.cli_fast_path import bench_profile
+
+    results["profile"] = bench_profile(ns(**sizes["profile"]), engine_args)
     results["attention"] = bench_attention(ns(**sizes["attention"]))
     for key, bench in (("sharing", bench_sharing), ("prefix", bench_prefix), ("preemption", bench_preemption)):
         if key in sizes:
@@ -442,7 +483,14 @@ def smoke_sizes() -> dict:
     return {
         "prefix": dict(prefix_lens="16", num_requests=4, suffix_len=4, output_len=2, zero_hit_repeats=1),
         "preemption": dict(block_sizes="8,16", context_len=32, repeats=1, e2e_num_requests=4),
-        "throughput": [dict(workload="alpaca", num_requests=4, length_scale=0.2, hf_batch_size=2)],
+        "throughput": [
+            dict(workload="alpaca", num_requests=4, length_scale=0.2, hf_batch_size=2),
+            dict(workload="sharegpt", num_requests=4, length_scale=0.05, run_hf=False, hf_time_cap_s="HF_CAP",
+                 trace_efficiency=True),
+            dict(workload="sharegpt", num_requests="LONG", length_scale=0.05, run_hf=False, hf_time_cap_s="HF_CAP",
+                 result_name="throughput_sharegpt_long"),
+        ],
+        "profile": dict(batch_size=4, context_len=32, decode_steps=2, torch_profiler=True),
         "memory": dict(workload="alpaca", num_requests=4, length_scale=0.3, sim_num_requests=50,
                        kv_cache_memory=None, max_model_len=None, mode="both"),
         "memory_sharegpt": dict(workload="sharegpt", sim_num_requests=50, length_scale=0.05,
@@ -479,11 +527,13 @@ def bench_hardening(args, engine_args: dict) -> dict:
 
 
 def run_bench(args) -> int:
+    from pagedllm.bench.cli_fast_path import bench_profile, bench_trace_efficiency
+
     engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
     commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,
                 "roofline": bench_roofline, "attention": bench_attention, "sharing": bench_sharing,
                 "prefix": bench_prefix, "preemption": bench_preemption, "hardening": bench_hardening,
-                "all": bench_all}
+                "all": bench_all, "trace-efficiency": bench_trace_efficiency, "profile": bench_profile}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     commands[args.bench_command](args, engine_args)
     print(f"results in {Path(args.out).resolve()}")

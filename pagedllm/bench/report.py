@@ -73,16 +73,22 @@ def write_report(results: dict, out_dir: Path, path: Path, command: str) -> Path
     parts.append("## Throughput: engine vs Hugging Face (offline, all requests at once)\n")
     parts.append("Greedy, every request generates exactly its trace output length. `hf_static` = "
                  "`generate` in static batches (left-padded; only each request's own tokens count), "
-                 "`hf_cb` = transformers' continuous batching manager, given the same KV budget in tokens.\n")
+                 "`hf_cb` = transformers' continuous batching manager, given the same KV budget in tokens. "
+                 "Where `hf_cb` says *first N s*, it ran under a time cap: it streamed its outputs, was stopped "
+                 "after N seconds, and its output tokens are those streamed back by then (each request's last "
+                 "output received before the cap; requests not started count 0), over N seconds. "
+                 "*preemptions*: the engine's, in this run.\n")
     for key in sorted(k for k in results if k.startswith("throughput_")):
         r = results[key]
-        parts.append(f"### {r['workload']}: {_trace_line(r['trace'], r.get('length_scale'))}\n")
+        run = " (the long run, to completion)" if key.endswith("_long") else ""
+        parts.append(f"### {r['workload']}{run}: {_trace_line(r['trace'], r.get('length_scale'))}\n")
         if r["hf_trace"]["num_requests"] != r["trace"]["num_requests"]:
             parts.append(f"HF baselines on the first {r['hf_trace']['num_requests']} requests only.\n")
         parts.append(_table(throughput_table(r)) + "\n")
         for system, error in r.get("errors", {}).items():
             parts.append(f"- {system} not measured: `{error}`\n")
         parts.append(f"![{key}]({rel}/{key}.png)\n")
+    parts.append(fast_path_sections(results))
 
     parts.append("## KV memory efficiency: paged vs contiguous reservation\n")
     parts.append(MEMORY_NOTES)
@@ -146,6 +152,37 @@ def write_report(results: dict, out_dir: Path, path: Path, command: str) -> Path
     return path
 
 
+def fast_path_sections(results: dict) -> str:
+    """Trace efficiency and the decode-step profile, when the run measured them."""
+    from pagedllm.bench.step_profile import profile_table
+    from pagedllm.bench.trace_efficiency import efficiency_table
+
+    parts = []
+    r = results.get("trace_efficiency")
+    if r:
+        parts.append("## Trace efficiency: wall time vs the matmul-only ideal\n")
+        parts.append(f"{r['workload']}: {_trace_line(r['trace'])}, the engine run of the throughput table above. "
+                     "Each step's shape was recorded during the run (tokens scheduled, sequences sampled); then, in "
+                     "the same process, the model's own linear layers were timed alone at a grid of row counts "
+                     "(every decoder linear at the step's tokens, the LM head at its sampled sequences; best of at "
+                     "least 3 tries, interpolated) and summed over the steps. Efficiency = ideal / engine wall "
+                     "time; everything else a step does (attention, norms, sampling, scheduling, input preparation) is the gap. "
+                     f"Preemptions in the run: {r['num_preemptions']}. Steps by kind: *decode* (one token per "
+                     "sequence), *prefill* (prompt chunks only), *mixed*.\n")
+        parts.append(_table(efficiency_table(r)) + "\n")
+    r = results.get("profile")
+    if r:
+        parts.append("## A decode step, profiled\n")
+        parts.append(f"Batch {r['batch_size']} x context {r['context_len']} (distinct random prompts, every request "
+                     f"decoding), the median of {r['decode_steps_timed']} steps. Forward hooks time the linear layers "
+                     "and the LM head (*matmuls*) and the attention layers (KV write + attention); *other* is the rest "
+                     "of the engine step. Step time without hooks; shares from the hooked steps "
+                     f"({r['hooked_step_ms']:.0f} ms). Command: `pagedllm bench profile --batch-size {r['batch_size']}"
+                     f" --context-len {r['context_len']}`.\n")
+        parts.append(_table(profile_table(r)) + "\n")
+    return "\n".join(parts)
+
+
 def sharing_sections(results: dict) -> str:
     """KV sharing, prefix caching and preemption recovery, when the run measured them."""
     parts = []
@@ -197,14 +234,24 @@ def targets_section(results: dict) -> str:
     engine = _system(results, "sharegpt", "engine")
     if engine:
         add("ShareGPT-like: >= 200 output tok/s", f"{engine['output_tok_s']:.1f}", engine["output_tok_s"] >= 200)
-        for name, factor in (("hf_cb", 6), ("hf_static", 10)):
+        add("ShareGPT-like: preemptions (none thrashing)", f"{engine.get('num_preemptions')}", None)
+        for name, factor in (("hf_cb", 4), ("hf_static", 10)):
             s = _system(results, "sharegpt", name)
             if s:
-                add(f"ShareGPT-like: >= {factor}x {name}", f"{s['engine_output_ratio']:.2f}x",
-                    s["engine_output_ratio"] >= factor)
+                add(f"ShareGPT-like: >= {factor}x {name}" + (" (moonshot 6x)" if name == "hf_cb" else ""),
+                    f"{s['engine_output_ratio']:.2f}x", s["engine_output_ratio"] >= factor)
     s = _system(results, "alpaca", "hf_cb")
     if s:
-        add("Alpaca-like: >= 5x hf_cb", f"{s['engine_output_ratio']:.2f}x", s["engine_output_ratio"] >= 5)
+        add("Alpaca-like: >= 3x hf_cb", f"{s['engine_output_ratio']:.2f}x", s["engine_output_ratio"] >= 3)
+    eff = results.get("trace_efficiency")
+    if eff:
+        add(f"trace efficiency on the {eff['workload']}-like {eff['trace']['num_requests']}-request trace >= 60% "
+            "of the matmul-only ideal", f"{100 * eff['efficiency']:.1f}%", eff["efficiency"] >= 0.60)
+    long = results.get("throughput_sharegpt_long")
+    if long:
+        e = next(x for x in long["systems"] if x["system"] == "engine")
+        add(f"ShareGPT-like at {long['trace']['num_requests']} requests runs to completion",
+            f"{e['elapsed_s']:.0f} s, {e['output_tok_s']:.1f} tok/s, {e.get('num_preemptions')} preemptions", True)
     roof = results.get("roofline")
     if roof:
         big = [r for r in roof["rows"] if r["batch_size"] >= 64]

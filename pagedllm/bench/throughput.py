@@ -12,9 +12,18 @@ request's own output length (the engine with ignore_eos; Hugging Face as below):
                each request with its own max_new_tokens; skipped with the error if it fails
 
 Reported per system: elapsed seconds, useful output tokens/s, total (prompt + output) tokens/s,
-and the engine's ratio over each baseline. --hf-max-requests runs the baselines on the first
-K requests only (the rate is per token, but a smaller trace is a different trace: the result
-says so).
+the engine's ratio over each baseline, and the engine's preemptions.
+
+Time cap (--hf-time-cap, for traces HF cannot finish in a benchmark's time): hf_cb runs with
+streaming on and is stopped after the cap; its output tokens are those streamed back to the caller
+by the cap (for each request, the length of its last output received before the cap; requests not
+yet started count 0) and its rate is that count over the cap. Prompt tokens of a capped run count
+only for requests that produced at least one token.
+
+--trace-efficiency also records the engine run's step shapes and compares its wall time with the
+matmul-only ideal of the same trace (bench/trace_efficiency.py), in the same run.
+--hf-max-requests runs the baselines on the first K requests only (the rate is per token, but a
+smaller trace is a different trace: the result says so).
 """
 
 from __future__ import annotations
@@ -28,17 +37,29 @@ from pagedllm.bench.engine_utils import build_llm, engine_prompts, request_param
 from pagedllm.bench.workloads import BenchRequest, trace_stats
 
 
-def run_engine(llm, requests: list[BenchRequest], progress: bool = True) -> dict:
+def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_efficiency: bool = False) -> dict:
+    from pagedllm.bench.trace_efficiency import StepRecorder, efficiency_result
+
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}],
                  request_params(BenchRequest([], 2)), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
-    elapsed = time.perf_counter() - start
+    preemptions_before = llm.engine.stats().num_preemptions
+    with StepRecorder(llm.engine.core) as recorder:
+        start = time.perf_counter()
+        outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
+        elapsed = time.perf_counter() - start
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     expected = sum(r.output_len * r.n for r in requests)
     assert num_out == expected, f"the engine generated {num_out} tokens, expected {expected}"
-    return _rates("engine", requests, num_out, elapsed, num_preemptions=llm.engine.stats().num_preemptions,
-                  **engine_memory(llm))
+    preemptions = llm.engine.stats().num_preemptions - preemptions_before
+    result = _rates("engine", requests, num_out, elapsed, num_preemptions=preemptions, num_steps=len(recorder.steps),
+                    **engine_memory(llm))
+    if trace_efficiency:
+        runner = getattr(llm.engine.core.executor, "runner", None)
+        if runner is None:
+            raise ValueError("trace efficiency times the model in this process: use tensor_parallel_size 1")
+        model = runner.model  # instrumentation: the ideal times the model's own layers
+        result["trace_efficiency"] = efficiency_result(recorder.steps, start, elapsed, model, preemptions)
+    return result
 
 
 def engine_memory(llm) -> dict:
@@ -53,8 +74,9 @@ def engine_memory(llm) -> dict:
             "peak_over_weights_kv_mib": (peak - weights - kv) / 2**20}
 
 
-def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float, **extra) -> dict:
-    num_in = sum(r.prompt_len for r in requests)
+def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float, num_in: int | None = None,
+           **extra) -> dict:
+    num_in = sum(r.prompt_len for r in requests) if num_in is None else num_in
     return {"system": name, "num_requests": len(requests), "elapsed_s": elapsed, "num_output_tokens": num_out,
             "output_tok_s": num_out / elapsed, "total_tok_s": (num_in + num_out) / elapsed, **extra}
 
@@ -94,8 +116,10 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_toke
 
 @torch.inference_mode()
 def run_hf_continuous(model, requests: list[BenchRequest], kv_tokens: int, max_batch_tokens: int,
-                      progress: bool = True, timeout_s: float = 3600) -> dict:
-    """The clock starts once the manager is up (its KV cache allocated), at the first request."""
+                      progress: bool = True, timeout_s: float = 3600, time_cap_s: float | None = None) -> dict:
+    """The clock starts once the manager is up (its KV cache allocated), at the first request.
+
+    With `time_cap_s`, stop there and count the tokens streamed back by then (module docstring)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -104,39 +128,55 @@ def run_hf_continuous(model, requests: list[BenchRequest], kv_tokens: int, max_b
     cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=max(1, kv_tokens // page_size),
                                          max_batch_tokens=max_batch_tokens)
     no_eos = [-1]  # an id no model emits: every request runs to its max_new_tokens
-    num_out = 0
+    streaming = time_cap_s is not None
+    deadline = time_cap_s if streaming else timeout_s
+    produced: dict[str, int] = {}  # request id -> output tokens received so far
+    finished: set[str] = set()
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5, warmup=False,
                                                    continuous_batching_config=cb_config) as manager:
         start = time.perf_counter()
         ids = [manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len,
-                                   eos_token_id=no_eos) for i, r in enumerate(requests)]
-        pending = set(ids)
+                                   eos_token_id=no_eos, streaming=streaming) for i, r in enumerate(requests)]
         bar = tqdm(total=len(ids), desc="HF continuous batching", disable=not progress, unit="req")
-        while pending:
-            if time.perf_counter() - start > timeout_s:
-                raise TimeoutError(f"HF continuous batching did not finish in {timeout_s} s")
-            result = manager.get_result(timeout=1)
+        capped = False
+        while len(finished) < len(ids):
+            left = deadline - (time.perf_counter() - start)
+            if left <= 0:
+                if not streaming:
+                    raise TimeoutError(f"HF continuous batching did not finish in {timeout_s} s")
+                capped = True
+                break
+            result = manager.get_result(timeout=min(1.0, left))
             if result is None:
                 if not manager.is_running():
                     raise RuntimeError("the HF continuous batching thread stopped")
                 continue
-            if result.is_finished() and result.request_id in pending:
-                if result.error is not None:
-                    raise RuntimeError(f"HF continuous batching failed a request: {result.error}")
-                pending.discard(result.request_id)
-                num_out += len(result.generated_tokens)
+            if result.error is not None:
+                raise RuntimeError(f"HF continuous batching failed a request: {result.error}")
+            if time.perf_counter() - start > deadline:
+                capped = True  # arrived after the cap: not counted
+                break
+            produced[result.request_id] = len(result.generated_tokens)
+            if result.is_finished() and result.request_id not in finished:
+                finished.add(result.request_id)
                 bar.update(1)
         bar.close()
-        elapsed = time.perf_counter() - start
-    return _rates("hf_cb", requests, num_out, elapsed, kv_tokens=kv_tokens,
-                  expected_output_tokens=sum(r.output_len for r in requests))
+        elapsed = time_cap_s if capped else time.perf_counter() - start
+        if capped:
+            manager.stop(block=True, timeout=30, hard_stop=True)  # drop the unfinished requests
+    by_id = dict(zip(ids, requests))
+    num_out = sum(produced.values())
+    started = [by_id[rid] for rid, n in produced.items() if n > 0]
+    extra = {"time_cap_s": time_cap_s, "capped": capped, "num_finished_requests": len(finished)} if streaming else {}
+    return _rates("hf_cb", requests, num_out, elapsed, num_in=sum(r.prompt_len for r in started), kv_tokens=kv_tokens,
+                  expected_output_tokens=sum(r.output_len for r in requests), **extra)
 
 
 def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_size: int = 32,
                    hf_max_requests: int | None = None, run_hf: bool = True, run_hf_cb: bool = True,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, hf_time_cap_s: float | None = None, trace_efficiency: bool = False) -> dict:
     llm = build_llm(**engine_args)
-    systems = [run_engine(llm, requests, progress)]
+    systems = [run_engine(llm, requests, progress, trace_efficiency)]
     core = llm.engine.core
     kv_tokens = core.kv_info.num_blocks * core.kv_info.block_size
     max_batch_tokens = core.scheduler_config.max_num_batched_tokens
@@ -152,7 +192,8 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
             systems.append(run_hf_static(model, hf_requests, hf_batch_size, pad, progress))
         if run_hf_cb:
             try:
-                systems.append(run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens, progress))
+                systems.append(run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens, progress,
+                                                 time_cap_s=hf_time_cap_s))
             except Exception as e:  # the baseline is optional; say why it is missing
                 errors["hf_cb"] = f"{type(e).__name__}: {e}"
     engine = systems[0]
@@ -164,8 +205,18 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
 
 
 def throughput_table(result: dict) -> tuple[list[str], list[list]]:
-    headers = ["system", "requests", "output tokens", "seconds", "output tok/s", "total tok/s", "engine / system (output)"]
-    rows = [[s["system"] + (f" (batch {s['batch_size']})" if "batch_size" in s else ""), s["num_requests"],
-             s["num_output_tokens"], s["elapsed_s"], s["output_tok_s"], s["total_tok_s"], s["engine_output_ratio"]]
+    headers = ["system", "requests", "output tokens", "seconds", "output tok/s", "total tok/s", "engine / system (output)",
+               "preemptions"]
+    rows = [[_label(s), s["num_requests"], s["num_output_tokens"], s["elapsed_s"], s["output_tok_s"], s["total_tok_s"],
+             s["engine_output_ratio"], s.get("num_preemptions")]
             for s in result["systems"]]
     return headers, rows
+
+
+def _label(system: dict) -> str:
+    label = system["system"]
+    if "batch_size" in system:
+        label += f" (batch {system['batch_size']})"
+    if system.get("capped"):
+        label += f" (first {system['time_cap_s']:.0f} s; {system['num_finished_requests']} requests finished)"
+    return label

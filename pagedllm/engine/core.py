@@ -10,13 +10,13 @@ and EngineCoreOutput out; text is made elsewhere.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedllm.core.forking import kv_block_usage
 from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManagerProtocol, paged_kv_cache_manager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreRequest, EngineStatsMsg
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
@@ -52,6 +52,8 @@ class EngineCore:
             executor.shutdown()  # tensor-parallel workers may already be running
             raise
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode)
+        self.step_listeners: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
+        """Called after each executed step with what ran and what came back (benchmarks record step shapes)."""
 
     @property
     def loaded(self) -> ModelInfo:
@@ -78,6 +80,8 @@ class EngineCore:
             return []
         sched_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(sched_output)
+        for listener in self.step_listeners:
+            listener(sched_output, runner_output)
         return self.scheduler.update_from_output(sched_output, runner_output)
 
     def shutdown(self) -> None:

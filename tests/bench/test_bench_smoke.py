@@ -96,7 +96,8 @@ def test_roofline_and_attention_smoke(smoke_results):
 def test_the_report_has_every_section(smoke_results):
     text = (smoke_results / "benchmarks.md").read_text()
     for heading in ("## Throughput", "## KV memory efficiency", "## Serving", "## Roofline", "## Attention overhead",
-                    "## Prefix caching", "## Preemption recovery"):
+                    "## Prefix caching", "## Preemption recovery", "## Trace efficiency", "## A decode step",
+                    "## Targets"):
         assert heading in text
     prefix = json.loads((smoke_results / "prefix_cache.json").read_text())
     assert prefix["shared_prefix"][0]["caching_on"]["prefill_tokens_skipped"] > 0
@@ -105,3 +106,50 @@ def test_the_report_has_every_section(smoke_results):
     assert [row["block_size"] for row in preemption["recovery"]] == [8, 16]
     assert all(row["swap_ms"] > 0 and row["recompute_ms"] > 0 for row in preemption["recovery"])
     assert "**Machine:**" in text and "**Date:**" in text and "| paged |" in text
+
+
+def test_trace_efficiency_smoke(smoke_results):
+    result = _load(smoke_results, "throughput_sharegpt")
+    engine = result["systems"][0]
+    eff = engine["trace_efficiency"]
+    trace = result["trace"]
+    assert eff["num_steps"] == engine["num_steps"] == sum(k["steps"] for k in eff["by_kind"].values())
+    assert eff["num_sampled"] == trace["total_output_tokens"]  # one LM-head row per generated token
+    # Every prompt token and every output token but the last is computed once, more after a preemption.
+    computed = trace["total_input_tokens"] + trace["total_output_tokens"] - trace["num_requests"]
+    assert eff["num_scheduled_tokens"] >= computed
+    if eff["num_preemptions"] == 0:
+        assert eff["num_scheduled_tokens"] == computed
+    assert eff["num_preemptions"] == engine["num_preemptions"]
+    assert 0 < eff["ideal_s"] < eff["engine_wall_s"] == pytest.approx(engine["elapsed_s"])
+    assert eff["efficiency"] == pytest.approx(eff["ideal_s"] / eff["engine_wall_s"])
+    # The grid reaches the largest step, so no step's ideal is extrapolated.
+    assert max(int(m) for m in eff["matmul_grid_s"]["linear"]) == eff["max_step_tokens"]
+    assert max(int(m) for m in eff["matmul_grid_s"]["head"]) == max(1, eff["max_step_sampled"])
+
+
+def test_long_trace_and_capped_hf_smoke(smoke_results):
+    result = _load(smoke_results, "throughput_sharegpt_long")
+    systems = {s["system"]: s for s in result["systems"]}
+    assert result["trace"]["num_requests"] == 6 and "hf_static" not in systems
+    hf = systems.get("hf_cb")
+    assert hf is not None or "hf_cb" in result["errors"]
+    if hf is not None:
+        assert hf["time_cap_s"] == 2.0
+        if hf["capped"]:
+            assert hf["elapsed_s"] == 2.0 and hf["num_output_tokens"] <= hf["expected_output_tokens"]
+        else:
+            assert hf["num_output_tokens"] == hf["expected_output_tokens"] and hf["num_finished_requests"] == 6
+
+
+def test_decode_step_profile_smoke(smoke_results):
+    result = _load(smoke_results, "profile")
+    assert (result["batch_size"], result["context_len"], result["decode_steps_timed"]) == (4, 32, 2)
+    shares = result["shares"]
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["matmuls"] > 0 and shares["attention"] > 0 and shares["other"] > 0
+    assert 0 < result["lm_head_share"] < shares["matmuls"]
+    assert result["num_preemptions"] == 0 and result["step_ms"] > 0
+    # The batch was prefilled once alone; resubmitted, each prompt hits every full block but the last token's.
+    assert result["prefix_cache_hit_tokens"] == 4 * ((32 - 1) // 16) * 16
+    assert "aten::" in (smoke_results / "profile_ops.txt").read_text()

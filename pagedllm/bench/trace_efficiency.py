@@ -1,0 +1,177 @@
+"""Trace efficiency: the engine's wall time on a trace vs the matmul-only ideal of the same trace.
+
+While the engine runs the trace, a step listener (EngineCore.step_listeners) records each step's
+shape: the tokens it scheduled (rows through every linear layer of every decoder layer) and the
+sequences it sampled (rows through the LM head). Afterwards, in the same process and with the
+same threads, the model's own layers are timed alone on random inputs at a grid of row counts:
+
+    linear(M)  one pass of every linear layer of the model (QKV, O, gate/up, down; all layers) at M rows
+    head(M)    the LM head (model.compute_logits) at M rows
+
+each the best of at least 3 repeats (more for cheap shapes); between grid points the time is
+interpolated linearly in M. Then
+
+    ideal       = sum over steps of linear(tokens of the step) + head(sequences sampled in it)
+    efficiency  = ideal / engine wall time (the whole generate call: scheduling, input
+                  preparation, attention, norms, sampling, detokenization all count as overhead)
+
+The layers are called through their modules (not F.linear on their weights), so a faster weight
+layout or GEMM call in model/layers is what the ideal measures too. Steps are also split by kind
+(pure decode, pure prefill, mixed) with their wall time and ideal, to show where the gap is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class StepShape:
+    num_tokens: int
+    """Tokens scheduled in the step: rows through the linear layers."""
+    num_sampled: int
+    """Sequences that got logits (rows through the LM head)."""
+    num_seqs: int
+    num_single: int
+    """Sequences scheduled for one token (decodes)."""
+    end_s: float
+    """perf_counter() when the step's model run returned."""
+
+    @property
+    def kind(self) -> str:
+        """decode: one token per sequence; prefill: only multi-token chunks; mixed: both."""
+        if self.num_single == self.num_seqs:
+            return "decode"
+        return "prefill" if self.num_single == 0 else "mixed"
+
+
+class StepRecorder:
+    """Records every step's shape through EngineCore's public step listeners (a context manager)."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.steps: list[StepShape] = []
+
+    def __call__(self, sched_output, runner_output) -> None:
+        scheduled = sched_output.num_scheduled_tokens
+        self.steps.append(StepShape(sched_output.total_num_scheduled_tokens, len(runner_output.sampled_token_ids),
+                                    len(scheduled), sum(1 for n in scheduled.values() if n == 1),
+                                    time.perf_counter()))
+
+    def __enter__(self) -> StepRecorder:
+        self.core.step_listeners.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.core.step_listeners.remove(self)
+
+
+def linear_modules(model) -> list[tuple[torch.nn.Module, int]]:
+    """(module, input features) of every linear layer a token passes through, LM head excluded."""
+    from pagedllm.model.layers.linear import LinearBase
+
+    return [(m, getattr(m, "input_size_per_partition", m.input_size))
+            for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def _best_of(fn, repeats: int, budget_s: float = 1.0, max_repeats: int = 20) -> float:
+    """Best of `repeats` runs, and of more (up to `max_repeats`) while they fit in `budget_s`:
+    cheap shapes get more tries, which matters on a shared, noisy machine."""
+    fn()  # warm-up (first-touch of the output buffers, MKL's per-shape setup)
+    best = float("inf")
+    spent = 0.0
+    count = 0
+    while count < repeats or (count < max_repeats and spent + best < budget_s):
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed)
+        spent += elapsed
+        count += 1
+    return best
+
+
+def _grid(max_rows: int) -> list[int]:
+    """Powers of two up to max_rows, and max_rows itself."""
+    grid = [1]
+    while grid[-1] * 2 < max_rows:
+        grid.append(grid[-1] * 2)
+    if max_rows > 1:
+        grid.append(max_rows)
+    return grid
+
+
+@torch.inference_mode()
+def time_matmul_grid(model, max_tokens: int, max_sampled: int, repeats: int = 3) -> dict:
+    """Seconds of linear(M) and head(M) at a grid of M (see the module docstring)."""
+    linears = linear_modules(model)
+    assert linears, "no linear layers found in the model"
+    param = next(model.parameters())
+    hidden = model.config.hidden_size
+    out = {"linear": {}, "head": {}}
+    for m in _grid(max_tokens):
+        inputs = {n: torch.randn(m, n, dtype=param.dtype, device=param.device) for n in {n for _, n in linears}}
+
+        def run_linears():
+            for module, n in linears:
+                module(inputs[n])
+
+        out["linear"][m] = _best_of(run_linears, repeats)
+    for m in _grid(max(1, max_sampled)):
+        x = torch.randn(m, hidden, dtype=param.dtype, device=param.device)
+        out["head"][m] = _best_of(lambda: model.compute_logits(x), repeats)
+    return out
+
+
+def _interp(grid: dict[int, float], rows: np.ndarray) -> np.ndarray:
+    ms = np.array(sorted(grid), dtype=np.float64)
+    ts = np.array([grid[m] for m in sorted(grid)])
+    return np.where(rows > 0, np.interp(rows, ms, ts), 0.0)
+
+
+def ideal_seconds(steps: list[StepShape], grid: dict) -> np.ndarray:
+    """Per step: the matmul-only time of its shape."""
+    tokens = np.array([s.num_tokens for s in steps], dtype=np.float64)
+    sampled = np.array([s.num_sampled for s in steps], dtype=np.float64)
+    return _interp(grid["linear"], tokens) + _interp(grid["head"], sampled)
+
+
+def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, model, num_preemptions: int,
+                      repeats: int = 3) -> dict:
+    """The trace-efficiency figures of one engine run (`steps` recorded from `start_s`, lasting `wall_s`)."""
+    if not steps:
+        raise ValueError("no engine steps were recorded")
+    max_tokens, max_sampled = max(s.num_tokens for s in steps), max(s.num_sampled for s in steps)
+    grid = time_matmul_grid(model, max_tokens, max_sampled, repeats)
+    ideal = ideal_seconds(steps, grid)
+    ends = np.array([s.end_s for s in steps])
+    durations = np.diff(np.concatenate([[start_s], ends]))  # step i: end of step i-1 (or the start) to its end
+    by_kind = {}
+    for kind in ("decode", "prefill", "mixed"):
+        mask = np.array([s.kind == kind for s in steps])
+        if mask.any():
+            by_kind[kind] = {"steps": int(mask.sum()), "wall_s": float(durations[mask].sum()),
+                             "ideal_s": float(ideal[mask].sum()),
+                             "mean_tokens": float(np.mean([s.num_tokens for s, k in zip(steps, mask) if k]))}
+    return {
+        "engine_wall_s": wall_s, "ideal_s": float(ideal.sum()), "efficiency": float(ideal.sum()) / wall_s,
+        "num_preemptions": num_preemptions, "num_steps": len(steps),
+        "num_scheduled_tokens": int(sum(s.num_tokens for s in steps)),
+        "num_sampled": int(sum(s.num_sampled for s in steps)), "max_step_tokens": max_tokens,
+        "max_step_sampled": max_sampled,
+        "by_kind": by_kind, "matmul_grid_s": {k: {str(m): t for m, t in v.items()} for k, v in grid.items()},
+    }
+
+
+def efficiency_table(result: dict) -> tuple[list[str], list[list]]:
+    headers = ["steps", "count", "wall s", "matmul-only ideal s", "ideal / wall", "mean tokens / step"]
+    rows = [["all", result["num_steps"], result["engine_wall_s"], result["ideal_s"], result["efficiency"],
+             result["num_scheduled_tokens"] / result["num_steps"]]]
+    for kind, k in result["by_kind"].items():
+        rows.append([kind, k["steps"], k["wall_s"], k["ideal_s"], k["ideal_s"] / k["wall_s"] if k["wall_s"] else None,
+                     k["mean_tokens"]])
+    return headers, rows

@@ -1,0 +1,53 @@
+"""The matmul-only ideal of a trace: step shapes, interpolation over the timed grid, the HF time cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.bench.trace_efficiency import StepShape, _grid, efficiency_table, ideal_seconds
+
+
+def _step(tokens, sampled, seqs, single, end=0.0):
+    return StepShape(num_tokens=tokens, num_sampled=sampled, num_seqs=seqs, num_single=single, end_s=end)
+
+
+def test_step_kinds():
+    assert _step(8, 8, 8, 8).kind == "decode"
+    assert _step(512, 0, 1, 0).kind == "prefill"
+    assert _step(512, 1, 2, 0).kind == "prefill"
+    assert _step(575, 64, 64, 63).kind == "mixed"
+
+
+def test_grid_reaches_the_largest_step_exactly():
+    assert _grid(1) == [1]
+    assert _grid(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert _grid(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+def test_ideal_interpolates_linears_at_tokens_and_the_head_at_sampled_rows():
+    grid = {"linear": {1: 1.0, 4: 4.0, 8: 6.0}, "head": {1: 0.5, 2: 1.0}}
+    steps = [_step(2, 0, 1, 0), _step(4, 2, 2, 0), _step(6, 1, 6, 6), _step(8, 2, 8, 8)]
+    assert ideal_seconds(steps, grid).tolist() == pytest.approx([2.0, 5.0, 5.5, 7.0])
+
+
+def test_efficiency_table_rows():
+    result = {"num_steps": 3, "engine_wall_s": 10.0, "ideal_s": 4.0, "efficiency": 0.4, "num_scheduled_tokens": 30,
+              "by_kind": {"decode": {"steps": 2, "wall_s": 4.0, "ideal_s": 2.0, "mean_tokens": 5.0},
+                          "prefill": {"steps": 1, "wall_s": 6.0, "ideal_s": 2.0, "mean_tokens": 20.0}}}
+    headers, rows = efficiency_table(result)
+    assert rows == [["all", 3, 10.0, 4.0, 0.4, 10.0], ["decode", 2, 4.0, 2.0, 0.5, 5.0],
+                    ["prefill", 1, 6.0, 2.0, 1 / 3, 20.0]]
+
+
+def test_hf_continuous_batching_under_a_time_cap_counts_streamed_tokens(tiny_model_dir):
+    from pagedllm.bench.throughput import load_hf_model, run_hf_continuous
+    from pagedllm.bench.workloads import WorkloadSpec, make_workload
+
+    model = load_hf_model(tiny_model_dir)
+    # 16 x 230 tokens: far more than HF produces on a CPU in the cap.
+    requests = make_workload(WorkloadSpec("fixed", 16, max_model_len=256, input_len=16, output_len=230))
+    result = run_hf_continuous(model, requests, kv_tokens=8192, max_batch_tokens=256, progress=False, time_cap_s=1.0)
+    assert result["capped"] and result["elapsed_s"] == 1.0 and result["time_cap_s"] == 1.0
+    assert 0 <= result["num_output_tokens"] < result["expected_output_tokens"] == 16 * 230
+    assert result["num_finished_requests"] < 16
+    assert result["output_tok_s"] == result["num_output_tokens"]
