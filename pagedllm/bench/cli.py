@@ -123,18 +123,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--e2e-num-requests", type=int, default=24, help="requests of the end-to-end comparison")
 
-    p = bsub.add_parser("hardening", help="an ordinary request beside one at every limit; 2x overload with 429s")
-    _common(p)
-    p.add_argument("--url", default=None, help="an already running server (skips launching)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-num-waiting", type=int, default=16, help="the launched server's waiting-queue bound")
-    p.add_argument("--overload", type=float, default=2.0, help="offered load as a multiple of capacity")
-    p.add_argument("--duration-s", type=float, default=20.0, help="seconds of overloaded arrivals")
-    p.add_argument("--burst", type=int, default=32, help="requests in flight when measuring capacity")
-    p.add_argument("--repeats", type=int, default=5, help="ordinary requests timed alone and beside")
-    p.add_argument("--limit-n", type=int, default=64, help="n of the request at every limit (x 4 prompts)")
-    p.add_argument("--limit-stop-token-ids", type=int, default=1024)
-    p.add_argument("--limit-logit-bias", type=int, default=300)
+    from pagedllm.bench.cli_hardening import add_hardening_parser
+
+    add_hardening_parser(bsub, _common)
     from pagedllm.bench.cli_fast_path import add_fast_path_parsers
 
     add_fast_path_parsers(bsub, _common)
@@ -502,32 +493,9 @@ def smoke_sizes() -> dict:
     }
 
 
-def bench_hardening(args, engine_args: dict) -> dict:
-    import tempfile
-
-    from pagedllm.bench.hardening import Limits, hardening_tables, run_hardening
-    from pagedllm.bench.serving import ServerProcess
-
-    limits = Limits(num_stop_token_ids=args.limit_stop_token_ids, num_logit_bias=args.limit_logit_bias, n=args.limit_n)
-    server = None
-    url = args.url
-    if url is None:
-        log = tempfile.mkstemp(prefix="pagedllm-bench-hardening-", suffix=".log")[1]
-        server = ServerProcess([*_serve_args(engine_args), "--max-num-waiting", str(args.max_num_waiting)], log)
-        url = server.url
-    try:
-        result = run_hardening(url, limits, args.repeats, args.overload, args.duration_s, args.burst, args.api_key)
-    finally:
-        if server is not None:
-            server.stop()
-    result.update({"engine_args": engine_args, "max_num_waiting": args.max_num_waiting if args.url is None else None})
-    write_result(Path(args.out), "hardening", result)
-    print(hardening_tables(result))
-    return result
-
-
 def run_bench(args) -> int:
     from pagedllm.bench.cli_fast_path import bench_profile, bench_trace_efficiency
+    from pagedllm.bench.cli_hardening import bench_hardening
 
     engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
     commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,

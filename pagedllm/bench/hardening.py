@@ -24,9 +24,9 @@ ORDINARY = {"prompt": "The capital of France is Paris. The capital of Italy is",
 
 @dataclass(frozen=True)
 class Limits:
-    """The 'request at every limit' (set to the server's limits; defaults follow the issue)."""
+    """The "request at every limit": the defaults sit at the engine's RequestLimits defaults."""
 
-    num_stop_token_ids: int = 1024
+    num_stop_token_ids: int = 256
     num_logit_bias: int = 300
     num_stop: int = 16
     logprobs: int = 20
