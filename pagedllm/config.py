@@ -305,15 +305,15 @@ class EngineArgs:
                                                 "variable: command lines are visible to other users.",
                                           group="tensor parallelism", secret=True)
 
-    max_stop_token_ids: int = flag(256, "Most stop_token_ids one request may carry.", group=_LIMIT_GROUP)
-    max_logit_bias: int = flag(300, "Most logit_bias entries one request may carry.", group=_LIMIT_GROUP)
-    max_stop_strings: int = flag(16, "Most stop strings one request may carry (at most 64).", group=_LIMIT_GROUP)
-    max_stop_string_chars: int = flag(1024, "Longest stop string, in characters.", group=_LIMIT_GROUP)
-    max_logprobs: int = flag(20, "Most top logprobs per token a request may ask for (at most 20).",
+    max_stop_token_ids: int = flag(RequestLimits.max_stop_token_ids, "Most stop_token_ids one request may carry.", group=_LIMIT_GROUP)
+    max_logit_bias: int = flag(RequestLimits.max_logit_bias, "Most logit_bias entries one request may carry.", group=_LIMIT_GROUP)
+    max_stop_strings: int = flag(RequestLimits.max_stop_strings, "Most stop strings one request may carry (at most 64).", group=_LIMIT_GROUP)
+    max_stop_string_chars: int = flag(RequestLimits.max_stop_string_chars, "Longest stop string, in characters.", group=_LIMIT_GROUP)
+    max_logprobs: int = flag(RequestLimits.max_logprobs, "Most top logprobs per token a request may ask for (at most 20).",
                              group=_LIMIT_GROUP)
-    max_sequences_per_request: int = flag(256, "Most sequences one request may generate: prompts x max(n, "
+    max_sequences_per_request: int = flag(RequestLimits.max_sequences_per_request, "Most sequences one request may generate: prompts x max(n, "
                                                "best_of).", group=_LIMIT_GROUP)
-    max_prompt_logprobs_positions: int = flag(2048, "Longest prompt whose prompt_logprobs may be asked for.",
+    max_prompt_logprobs_positions: int = flag(RequestLimits.max_prompt_logprobs_positions, "Longest prompt whose prompt_logprobs may be asked for.",
                                               group=_LIMIT_GROUP)
 
     def __post_init__(self) -> None:
