@@ -322,3 +322,30 @@ def test_padded_logits_wider_than_vocab(num_rows):
     rows = [_row(SamplingParams(temperature=0.0, logit_bias={3: 100.0}, repetition_penalty=1.2))] * num_rows
     metadata = SamplingMetadata.from_requests(rows, vocab_size=V, device="cpu")
     assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [3] * num_rows
+
+
+def test_all_greedy_without_processors_reads_the_logits_untouched():
+    logits = _logits(4, seed=11)
+    before = logits.clone()
+    metadata = SamplingMetadata.from_requests([_row(SamplingParams(temperature=0.0)) for _ in range(4)], V, "cpu")
+    assert metadata.all_greedy and not metadata.has_logits_processors
+    out = Sampler()(logits, metadata)
+    assert torch.equal(out.sampled_token_ids, before.argmax(dim=-1))
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+    SamplingParams(temperature=0.0, repetition_penalty=2.0),
+    SamplingParams(temperature=0.0, presence_penalty=2.0),
+    SamplingParams(temperature=0.0, min_tokens=3),
+])
+def test_all_greedy_with_processors_still_applies_them(params):
+    # The argmax of the raw logits is a token the processor moves away from (or onto, for the bias).
+    logits = torch.zeros(1, V)
+    logits[0, 0] = 1.0  # the eos id of _row, and in the prompt and the output below
+    logits[0, 1] = 0.9
+    metadata = SamplingMetadata.from_requests([_row(params, prompt=(0,), output=(0,))], V, "cpu")
+    assert metadata.all_greedy and metadata.has_logits_processors
+    sampled = Sampler()(logits, metadata).sampled_token_ids.item()
+    assert sampled == (5 if params.logit_bias else 1)
