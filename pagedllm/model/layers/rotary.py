@@ -54,14 +54,24 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, D] in ``dtype``: gather them once per step and hand them to every
+        layer's ``rotate`` (per layer, the gathers and casts were most of rotary's time at decode)."""
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
+                self.sin_cache[positions].unsqueeze(1).to(dtype))
+
+    @classmethod
+    def rotate(cls, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``x`` [T, heads, D] by ``cos_sin`` from ``cos_sin()``; the heads may be queries and
+        keys side by side (one pass instead of two, same values)."""
+        cos, sin = cos_sin
+        return x * cos + cls._rotate_half(x) * sin
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D]
-        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
-        query = query * cos + self._rotate_half(query) * sin
-        key = key * cos + self._rotate_half(key) * sin
-        return query, key
+        cos_sin = self.cos_sin(positions, query.dtype)
+        return self.rotate(query, cos_sin), self.rotate(key, cos_sin)
