@@ -51,3 +51,20 @@ def test_queries_and_keys_rotated_together_equal_separate_passes():
     q_ref, k_ref = rot(positions, q, k)
     qk = rot.rotate(torch.cat([q, k], dim=1), rot.cos_sin(positions, q.dtype))
     assert torch.equal(qk[:, :4], q_ref) and torch.equal(qk[:, 4:], k_ref)  # same values bit for bit
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rotation_is_hf_formula_bit_for_bit(rope):
+    """Over our tables (equal to HF's to 1e-6: test_rotary_matches_hf), ``rotate`` computes HF's
+    ``q * cos + rotate_half(q) * sin`` exactly, for queries and keys rotated in one pass."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=128, rope_parameters=ROPES[rope]
+    )
+    ours = RotaryEmbedding(config, head_dim=16)
+    positions = torch.tensor([0, 1, 5, 31, 32, 77, 127])
+    qk = torch.randn(7, 6, 16) * 3
+    cos, sin = ours.cos_cache[positions][:, None], ours.sin_cache[positions][:, None]
+    expected = qk * cos + rotate_half(qk) * sin
+    assert torch.equal(ours.rotate(qk, ours.cos_sin(positions, qk.dtype)), expected)
