@@ -349,3 +349,21 @@ def test_all_greedy_with_processors_still_applies_them(params):
     assert metadata.all_greedy and metadata.has_logits_processors
     sampled = Sampler()(logits, metadata).sampled_token_ids.item()
     assert sampled == (5 if params.logit_bias else 1)
+
+
+@pytest.mark.parametrize("num_rows,vocab", [(1, 128), (16, 49152), (64, 1024), (3, 1000), (5, 256)])
+def test_argmax_rows_equals_argmax_with_ties_nan_and_inf(num_rows, vocab):
+    from pagedllm.model.sampler import argmax_rows
+
+    gen = _generator(vocab)
+    x = torch.randn(num_rows, vocab, generator=gen)
+    x[0, vocab - 1] = x[0, 1] = 50.0  # a tie across chunks: the first one wins
+    if num_rows > 2:
+        x[1, vocab // 2] = float("nan")  # NaN counts as the maximum
+        x[1, vocab - 1] = float("nan")
+        x[2] = float("-inf")  # all -inf: index 0
+    if num_rows > 4:
+        x[3, 3] = x[3, 4] = float("inf")  # a tie inside one chunk
+        x[4] = 0.0  # all equal
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x.to(torch.bfloat16)), x.to(torch.bfloat16).argmax(dim=-1))
