@@ -46,15 +46,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
                               self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, -1, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, -1, self.head_dim)  # [T, Hkv, D]
+        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+        # Queries and keys rotate together, [T, H + Hkv, D]: half the elementwise calls of two passes.
+        qk = self.rotary.rotate(qk.view(num_tokens, -1, self.head_dim), cos_sin)
+        q, k = qk.split([self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(num_tokens, -1, self.head_dim)  # [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -83,14 +83,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(cos_sin, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -99,7 +99,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, get_tp_size(), get_tp_rank())
-        rotary = RotaryEmbedding(config, _head_dim(config))
+        self.rotary = rotary = RotaryEmbedding(config, _head_dim(config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
         )
@@ -108,8 +108,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
+        cos_sin = self.rotary.cos_sin(positions, hidden_states.dtype)  # once per step, for every layer
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

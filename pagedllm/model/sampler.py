@@ -119,6 +119,11 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     """Largest `logprobs` over the rows; None when no row asks for logprobs."""
 
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether logit_bias, min_tokens suppression or a penalty rewrites some row's logits."""
+        return self.logit_bias is not None or self.suppressed is not None or self.output_counts is not None
+
     @classmethod
     def from_requests(cls, rows: list[SamplingRow], vocab_size: int, device) -> "SamplingMetadata":
         """Pack the rows' parameters into tensors on `device`, one feature at a time.
@@ -271,21 +276,52 @@ class Sampler(nn.Module):
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
 
-        x = logits.to(torch.float32, copy=True)  # processed in place from here on
-        x = apply_logits_processors(x, metadata)
-
-        if metadata.all_greedy:
-            sampled = x.argmax(dim=-1)
+        if metadata.all_greedy and not metadata.has_logits_processors:
+            # Nothing rewrites the logits: argmax reads them as they are (a copy of [N, V] float32
+            # cost about as much as the argmax itself at 16-64 rows).
+            sampled = argmax_rows(logits)
         else:
-            greedy_ids = x.argmax(dim=-1) if metadata.greedy_mask is not None else None
-            sampled = _sample_random(x, metadata)
-            if greedy_ids is not None:
-                sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
+            sampled = self._process_and_sample(logits, metadata)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+    @staticmethod
+    def _process_and_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        x = logits.to(torch.float32, copy=True)  # processed in place from here on
+        x = apply_logits_processors(x, metadata)
+
+        if metadata.all_greedy:
+            sampled = argmax_rows(x)
+        else:
+            greedy_ids = argmax_rows(x) if metadata.greedy_mask is not None else None
+            sampled = _sample_random(x, metadata)
+            if greedy_ids is not None:
+                sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
+        return sampled
+
+
+_ARGMAX_CHUNK = 128
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of [N, V] logits, the same indices (first occurrence of the maximum; a
+    NaN counts as the maximum, as in argmax).
+
+    On the CPU, argmax over a row is scalar code (~2.6 ns an element: 8 ms for 64 x 49152 logits,
+    1 thread) while amax is vectorized; so take the maximum of each 128-wide chunk, the first chunk
+    holding the row's maximum (argmax over V/128 values), then the first maximum inside that chunk:
+    6-9x faster at 16-64 rows. Other devices, and vocabularies not a multiple of the chunk, use argmax.
+    """
+    num_rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab % _ARGMAX_CHUNK or not x.is_contiguous() or not x.is_floating_point():
+        return x.argmax(dim=-1)
+    chunks = x.view(num_rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [N]: NaN propagates through amax, argmax picks it
+    within = chunks[torch.arange(num_rows), chunk].argmax(dim=-1)
+    return chunk * _ARGMAX_CHUNK + within
 
 
 def apply_logits_processors(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

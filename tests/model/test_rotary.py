@@ -41,3 +41,30 @@ def test_apply_rotary_is_rotate_half():
     torch.testing.assert_close(q2[0], q[0])  # position 0 is the identity
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))  # a rotation keeps norms
     torch.testing.assert_close(k2.norm(dim=-1), k.norm(dim=-1))
+
+
+def test_queries_and_keys_rotated_together_equal_separate_passes():
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    rot = RotaryEmbedding(config, head_dim=8)
+    positions = torch.tensor([0, 5, 63])
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    q_ref, k_ref = rot(positions, q, k)
+    qk = rot.rotate(torch.cat([q, k], dim=1), rot.cos_sin(positions, q.dtype))
+    assert torch.equal(qk[:, :4], q_ref) and torch.equal(qk[:, 4:], k_ref)  # same values bit for bit
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rotation_is_hf_formula_bit_for_bit(rope):
+    """Over our tables (equal to HF's to 1e-6: test_rotary_matches_hf), ``rotate`` computes HF's
+    ``q * cos + rotate_half(q) * sin`` exactly, for queries and keys rotated in one pass."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=128, rope_parameters=ROPES[rope]
+    )
+    ours = RotaryEmbedding(config, head_dim=16)
+    positions = torch.tensor([0, 1, 5, 31, 32, 77, 127])
+    qk = torch.randn(7, 6, 16) * 3
+    cos, sin = ours.cos_cache[positions][:, None], ours.sin_cache[positions][:, None]
+    expected = qk * cos + rotate_half(qk) * sin
+    assert torch.equal(ours.rotate(qk, ours.cos_sin(positions, qk.dtype)), expected)

@@ -322,3 +322,48 @@ def test_padded_logits_wider_than_vocab(num_rows):
     rows = [_row(SamplingParams(temperature=0.0, logit_bias={3: 100.0}, repetition_penalty=1.2))] * num_rows
     metadata = SamplingMetadata.from_requests(rows, vocab_size=V, device="cpu")
     assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [3] * num_rows
+
+
+def test_all_greedy_without_processors_reads_the_logits_untouched():
+    logits = _logits(4, seed=11)
+    before = logits.clone()
+    metadata = SamplingMetadata.from_requests([_row(SamplingParams(temperature=0.0)) for _ in range(4)], V, "cpu")
+    assert metadata.all_greedy and not metadata.has_logits_processors
+    out = Sampler()(logits, metadata)
+    assert torch.equal(out.sampled_token_ids, before.argmax(dim=-1))
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+    SamplingParams(temperature=0.0, repetition_penalty=2.0),
+    SamplingParams(temperature=0.0, presence_penalty=2.0),
+    SamplingParams(temperature=0.0, min_tokens=3),
+])
+def test_all_greedy_with_processors_still_applies_them(params):
+    # The argmax of the raw logits is a token the processor moves away from (or onto, for the bias).
+    logits = torch.zeros(1, V)
+    logits[0, 0] = 1.0  # the eos id of _row, and in the prompt and the output below
+    logits[0, 1] = 0.9
+    metadata = SamplingMetadata.from_requests([_row(params, prompt=(0,), output=(0,))], V, "cpu")
+    assert metadata.all_greedy and metadata.has_logits_processors
+    sampled = Sampler()(logits, metadata).sampled_token_ids.item()
+    assert sampled == (5 if params.logit_bias else 1)
+
+
+@pytest.mark.parametrize("num_rows,vocab", [(1, 128), (16, 49152), (64, 1024), (3, 1000), (5, 256)])
+def test_argmax_rows_equals_argmax_with_ties_nan_and_inf(num_rows, vocab):
+    from pagedllm.model.sampler import argmax_rows
+
+    gen = _generator(vocab)
+    x = torch.randn(num_rows, vocab, generator=gen)
+    x[0, vocab - 1] = x[0, 1] = 50.0  # a tie across chunks: the first one wins
+    if num_rows > 2:
+        x[1, vocab // 2] = float("nan")  # NaN counts as the maximum
+        x[1, vocab - 1] = float("nan")
+        x[2] = float("-inf")  # all -inf: index 0
+    if num_rows > 4:
+        x[3, 3] = x[3, 4] = float("inf")  # a tie inside one chunk
+        x[4] = 0.0  # all equal
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x.to(torch.bfloat16)), x.to(torch.bfloat16).argmax(dim=-1))

@@ -49,10 +49,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each [T, 1, D] in ``dtype``: gather them once per step and hand them to
+        every layer's ``rotate`` (per layer, the gathers and casts were most of rotary's time at decode).
+
+        The signed sin is ``sin`` with its first half negated, so that ``rotate_half(x) * sin``, i.e.
+        ``cat(-x2, x1) * sin``, becomes ``roll(x, D/2) * signed_sin``: the same products (negation is
+        exact), one call instead of three."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``x`` [T, heads, D] by ``cos_sin`` from ``cos_sin()``: ``x * cos + rotate_half(x) * sin``
+        as HF computes it. The heads may be queries and keys side by side (one pass instead of two)."""
+        cos, signed_sin = cos_sin
+        return x * cos + x.roll(self.head_dim // 2, dims=-1) * signed_sin
 
     def forward(
         self,
@@ -60,8 +73,5 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D]
-        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
-        query = query * cos + self._rotate_half(query) * sin
-        key = key * cos + self._rotate_half(key) * sin
-        return query, key
+        cos_sin = self.cos_sin(positions, query.dtype)
+        return self.rotate(query, cos_sin), self.rotate(key, cos_sin)
