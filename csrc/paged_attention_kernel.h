@@ -26,6 +26,29 @@ static inline void key_offsets(const AttnParams& p, const int64_t* table, int64_
   }
 }
 
+// An item's rows leave the kernel: normalised into the output when the item covers the whole
+// context, or as a partial (unnormalised acc, running max and sum) for the split merge.
+// Row r is query qi = r / G, head g = r % G of the item's KV head (both paths order rows so).
+template <int D>
+static inline void store_item_rows(const AttnParams& p, const WorkItem& w, int64_t q0, const float* acc,
+                                   const float* mx, const float* sm) {
+  constexpr int NV = D / VW;
+  const int64_t G = p.group, R = w.q_count * G;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qi = r / G, g = r - qi * G;
+    if (w.part < 0) {
+      float* dst = p.out + ((q0 + w.q_begin + qi) * p.num_heads + w.kv_head * G + g) * D;
+      const vf inv = vset1(sm[r] > 0.f ? 1.f / sm[r] : 0.f);
+      for (int v = 0; v < NV; ++v) vstore(dst + v * VW, vmul(vload(acc + r * D + v * VW), inv));
+    } else {
+      const int64_t row = w.part * p.max_rows + r;
+      for (int v = 0; v < NV; ++v) vstore(p.part_acc + row * D + v * VW, vload(acc + r * D + v * VW));
+      p.part_max[row] = mx[r];
+      p.part_sum[row] = sm[r];
+    }
+  }
+}
+
 template <int D>
 static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   constexpr int NV = D / VW;
@@ -116,22 +139,7 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
     for (int64_t j = 0; j < KC; ++j) offs[j] = next_offs[j];
   }
 
-  for (int64_t qi = 0; qi < w.q_count; ++qi) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = qi * G + g;
-      if (w.part < 0) {
-        const int64_t tok = w.q_begin + qi + q0;
-        float* dst = p.out + (tok * p.num_heads + w.kv_head * G + g) * D;
-        const vf inv = vset1(sm[r] > 0.f ? 1.f / sm[r] : 0.f);
-        for (int v = 0; v < NV; ++v) vstore(dst + v * VW, vmul(vload(acc + r * D + v * VW), inv));
-      } else {
-        const int64_t row = w.part * p.max_rows + r;
-        for (int v = 0; v < NV; ++v) vstore(p.part_acc + row * D + v * VW, vload(acc + r * D + v * VW));
-        p.part_max[row] = mx[r];
-        p.part_sum[row] = sm[r];
-      }
-    }
-  }
+  store_item_rows<D>(p, w, q0, acc, mx, sm);
 }
 
 #include "paged_attention_tile.h"

@@ -171,17 +171,5 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
     }
   }
 
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t qi = r / G, g = r - qi * G;
-    if (w.part < 0) {
-      float* dst = p.out + ((q0 + w.q_begin + qi) * p.num_heads + w.kv_head * G + g) * D;
-      const vf inv = vset1(sm[r] > 0.f ? 1.f / sm[r] : 0.f);
-      for (int v = 0; v < NV; ++v) vstore(dst + v * VW, vmul(vload(acc + r * D + v * VW), inv));
-    } else {
-      const int64_t row = w.part * p.max_rows + r;
-      for (int v = 0; v < NV; ++v) vstore(p.part_acc + row * D + v * VW, vload(acc + r * D + v * VW));
-      p.part_max[row] = mx[r];
-      p.part_sum[row] = sm[r];
-    }
-  }
+  store_item_rows<D>(p, w, q0, acc, mx, sm);
 }
