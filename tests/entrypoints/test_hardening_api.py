@@ -291,11 +291,17 @@ def test_sigterm_drains(model_dir, tmp_path_factory):
                                    "--shutdown-timeout", "3"], tmp_path_factory.mktemp("logs") / "drain.log")
     try:
         results: dict[str, object] = {}
+        long_started = threading.Event()
 
         def stream_long() -> None:
             with httpx.stream("POST", f"{srv.url}/v1/completions", json={**LONG, "stream": True},
                               timeout=30) as stream:
-                results["long"] = [line for line in stream.iter_lines() if line.startswith("data:")]
+                lines = []
+                for line in stream.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append(line)
+                        long_started.set()
+                results["long"] = lines
 
         short_started = threading.Event()
 
@@ -313,7 +319,9 @@ def test_sigterm_drains(model_dir, tmp_path_factory):
         long_thread.start()
         short_thread = threading.Thread(target=stream_short)
         short_thread.start()
-        assert short_started.wait(20)
+        # both must be in flight before the signal: were the long one not yet connected, the short
+        # one could finish, the drain end and the server be gone before /health is asked
+        assert short_started.wait(20) and long_started.wait(20)
         srv.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         time.sleep(0.3)
