@@ -150,6 +150,9 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
@@ -158,8 +161,12 @@ class SchedulerConfig:
     """Token budget of one step; longer prompts are prefilled in chunks."""
     max_model_len: int = 2048
     """Longest sequence (prompt + output) served."""
+    scheduling_policy: str = "fcfs"
+    """'fcfs': first come, first served; 'priority': lowest `priority` first, then arrival order."""
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -276,6 +283,10 @@ class EngineArgs:
     max_num_batched_tokens: int = flag(2048, "Token budget of one step; longer prompts are prefilled in chunks.")
     max_model_len: int | None = flag(None, "Longest sequence (prompt + output) served; default: the model's "
                                            "context length, capped at 4096.")
+    scheduling_policy: str = flag("fcfs", "Order of admission: fcfs (first come, first served) or priority (a "
+                                          "request's priority, lower first, then arrival; a waiting request may "
+                                          "preempt a running one it outranks when blocks run out).",
+                                  choices=SCHEDULING_POLICIES)
     device: str = flag("auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N.", group="device")
     gpu_memory_utilization: float = flag(0.9, "CUDA only: fraction of GPU memory for weights, activations and KV "
                                               "cache; the KV cache gets what a profiling forward pass leaves (the "
@@ -326,6 +337,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
 
@@ -362,6 +375,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
+            scheduling_policy=self.scheduling_policy,
         )
 
     @classmethod

@@ -57,6 +57,8 @@ class EngineCoreRequest(msgspec.Struct):
     arrival_time: float = msgspec.field(default_factory=time.monotonic)
     cache_salt: str | None = None
     """Extra prefix-cache key: requests with different salts share no cached blocks."""
+    priority: int = 0
+    """With the 'priority' scheduling policy: lower runs sooner (ties by arrival). Must be 0 under 'fcfs'."""
 
     def sequence_req_ids(self) -> list[str]:
         """The core request id of each sequence: `req_id`, or `req_id#i` for n > 1 / best_of.
@@ -93,6 +95,10 @@ class Request(EngineCoreRequest, eq=False):
     stop_token_id_set: frozenset[int] = frozenset()
     """sampling_params.stop_token_ids as a set, built once per user request and shared by its sequences
     (each step checks the last token against it)."""
+    queue_time: float | None = None
+    """Seconds from arrival to the first admission (set once, by the scheduler)."""
+    queue_time_sent: bool = False
+    """True once an output carried queue_time to the front end (it is reported once per request)."""
 
     @classmethod
     def for_sequences(cls, req: EngineCoreRequest) -> list[Request]:
@@ -108,7 +114,7 @@ class Request(EngineCoreRequest, eq=False):
         stop_set = frozenset(params.stop_token_ids)
         return [
             cls(seq_id, prompt, params if len(seq_ids) == 1 else params.for_sequence(index),
-                eos, req.max_tokens, req.arrival_time, req.cache_salt, stop_token_id_set=stop_set)
+                eos, req.max_tokens, req.arrival_time, req.cache_salt, req.priority, stop_token_id_set=stop_set)
             for index, seq_id in enumerate(seq_ids)
         ]
 
@@ -136,3 +142,10 @@ class Request(EngineCoreRequest, eq=False):
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def take_queue_time(self) -> float | None:
+        """queue_time the first time it is asked for once known, None otherwise (the first output carries it)."""
+        if self.queue_time is None or self.queue_time_sent:
+            return None
+        self.queue_time_sent = True
+        return self.queue_time

@@ -98,6 +98,8 @@ class EngineCoreOutput:
     error: str | None = None
     """Set when this request failed alone; finish_reason is then 'abort'."""
     num_cached_tokens: int = 0
+    queue_time: float | None = None
+    """Seconds from arrival to first admission, on the request's first output only (metrics)."""
 
     @property
     def finished(self) -> bool:

@@ -9,17 +9,25 @@ Requests that start from another's blocks (parallel samples, beam candidates) ar
 Forker (core/forking.py); the scheduler only places them in `running` and tells the runner.
 Requests arrive validated against the model (InputProcessor); the scheduler refuses only what it
 alone can judge: more blocks than the whole KV cache, more sequences than max_num_seqs.
+
+The scheduling policy (core/request_queue.py) decides the order of the waiting queue and which
+running request is preempted first. Under 'fcfs' that is arrival order and the newest request.
+Under 'priority' `running` is kept sorted by rank (priority, arrival), so the last one is again
+the first preempted and a victim is never one this step already scheduled; and a waiting request
+that could not be admitted for lack of blocks preempts, at the start of the next step, the
+worst-ranked running request it outranks (one per step, while it stays blocked).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import WaitingQueue, make_waiting_queue, priority_rank
 from pagedllm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -46,7 +54,9 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = make_waiting_queue(config.scheduling_policy)
+        self._blocked_head: Request | None = None
+        """Priority policy: the waiting head the last step could not admit for lack of blocks."""
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
         self.forks = Forker(kv_cache_manager)
@@ -97,6 +107,7 @@ class Scheduler:
         """
         assert child_id not in self.requests, f"request id {child_id!r} is already in use"
         child = self.forks.fork(self.requests[parent_id], child_id, last_token_id)
+        child.priority = self.requests[parent_id].priority
         self.requests[child_id] = child
         self.running.append(child)
         return child
@@ -128,7 +139,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        preempted: list[Request] = []
+        preempted: list[Request] = self._preempt_for_blocked_head()
+        num_preempted_for_waiting = len(preempted)
 
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -158,7 +170,7 @@ class Scheduler:
             i += 1
 
         # Admitting new work in a step that had to preempt would just preempt it again.
-        if not preempted:
+        if len(preempted) == num_preempted_for_waiting:
             # Headroom: admission leaves free the blocks each running sequence needs for its next
             # HEADROOM_BLOCKS_PER_SEQ * block_size tokens (capped at a quarter of the cache).
             # Without it a full batch preempts its newest request, readmits it at once, and
@@ -173,6 +185,7 @@ class Scheduler:
                     num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
                     mapping = self.kv.swap_in(request, num_new, num_headroom)
                     if mapping is None:
+                        self._note_blocked(request)
                         break
                     self._swap_in.extend(mapping)
                     num_hit_tokens = request.num_computed_tokens
@@ -180,9 +193,12 @@ class Scheduler:
                     hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
                     num_new = min(request.num_tokens - num_hit_tokens, token_budget)
                     if self.kv.allocate_slots(request, num_new, hit_blocks, num_headroom) is None:
-                        break  # strict FCFS: the head of the queue waits for blocks
+                        self._note_blocked(request)
+                        break  # strict order: the head of the queue waits for blocks
                     request.num_computed_tokens = num_hit_tokens
                 self.waiting.popleft()
+                if request.queue_time is None:
+                    request.queue_time = max(0.0, time.monotonic() - request.arrival_time)
                 request.status = RequestStatus.RUNNING
                 request.num_cached_tokens = num_hit_tokens
                 self.running.append(request)
@@ -245,6 +261,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    queue_time=request.take_queue_time(),
                 )
             )
             if request.is_finished:
@@ -313,8 +330,38 @@ class Scheduler:
                 self.running.remove(child)
                 self._free_request(child)
 
+    def _sort_running_by_rank(self) -> None:
+        """Priority policy: best rank first, so `running.pop()` takes the worst (the newest among equals:
+        the sort is stable and requests join `running` in order)."""
+        self.running.sort(key=priority_rank)
+
+    def _note_blocked(self, request: Request) -> None:
+        if self.config.scheduling_policy == "priority":
+            self._blocked_head = request
+
+    def _preempt_for_blocked_head(self) -> list[Request]:
+        """Priority policy: if last step's blocked head still heads the queue and outranks the worst
+        running request, preempt that one (nothing of this step is scheduled yet, so nothing is undone).
+
+        One victim per step: the head is tried again this step with the freed blocks, and if it
+        still does not fit it is noted again and the next victim goes in the next step.
+        """
+        if self.config.scheduling_policy != "priority":
+            return []
+        self._sort_running_by_rank()
+        head, self._blocked_head = self._blocked_head, None
+        if head is None or not self.waiting or self.waiting[0] is not head or not self.running:
+            return []
+        victim = self.running[-1]
+        if priority_rank(victim) <= priority_rank(head):
+            return []
+        self.running.pop()
+        self._preempt(victim)
+        return [victim]
+
     def _preempt(self, request: Request) -> None:
-        """Free every device block of a running request; it goes back to the front of the queue.
+        """Free every device block of a running request; it goes back to the front of the queue (to its rank
+        under the priority policy).
 
         With swapping, its KV moves to host blocks and comes back before it resumes; without
         swapping (or when the host pool is full) it is recomputed from its tokens.

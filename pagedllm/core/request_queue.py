@@ -1,0 +1,93 @@
+"""The waiting queue, one per scheduling policy, and the rank that orders requests under 'priority'.
+
+Both queues speak the subset of `deque` the scheduler uses, so the scheduler reads the same
+under either policy:
+
+    append(r)       a new request arrives
+    appendleft(r)   a preempted request comes back (FCFS: to the front; priority: to its rank)
+    waiting[0]      the next request to admit;  popleft() admits it
+    remove(r)       an aborted waiting request leaves
+
+Under 'priority' a request's rank is (priority, arrival_time): lower priority values run sooner,
+and among equals the earlier arrival. A preempted request keeps its arrival time, so it returns
+ahead of everything of its priority that arrived after it, as it would under FCFS.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from typing import Protocol
+
+from pagedllm.core.request import Request
+
+
+def priority_rank(request: Request) -> tuple[int, float]:
+    """Lower runs sooner; the worst-ranked running request is the first preempted."""
+    return request.priority, request.arrival_time
+
+
+class WaitingQueue(Protocol):
+    def append(self, request: Request) -> None: ...
+
+    def appendleft(self, request: Request) -> None: ...
+
+    def popleft(self) -> Request: ...
+
+    def remove(self, request: Request) -> None: ...
+
+    def __getitem__(self, index: int) -> Request: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+class FCFSQueue(deque):
+    """First come, first served: a plain deque; preempted requests go back to the front."""
+
+
+class PriorityQueue:
+    """A heap on (priority, arrival_time, order of entry): ties in both fall back to who was queued first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._entry_order = itertools.count()
+
+    def append(self, request: Request) -> None:
+        heapq.heappush(self._heap, (*priority_rank(request), next(self._entry_order), request))
+
+    appendleft = append
+    """A preempted request's rank already places it: ahead of later arrivals of its priority."""
+
+    def popleft(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        index = next(i for i, entry in enumerate(self._heap) if entry[-1] is request)
+        self._heap[index] = self._heap[-1]
+        self._heap.pop()
+        heapq.heapify(self._heap)
+
+    def __getitem__(self, index: int) -> Request:
+        if index == 0:
+            return self._heap[0][-1]  # the common case: the next to admit, without sorting
+        return sorted(self._heap)[index][-1]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In admission order."""
+        return (entry[-1] for entry in sorted(self._heap))
+
+
+def make_waiting_queue(policy: str) -> WaitingQueue:
+    """The waiting queue of a scheduling policy ('fcfs' or 'priority')."""
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
