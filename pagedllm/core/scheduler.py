@@ -139,6 +139,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        if self.config.scheduling_policy == "priority":
+            self._sort_running_by_rank()
         preempted: list[Request] = self._preempt_for_blocked_head()
         num_preempted_for_waiting = len(preempted)
 
@@ -341,14 +343,12 @@ class Scheduler:
 
     def _preempt_for_blocked_head(self) -> list[Request]:
         """Priority policy: if last step's blocked head still heads the queue and outranks the worst
-        running request, preempt that one (nothing of this step is scheduled yet, so nothing is undone).
+        running request (the last, `running` being sorted), preempt that one. Nothing of this step is
+        scheduled yet, so nothing is undone. Under 'fcfs' no head is ever noted: this does nothing.
 
         One victim per step: the head is tried again this step with the freed blocks, and if it
         still does not fit it is noted again and the next victim goes in the next step.
         """
-        if self.config.scheduling_policy != "priority":
-            return []
-        self._sort_running_by_rank()
         head, self._blocked_head = self._blocked_head, None
         if head is None or not self.waiting or self.waiting[0] is not head or not self.running:
             return []
