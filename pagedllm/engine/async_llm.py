@@ -111,7 +111,7 @@ class AsyncLLM:
     """Serve many concurrent requests from one event loop. Build it with `await AsyncLLM.start(args)`."""
 
     def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None,
-                 num_threads: int = 4, limits: RequestLimits | None = None) -> None:
+                 num_threads: int = 4, limits: RequestLimits | None = None, scheduling_policy: str = "fcfs") -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_path = ready.model_path
@@ -119,7 +119,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
         self.frontend = FrontendCore(client, tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids,
-                                     limits)
+                                     limits, scheduling_policy)
         self.metrics = metrics
         self.latest_stats: EngineStatsMsg | None = None
         self.dead_error: EngineDeadError | None = None
@@ -144,7 +144,8 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits())
+        return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits(),
+                   engine_args.scheduling_policy)
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -158,12 +159,13 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          cache_salt: str | None = None, stream: bool = True) -> RequestStream:
+                          cache_salt: str | None = None, stream: bool = True, priority: int = 0) -> RequestStream:
         """Validate, tokenize (off the event loop) and queue a request; iterate the returned stream.
 
         Raises InvalidRequestError (nothing queued) for a request that can never be served, and
         EngineDeadError when the core is gone. A refusal by the core (the request can never fit
         its KV cache) arrives on the stream. Cancelled while tokenizing, nothing is queued.
+        `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise).
         """
         self._check_alive()
         if request_id in self._queues:  # an earlier stream under this id is still open
@@ -172,7 +174,7 @@ class AsyncLLM:
         self._queues[request_id] = queue  # holds the id (and counts as waiting) while tokenizing
         try:
             text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
-                                                    cache_salt)
+                                                    cache_salt, priority)
             self._check_alive()
             if self._queues.get(request_id) is not queue:  # aborted (e.g. by a shutdown) while tokenizing
                 raise queue.get_nowait() if not queue.empty() else RequestFailedError(f"request {request_id} was aborted")
@@ -182,17 +184,19 @@ class AsyncLLM:
                 del self._queues[request_id]
             raise
         if self.metrics is not None:
-            self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time)
+            self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time,
+                                              request.priority)
         return RequestStream(self, request_id, queue)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, stream: bool = True,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs until the request finishes (deltas when `stream`, else cumulative).
 
         Raises like add_request, and RequestFailedError when this request failed alone. Closing
         the generator before it finishes aborts the request in the core.
         """
-        request_stream = await self.add_request(request_id, prompt, params, cache_salt, stream)
+        request_stream = await self.add_request(request_id, prompt, params, cache_salt, stream, priority)
         try:
             async for output in request_stream:
                 yield output
@@ -290,6 +294,8 @@ class AsyncLLM:
                 request_id = self.frontend.request_id_of(out.req_id)
                 if request_id is not None and out.new_token_ids:
                     new_tokens[request_id] = new_tokens.get(request_id, 0) + len(out.new_token_ids)
+                if request_id is not None and out.queue_time is not None:
+                    self.metrics.record_queue_time(request_id, out.queue_time)
             for request_id, num_tokens in new_tokens.items():
                 self.metrics.record_new_tokens(request_id, num_tokens, now)
         for output in self.frontend.process_outputs(msg.outputs):

@@ -35,21 +35,23 @@ class FrontendCore:
     """One admission path and one output path, whatever delivers the results."""
 
     def __init__(self, core: CoreInput, tokenizer, vocab_size: int, max_model_len: int,
-                 eos_token_ids: Sequence[int], limits: RequestLimits | None = None) -> None:
+                 eos_token_ids: Sequence[int], limits: RequestLimits | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids, limits)
+        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids, limits,
+                                              scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    cache_salt: str | None = None, stream: bool = False) -> EngineCoreRequest:
+                    cache_salt: str | None = None, stream: bool = False, priority: int = 0) -> EngineCoreRequest:
         """Validate, tokenize, register and send a request to the core; returns what was sent.
 
         Raises InvalidRequestError (nothing registered, nothing sent) if the request is malformed
         or its id is taken. If the core refuses it at once (in-process: it can never fit the KV
         cache), the request is unregistered and the error propagates.
         """
-        text, request = self.input_processor.process(request_id, prompt, params, cache_salt)
+        text, request = self.input_processor.process(request_id, prompt, params, cache_salt, priority)
         self.submit(request, text, stream)
         return request
 

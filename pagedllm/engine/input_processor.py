@@ -23,8 +23,9 @@ class InputProcessor:
     """Turns (request id, prompt, params) into a complete EngineCoreRequest, or InvalidRequestError."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = list(eos_token_ids)
@@ -54,7 +55,7 @@ class InputProcessor:
         return self.tokenizer.encode(text)
 
     def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
-                cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
+                cache_salt: str | None = None, priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize; returns (prompt text if any, the request for the core).
 
         Raises InvalidRequestError naming what is wrong. With n > 1 the one request stands for
@@ -63,6 +64,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.check_limits(params)
+        self.check_priority(priority)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
@@ -97,6 +99,7 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
             cache_salt=cache_salt,
+            priority=priority,
         )
 
     def check_limits(self, params: SamplingParams, num_prompts: int = 1) -> None:
@@ -124,6 +127,16 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > limits.max_logprobs:
                 raise InvalidRequestError(f"{name} is {value}; the limit max_logprobs is {limits.max_logprobs}")
+
+    def check_priority(self, priority: int) -> None:
+        """A priority is an integer (lower runs sooner), and only means something under the 'priority' policy."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
+            raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority must be 0 when the engine schedules first come, first served (got {priority}); start "
+                f"it with --scheduling-policy priority (scheduling_policy='priority') to use request priorities"
+            )
 
     def check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
         for t in token_ids:

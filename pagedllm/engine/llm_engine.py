@@ -35,17 +35,20 @@ class LLMEngine:
         self.max_model_len = self.core.scheduler_config.max_model_len
         self.frontend = FrontendCore(self.core, self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                      eos_token_ids_of(self.hf_config, self.tokenizer),
-                                     limits=self.engine_args.request_limits())
+                                     limits=self.engine_args.request_limits(),
+                                     scheduling_policy=self.engine_args.scheduling_policy)
 
     @property
     def input_processor(self) -> InputProcessor:
         return self.frontend.input_processor
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    cache_salt: str | None = None, stream: bool = False) -> None:
-        """Queue a request. Raises InvalidRequestError (nothing queued) if it is malformed or cannot fit."""
+                    cache_salt: str | None = None, stream: bool = False, priority: int = 0) -> None:
+        """Queue a request. Raises InvalidRequestError (nothing queued) if it is malformed or cannot fit.
+
+        `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise)."""
         self.frontend.add_request(request_id, prompt, params if params is not None else SamplingParams(),
-                                  cache_salt, stream)
+                                  cache_salt, stream, priority)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of the requests it touched."""

@@ -37,8 +37,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order.
+
+        `priority`: one integer per prompt, lower runs sooner (needs scheduling_policy='priority').
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -52,7 +56,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        return self._run(prompts, params_list, use_tqdm, priorities)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams | Sequence[BeamSearchParams]):
@@ -90,12 +97,13 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, priority in zip(prompts, params_list, priorities or [0] * len(prompts)):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, priority=priority)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)

@@ -23,10 +23,16 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 120.0, 240.0, 480.0)
 
 
+MAX_PRIORITY_LABELS = 32
+"""Distinct priority values labelled on the queue-time histogram; later ones share the label 'other'
+(a client choosing priorities must not grow the server's metrics without bound)."""
+
+
 @dataclass(slots=True)
 class _RequestTiming:
     arrival_time: float
     last_token_time: float | None = None
+    priority: int = 0
 
 
 class ServerMetrics:
@@ -68,6 +74,10 @@ class ServerMetrics:
                                              "Time between consecutive outputs of a request", _LATENCY_BUCKETS)
         self.e2e_latency = histogram("pagedllm_e2e_request_latency_seconds",
                                      "Arrival to the last token", _E2E_BUCKETS)
+        self.queue_time_by_priority = Histogram(
+            "pagedllm_request_queue_time_seconds", "Arrival to first admission by the scheduler, by request priority",
+            labelnames=["model_name", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._priority_labels: set[str] = set()
         self.engine_healthy.set(1)
         self._last_stats: EngineStatsMsg | None = None
         self._timings: dict[str, _RequestTiming] = {}
@@ -94,9 +104,23 @@ class ServerMetrics:
 
     # --- requests -----------------------------------------------------------------------
 
-    def record_request_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float) -> None:
+    def record_request_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float,
+                             priority: int = 0) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
-        self._timings[request_id] = _RequestTiming(arrival_time)
+        self._timings[request_id] = _RequestTiming(arrival_time, priority=priority)
+
+    def record_queue_time(self, request_id: str, queue_time: float) -> None:
+        """The core admitted this request `queue_time` seconds after it arrived (observed once per request)."""
+        timing = self._timings.get(request_id)
+        if timing is None:
+            return
+        label = str(timing.priority)
+        if label not in self._priority_labels:
+            if len(self._priority_labels) >= MAX_PRIORITY_LABELS:
+                label = "other"
+            else:
+                self._priority_labels.add(label)
+        self.queue_time_by_priority.labels(self._model_name, label).observe(queue_time)
 
     def record_new_tokens(self, request_id: str, num_tokens: int, now: float | None = None) -> None:
         """A step produced `num_tokens` tokens for this request (all of its sequences together)."""

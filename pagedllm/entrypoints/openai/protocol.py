@@ -55,6 +55,8 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = Field(None, max_length=256)
+    priority: int = Field(0, ge=-_INT64 - 1, le=_INT64)
+    """vLLM's extra: lower runs sooner; needs a server started with --scheduling-policy priority."""
     response_format: Optional[Any] = None
 
     @field_validator("response_format")
