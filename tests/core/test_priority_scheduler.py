@@ -12,17 +12,18 @@ import pytest
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.request_queue import PriorityQueue
+from pagedllm.core.request_queue import PriorityQueue, priority_rank
 from pagedllm.core.scheduler import Scheduler
 
 from .helpers import make_request, step
 
 
 def make_scheduler(policy: str, num_blocks: int = 8, max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
-                   enable_caching: bool = False) -> Scheduler:
+                   enable_caching: bool = False, preemption_mode: str = "recompute") -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=256, scheduling_policy=policy)
-    return Scheduler(config, KVCacheManager(num_blocks, 4, enable_caching))
+    num_host_blocks = num_blocks if preemption_mode == "swap" else 0
+    return Scheduler(config, KVCacheManager(num_blocks, 4, enable_caching, num_host_blocks), preemption_mode)
 
 
 def make(req_id: str, num_prompt_tokens: int, priority: int, max_tokens: int = 8, arrival_time: float | None = None,
@@ -205,12 +206,13 @@ def test_one_victim_per_step_until_the_blocked_head_fits():
 # --- no leaks with prefix caching, chunked prefill and preemption --------------------------------
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(6))
-def test_priority_with_prefix_caching_and_chunked_prefill_frees_every_block(seed):
+def test_priority_with_prefix_caching_and_chunked_prefill_frees_every_block(seed, preemption_mode):
     rng = random.Random(seed)
     num_blocks = 24
     sched = make_scheduler("priority", num_blocks=num_blocks, max_num_seqs=6, max_num_batched_tokens=10,
-                           enable_caching=True)
+                           enable_caching=True, preemption_mode=preemption_mode)
     prefixes = [[500 + i for i in range(9)], [700 + i for i in range(6)]]
     pending = []
     for i in range(18):
@@ -220,15 +222,28 @@ def test_priority_with_prefix_caching_and_chunked_prefill_frees_every_block(seed
         request.all_token_ids[:] = prompt
         pending.append((rng.randrange(0, 30), request))
     finished, preempted, step_no = set(), 0, 0
+    by_id = {r.req_id: r for _, r in pending}
     while pending or sched.has_unfinished_requests():
         for arrival in [p for p in pending if p[0] <= step_no]:
             pending.remove(arrival)
             sched.add_request(arrival[1])
         out, outputs = step(sched, token_id=rng.randrange(3, 50))
         preempted += len(out.preempted_req_ids)
+        # nothing admitted this step is outranked by a request left waiting
+        if sched.waiting and out.scheduled_new_reqs:
+            worst_admitted = max(priority_rank(by_id[r.req_id]) for r in out.scheduled_new_reqs)
+            assert worst_admitted <= priority_rank(sched.waiting[0])
         finished |= {o.req_id for o in outputs if o.finished}
         step_no += 1
         assert step_no < 2000
     assert len(finished) == 18 and preempted > 0
     assert sched.kv.check_no_leaks() == []
     assert sched.kv.pool.num_free_blocks == num_blocks
+
+
+def test_every_sequence_of_a_request_carries_its_priority():
+    from pagedllm.core.request import EngineCoreRequest, Request
+    from pagedllm.sampling_params import SamplingParams
+
+    req = EngineCoreRequest("r", [5, 6, 7], SamplingParams(n=3, max_tokens=4), [2], 4, priority=-4)
+    assert [s.priority for s in Request.for_sequences(req)] == [-4, -4, -4]
