@@ -44,7 +44,8 @@ requests, 300 blocks of 16): 0 -> 92 preemptions, 58% of tokens computed twice; 
 
 
 class Scheduler:
-    """FCFS admission, chunked prefill, and preemption of the newest request when blocks run out."""
+    """Admission in policy order (FCFS or priority), chunked prefill, and preemption of the newest (or, by
+    priority, the worst-ranked) request when blocks run out."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  preemption_mode: str = "recompute") -> None:
@@ -134,7 +135,7 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step. Running requests first (oldest first), then waiting ones."""
+        """Decide the next step. Running requests first (oldest first; by rank under 'priority'), then waiting ones."""
         token_budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
