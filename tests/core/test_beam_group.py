@@ -128,3 +128,34 @@ def test_a_group_that_could_never_fit_is_refused():
         groups.add(EngineCoreRequest("E", [5], SamplingParams(n=6, temperature=0, max_tokens=2, use_beam_search=True),
                                      [1, 2, 3], 2))  # 6 beams x (1 + 3 EOS ids) candidates > 20
     assert not groups.groups
+
+
+def _started_group(width: int = 2):
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(config, KVCacheManager(32, 4, enable_caching=False))
+    groups = BeamGroups(sched)
+    groups.add(_beam_request("G", [5, 6, 7, 8, 9], width=width, max_tokens=6))
+    out = sched.schedule()
+    assert groups.update(sched.update_from_output(out, _fake_runner(sched, out))) == []
+    return sched, groups
+
+
+def test_an_abort_under_any_sequence_id_ends_the_whole_group():
+    sched, groups = _started_group(width=3)
+    beam_ids = list(groups.groups["G"].beam_req_ids)
+    assert len(beam_ids) == 3 and all(sched.requests[b].status == RequestStatus.RUNNING for b in beam_ids)
+    assert groups.abort(["G#1", "other"]) == ["other"]
+    assert not groups.groups and groups.num_beams_running == 0
+    assert not sched.has_unfinished_requests() and sched.kv.check_no_leaks() == []
+
+
+def test_a_failed_beam_fails_its_group_and_frees_the_others():
+    sched, groups = _started_group(width=2)
+    out = sched.schedule()
+    failing = groups.groups["G"].beam_req_ids[0]
+    runner = _fake_runner(sched, out)
+    del runner.sampled_token_ids[failing], runner.logprobs[failing]
+    runner.failed[failing] = "boom"
+    outputs = groups.update(sched.update_from_output(out, runner))
+    assert [(o.req_id, o.finish_reason, o.error) for o in outputs] == [("G#0", "abort", "boom"), ("G#1", "abort", "boom")]
+    assert not groups.groups and not sched.has_unfinished_requests() and sched.kv.check_no_leaks() == []

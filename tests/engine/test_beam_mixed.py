@@ -94,8 +94,13 @@ def test_a_beam_group_is_preempted_and_readmitted_whole(tiny_setup):
     core = llm.engine.core
     scheduler = core.scheduler
     checked = []
+    saved = []
 
     def check(sched, _):
+        stats = core.stats()
+        assert stats.num_beams_running == sum(len(g.beam_req_ids) for g in core.beams.groups.values())
+        assert stats.num_beam_groups == len(core.beams.groups)
+        saved.append(stats.num_beam_kv_blocks_saved)
         for group in core.beams.groups.values():
             beams = [scheduler.requests[r] for r in group.beam_req_ids]
             states = {b.status for b in beams}
@@ -107,4 +112,5 @@ def test_a_beam_group_is_preempted_and_readmitted_whole(tiny_setup):
     core.step_listeners.append(check)
     llm.generate(inputs, params, use_tqdm=False)
     assert max(checked) > 1 and core.stats().num_beam_group_preemptions > 0
+    assert max(saved) > 0, "the beams were meant to share blocks"
     assert core.check_kv_leaks() == []
