@@ -228,7 +228,7 @@ class BeamSearchParams:
     """Parameters of `LLM.beam_search`, validated on construction.
 
     The defaults reproduce Hugging Face `generate(num_beams=beam_width, do_sample=False)`; see
-    `pagedllm.engine.beam_search` for the exact conventions (length penalty, early stopping).
+    `pagedllm/core/beam_group.py` for the exact conventions (length penalty, early stopping).
     """
 
     beam_width: int
