@@ -66,6 +66,13 @@ class SamplingParams:
     """Return this many top logprobs per prompt token (plus the prompt token's)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    use_beam_search: bool = False
+    """Beam search (as vLLM's field): max(n, best_of) beams, the best n returned; greedy, with Hugging
+    Face `generate(num_beams=...)`'s conventions (pagedllm/core/beam_group.py). temperature must be 0."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam's score is cumulative logprob / (generated length ** length_penalty)."""
+    early_stopping: bool | str = False
+    """Beam search: HF's early_stopping, False (heuristic), True or "never"."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +131,34 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
                 if not _is_finite(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        if self.use_beam_search is not False:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """Beam search ranks beams by the model's own logprobs: whatever would change them is refused."""
+        if self.use_beam_search is not True:
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+        if not _is_finite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not any(self.early_stopping is mode or (isinstance(mode, str) and self.early_stopping == mode)
+                   for mode in _EARLY_STOPPING_MODES):
+            raise ValueError(f"early_stopping must be False, True or 'never', got {self.early_stopping!r}")
+        if self.num_sequences > 10:
+            raise ValueError(f"beam search takes at most 10 beams (max(n, best_of)), got {self.num_sequences}")
+        if self.temperature != 0:
+            raise ValueError(f"temperature must be 0 with use_beam_search (beam search is greedy), got {self.temperature!r}")
+        unsupported = {
+            "top_p": self.top_p != 1.0, "top_k": self.top_k is not None, "min_p": self.min_p != 0.0,
+            "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
+            "min_tokens": self.min_tokens != 0, "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "logprobs > 0": self.logprobs is not None and self.logprobs > 0,
+        }
+        refused = [name for name, given in unsupported.items() if given]
+        if refused:
+            raise ValueError(f"use_beam_search does not support {', '.join(refused)} (each beam's chosen-token "
+                             f"logprobs are reported with logprobs=0)")
 
     @property
     def num_sequences(self) -> int:
@@ -193,7 +228,7 @@ class BeamSearchParams:
     """Parameters of `LLM.beam_search`, validated on construction.
 
     The defaults reproduce Hugging Face `generate(num_beams=beam_width, do_sample=False)`; see
-    `pagedllm.engine.beam_search` for the exact conventions (length penalty, early stopping).
+    `pagedllm/core/beam_group.py` for the exact conventions (length penalty, early stopping).
     """
 
     beam_width: int

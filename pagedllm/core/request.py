@@ -67,6 +67,8 @@ class EngineCoreRequest(msgspec.Struct):
         creates one Request per id (`Request.for_sequences`).
         """
         num_sequences = self.sampling_params.num_sequences
+        if self.sampling_params.use_beam_search:  # beam width = num_sequences; the best n are returned
+            num_sequences = self.sampling_params.n
         return [self.req_id] if num_sequences == 1 else [f"{self.req_id}#{i}" for i in range(num_sequences)]
 
 
@@ -99,6 +101,9 @@ class Request(EngineCoreRequest, eq=False):
     """Seconds from arrival to the first admission (set once, by the scheduler)."""
     queue_time_sent: bool = False
     """True once an output carried queue_time to the front end (it is reported once per request)."""
+    beam_group_id: str | None = None
+    """The beam-search request this is a beam of (core/beam_group.py); its beams are scheduled,
+    preempted and resumed together."""
 
     @classmethod
     def for_sequences(cls, req: EngineCoreRequest) -> list[Request]:

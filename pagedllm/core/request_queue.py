@@ -59,8 +59,10 @@ class PriorityQueue:
     def append(self, request: Request) -> None:
         heapq.heappush(self._heap, (*priority_rank(request), next(self._entry_order), request))
 
-    appendleft = append
-    """A preempted request's rank already places it: ahead of later arrivals of its priority."""
+    def appendleft(self, request: Request) -> None:
+        """A preempted request's rank already places it: ahead of later arrivals of its priority; among
+        equal ranks (a beam group's beams) ahead of those queued before it, as deque.appendleft would."""
+        heapq.heappush(self._heap, (*priority_rank(request), -next(self._entry_order), request))
 
     def popleft(self) -> Request:
         return heapq.heappop(self._heap)[-1]

@@ -7,6 +7,9 @@ are all the same kind of entry with different numbers.
 
 Requests that start from another's blocks (parallel samples, beam candidates) are made by the
 Forker (core/forking.py); the scheduler only places them in `running` and tells the runner.
+The beams of a beam-search group (`Request.beam_group_id`, core/beam_group.py) sit side by side
+in `running` and in `waiting`, and move as one: scheduled in the same step or not at all,
+preempted and readmitted together, so a group never waits on half of its beams.
 Requests arrive validated against the model (InputProcessor); the scheduler refuses only what it
 alone can judge: more blocks than the whole KV cache, more sequences than max_num_seqs.
 
@@ -24,6 +27,7 @@ import time
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.beam_group import beam_group_token_counts, max_new_blocks, num_free_blocks
 from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
@@ -64,6 +68,8 @@ class Scheduler:
         """Parallel samples waiting for their leader, and forks the runner has not seen yet."""
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_beam_group_preemptions = 0
+        """Beam groups preempted (each whole); their beams are also counted in num_preemptions."""
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
 
@@ -113,6 +119,21 @@ class Scheduler:
         self.running.append(child)
         return child
 
+    def replace_beams(self, parent_ids: list[str], children: list[tuple[int, str, int]]) -> list[Request]:
+        """Beam search: fork each (parent index, child id, last token) from `parent_ids[index]`, then
+        finish the parents (a pruned beam's blocks are free on return). The children take the
+        parents' place in `running`, so the group keeps its age and stays side by side."""
+        parents = [self.requests[req_id] for req_id in parent_ids]
+        kids = [self.forks.fork(parents[index], child_id, token) for index, child_id, token in children]
+        for kid in kids:
+            assert kid.req_id not in self.requests, f"request id {kid.req_id!r} is already in use"
+            self.requests[kid.req_id] = kid
+        if kids:
+            position = min(self.running.index(p) for p in parents)
+            self.running[position:position] = kids
+        self.finish_requests(parent_ids, RequestStatus.FINISHED_ABORTED)
+        return kids
+
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End live requests (abort, or a stop string found by the front end); frees their blocks now."""
         assert status.is_finished
@@ -148,29 +169,36 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            assert num_new > 0, f"{request.req_id} is running with nothing to compute"
-            new_block_ids = self.kv.allocate_slots(request, num_new)
-            while new_block_ids is None:
-                victim = self.running.pop()  # the newest request is preempted first
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-                new_block_ids = self.kv.allocate_slots(request, num_new)
-            if new_block_ids is None:
-                break  # the request preempted itself; everything after it is gone too
-            num_scheduled[request.req_id] = num_new
-            token_budget -= num_new
-            if self.forks.take_unsent(request.req_id):
-                self.kv.take_replaced_blocks(request.req_id)  # the full table goes out below
-                new_reqs.append(self._new_request_data(request))
+            if request.beam_group_id is not None:
+                members = self._beam_group_at(self.running, i)
+                entries = self._schedule_running_beams(members, token_budget, preempted)
+                if entries is None:
+                    break  # the group preempted itself, or waits for budget
             else:
-                cached_reqs.append(
-                    CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens,
-                                      self.kv.take_replaced_blocks(request.req_id))
-                )
-            i += 1
+                num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+                assert num_new > 0, f"{request.req_id} is running with nothing to compute"
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+                while new_block_ids is None:
+                    victims = self._preempt_newest()  # the newest request (with its beam group) goes first
+                    preempted.extend(victims)
+                    if victims[-1] is request:
+                        break
+                    new_block_ids = self.kv.allocate_slots(request, num_new)
+                if new_block_ids is None:
+                    break  # the request preempted itself; everything after it is gone too
+                members, entries = [request], [(request, num_new, new_block_ids)]
+            for member, num_new, new_block_ids in entries:
+                num_scheduled[member.req_id] = num_new
+                token_budget -= num_new
+                if self.forks.take_unsent(member.req_id):
+                    self.kv.take_replaced_blocks(member.req_id)  # the full table goes out below
+                    new_reqs.append(self._new_request_data(member))
+                else:
+                    cached_reqs.append(
+                        CachedRequestData(member.req_id, new_block_ids, member.num_computed_tokens,
+                                          self.kv.take_replaced_blocks(member.req_id))
+                    )
+            i += len(members)
 
         # Admitting new work in a step that had to preempt would just preempt it again.
         if len(preempted) == num_preempted_for_waiting:
@@ -182,6 +210,16 @@ class Scheduler:
             num_headroom = min(HEADROOM_BLOCKS_PER_SEQ * len(self.running), max_headroom)
             while self.waiting and token_budget > 0:
                 request = self.waiting[0]
+                if request.beam_group_id is not None:
+                    admitted = self._admit_beams(token_budget, num_headroom)
+                    if admitted is None:
+                        break
+                    for member, num_new in admitted:
+                        num_scheduled[member.req_id] = num_new
+                        token_budget -= num_new
+                        new_reqs.append(self._new_request_data(member))
+                    num_headroom = min(num_headroom + HEADROOM_BLOCKS_PER_SEQ * len(admitted), max_headroom)
+                    continue
                 if len(self.running) + 1 + len(self.forks.samples_of(request)) > self.config.max_num_seqs:
                     break
                 if self.kv.is_swapped_out(request):
@@ -353,12 +391,9 @@ class Scheduler:
         head, self._blocked_head = self._blocked_head, None
         if head is None or not self.waiting or self.waiting[0] is not head or not self.running:
             return []
-        victim = self.running[-1]
-        if priority_rank(victim) <= priority_rank(head):
+        if priority_rank(self.running[-1]) <= priority_rank(head):
             return []
-        self.running.pop()
-        self._preempt(victim)
-        return [victim]
+        return self._preempt_newest()  # the worst-ranked request, with its whole beam group
 
     def _preempt(self, request: Request) -> None:
         """Free every device block of a running request; it goes back to the front of the queue (to its rank
@@ -379,6 +414,90 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    # --- beam groups -----------------------------------------------------------------
+
+    @staticmethod
+    def _beam_group_at(queue, index: int) -> list[Request]:
+        """The beams of the group whose first beam is queue[index] (a group's beams sit side by side)."""
+        group_id = queue[index].beam_group_id
+        end = index + 1
+        while end < len(queue) and queue[end].beam_group_id == group_id:
+            end += 1
+        return [queue[j] for j in range(index, end)]
+
+    def _preempt_newest(self) -> list[Request]:
+        """Preempt the newest running request, or the whole beam group it belongs to; returns them."""
+        victims = [self.running.pop()]
+        group_id = victims[0].beam_group_id
+        if group_id is not None:
+            while self.running and self.running[-1].beam_group_id == group_id:
+                victims.append(self.running.pop())
+            self.num_beam_group_preemptions += 1
+        for victim in victims:  # newest first: appendleft leaves the group in its order at the queue's front
+            self._preempt(victim)
+        return victims
+
+    def _schedule_running_beams(self, members: list[Request], token_budget: int,
+                                preempted: list[Request]) -> list[tuple[Request, int, list[int]]] | None:
+        """Blocks for every running beam of a group, or none: (beam, tokens, new block ids) for the beams
+        that compute this step; None if the group must wait for budget or preempted itself."""
+        counts = beam_group_token_counts([m.num_tokens - m.num_computed_tokens for m in members],
+                                         token_budget, admitting=False)
+        if counts is None:
+            return None
+        # Checked for the whole group before any allocation: a copy-on-write decided for one beam
+        # must never be left pending for blocks the group's own preemption then frees.
+        while sum(max_new_blocks(self.kv, m, m.num_computed_tokens, n)
+                  for m, n in zip(members, counts) if n) > num_free_blocks(self.kv):
+            victims = self._preempt_newest()
+            preempted.extend(victims)
+            if any(v is members[0] for v in victims):
+                return None
+        entries = []
+        for member, num_new in zip(members, counts):
+            if num_new:
+                new_block_ids = self.kv.allocate_slots(member, num_new)
+                assert new_block_ids is not None, "the group's block bound was wrong"
+                entries.append((member, num_new, new_block_ids))
+        return entries
+
+    def _admit_beams(self, token_budget: int, num_headroom: int) -> list[tuple[Request, int]] | None:
+        """Admit every beam of the group at the head of `waiting` (swapped in or recomputed), or none.
+        Returns each beam with its tokens this step; the beams are running on return."""
+        members = self._beam_group_at(self.waiting, 0)
+        if len(self.running) + len(members) > self.config.max_num_seqs:
+            return None
+        counts = beam_group_token_counts([m.num_tokens - m.num_computed_tokens for m in members],
+                                         token_budget, admitting=True)
+        if counts is None:
+            return None
+        if sum(max_new_blocks(self.kv, m, m.num_computed_tokens, n)
+               for m, n in zip(members, counts)) + num_headroom > num_free_blocks(self.kv):
+            return None
+        # Prefix-cache hits only when every beam computes to its end; a hit would otherwise move a
+        # beam's stopping point. Each beam looks up its hits just before its own allocation, so an
+        # earlier beam's new blocks cannot evict them.
+        use_hits = counts == [m.num_tokens - m.num_computed_tokens for m in members]
+        admitted = []
+        for member, num_new in zip(members, counts):
+            if self.kv.is_swapped_out(member):
+                mapping = self.kv.swap_in(member, num_new)
+                assert mapping is not None, "the group's block bound was wrong"
+                self._swap_in.extend(mapping)
+                num_hit_tokens = member.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(member) if use_hits else ([], 0)
+                if use_hits:
+                    num_new = member.num_tokens - num_hit_tokens
+                assert self.kv.allocate_slots(member, num_new, hit_blocks) is not None, "the group's block bound was wrong"
+                member.num_computed_tokens = num_hit_tokens
+            self.waiting.popleft()
+            member.status = RequestStatus.RUNNING
+            member.num_cached_tokens = num_hit_tokens
+            self.running.append(member)
+            admitted.append((member, num_new))
+        return admitted
 
     def _free_request(self, request: Request) -> list[Request]:
         """Release a finished request; returns what finishing it finished too (samples that never started)."""

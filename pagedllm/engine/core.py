@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagedllm.core.beam_groups import BeamGroups
 from pagedllm.core.forking import kv_block_usage
 from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManagerProtocol, paged_kv_cache_manager
 from pagedllm.core.request import Request, RequestStatus
@@ -52,6 +53,8 @@ class EngineCore:
             executor.shutdown()  # tensor-parallel workers may already be running
             raise
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode)
+        self.beams = BeamGroups(self.scheduler)
+        """Beam-search requests: stepped after each step from their beams' top logprobs."""
         self.step_listeners: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
         """Called after each executed step with what ran and what came back (benchmarks record step shapes)."""
 
@@ -65,13 +68,19 @@ class EngineCore:
         return self.kv_info.num_blocks
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served."""
+        """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served.
+
+        A beam-search request becomes a beam group (core/beam_group.py), scheduled beside the others."""
+        if req.sampling_params.use_beam_search:
+            self.beams.add(req)
+            return
         requests = Request.for_sequences(req)
         self.scheduler.add_request(requests[0], parallel_samples=requests[1:])
 
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """End requests now and free their blocks; unknown or finished ids are ignored."""
-        self.scheduler.finish_requests(req_ids, status)
+        """End requests now and free their blocks; unknown or finished ids are ignored.
+        Any sequence id of a beam-search request ends its whole group."""
+        self.scheduler.finish_requests(self.beams.abort(req_ids), status)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one iteration; returns what each touched request produced."""
@@ -82,7 +91,7 @@ class EngineCore:
         runner_output = self.executor.execute_model(sched_output)
         for listener in self.step_listeners:
             listener(sched_output, runner_output)
-        return self.scheduler.update_from_output(sched_output, runner_output)
+        return self.beams.update(self.scheduler.update_from_output(sched_output, runner_output))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -96,6 +105,7 @@ class EngineCore:
 
         Counters (preemptions, swap-outs, prefix-cache queries and hits, evictions) only grow."""
         kv = self.kv_cache_manager
+        num_beam_blocks, num_beam_blocks_unshared = self.beams.kv_block_usage() if self.beams.groups else (0, 0)
         return EngineStatsMsg(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -105,6 +115,11 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_evictions=kv.num_evictions,
+            num_beam_groups=len(self.beams.groups),
+            num_beams_running=self.beams.num_beams_running,
+            num_beam_kv_blocks=num_beam_blocks,
+            num_beam_kv_blocks_saved=num_beam_blocks_unshared - num_beam_blocks,
+            num_beam_group_preemptions=self.scheduler.num_beam_group_preemptions,
         )
 
     def reset_prefix_cache(self) -> bool:

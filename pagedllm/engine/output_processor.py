@@ -87,6 +87,7 @@ class OutputProcessor:
         params = request.sampling_params
         # best_of ranks sequences by cumulative logprob even when no logprobs are returned
         keep_logprobs = params.logprobs is not None or (params.best_of or 1) > params.n
+        keep_logprobs = keep_logprobs or params.use_beam_search  # a beam's cumulative logprob is its score
         sequences = [
             SequenceState(seq_req_id, index, params,
                           IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
@@ -191,7 +192,8 @@ class OutputProcessor:
 
     def _make_request_output(self, state: RequestState) -> RequestOutput | None:
         params = state.params
-        best_of = params.best_of is not None and params.best_of > params.n
+        # beam search: the core returns the best n beams, already in order
+        best_of = params.best_of is not None and params.best_of > params.n and not params.use_beam_search
         if best_of and not state.finished:
             return None  # the n best are known only at the end
         sequences = state.sequences

@@ -70,6 +70,16 @@ class EngineStatsMsg(msgspec.Struct):
     """Problems found by the last idle leak check (0 = every block free or cached)."""
     num_swap_outs: int = 0
     """Preemptions that swapped the request's KV out to host memory (the rest recompute)."""
+    num_beam_groups: int = 0
+    """Beam-search requests live in the core."""
+    num_beams_running: int = 0
+    """Their beams (each a core request), running or preempted."""
+    num_beam_kv_blocks: int = 0
+    """Distinct KV blocks those beams hold."""
+    num_beam_kv_blocks_saved: int = 0
+    """Blocks their sharing saves: the sum of the beams' block-table lengths minus the distinct blocks."""
+    num_beam_group_preemptions: int = 0
+    """Beam groups preempted, each as a whole (cumulative)."""
 
 
 class ReadyMsg(msgspec.Struct, tag="ready"):

@@ -78,6 +78,13 @@ class ServerMetrics:
             "pagedllm_request_queue_time_seconds", "Arrival to first admission by the scheduler, by request priority",
             labelnames=["model_name", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
         self._priority_labels: set[str] = set()
+        self.beam_groups = gauge("pagedllm_beam_search_requests_running", "Beam-search requests live in the engine core")
+        self.beams_running = gauge("pagedllm_beam_search_beams_running", "Beams of those requests (running or preempted)")
+        self.beam_kv_blocks = gauge("pagedllm_beam_search_kv_blocks", "Distinct KV blocks the beams hold")
+        self.beam_kv_blocks_saved = gauge("pagedllm_beam_search_kv_blocks_shared",
+                                          "KV blocks the beams' sharing saves (block-table entries minus distinct blocks)")
+        self.beam_group_preemptions = counter("pagedllm_beam_search_group_preemptions",
+                                              "Beam-search requests preempted, all beams at once")
         self.engine_healthy.set(1)
         self._last_stats: EngineStatsMsg | None = None
         self._timings: dict[str, _RequestTiming] = {}
@@ -90,10 +97,15 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.kv_leaks.set(stats.num_kv_leaks)
+        self.beam_groups.set(stats.num_beam_groups)
+        self.beams_running.set(stats.num_beams_running)
+        self.beam_kv_blocks.set(stats.num_beam_kv_blocks)
+        self.beam_kv_blocks_saved.set(stats.num_beam_kv_blocks_saved)
         last = self._last_stats
         for counter, name in ((self.prefix_queries, "prefix_cache_queries"),
                               (self.prefix_hits, "prefix_cache_hits"),
-                              (self.preemptions, "num_preemptions")):
+                              (self.preemptions, "num_preemptions"),
+                              (self.beam_group_preemptions, "num_beam_group_preemptions")):
             delta = getattr(stats, name) - (getattr(last, name) if last is not None else 0)
             if delta > 0:
                 counter.inc(delta)

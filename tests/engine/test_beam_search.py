@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.beam_search import BeamGroup, BeamSearchRunner
+from pagedllm.core.beam_group import BeamSelection
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import BeamSearchParams
 from tests.model.tiny_models import make_hf_model, save_hf_model
@@ -235,31 +235,29 @@ def test_forks_share_pruned_beams_free_at_once_only_partial_blocks_copied(tiny_s
     events = collections.Counter()
     forks: list[tuple[str, str, int]] = []  # (parent, child, child's computed tokens) since the last step
 
-    real_fork = scheduler.fork_request
+    real_replace = scheduler.replace_beams
 
-    def fork_request(parent_id, child_id, last_token_id):
-        parent_blocks = list(kv.req_to_blocks[parent_id])
+    def replace_beams(parent_ids, children):
+        tables = {p: list(kv.req_to_blocks[p]) for p in parent_ids}
+        chosen = {parent_ids[index] for index, _, _ in children}
+        survivors = {b.block_id for p in chosen for b in tables[p]}
+        survivors |= {b.block_id for rid, blocks in kv.req_to_blocks.items() if rid not in tables for b in blocks}
+        pruned = {b.block_id for p in parent_ids for b in tables[p]} - survivors
         num_copies = kv.num_cow_copies
-        child = real_fork(parent_id, child_id, last_token_id)
-        # the child's table is the parent's: the same physical blocks, one more reference each, nothing copied
-        assert kv.req_to_blocks[child.req_id] == parent_blocks
-        assert all(a is b for a, b in zip(kv.req_to_blocks[child.req_id], parent_blocks))
-        assert kv.num_cow_copies == num_copies  # forking never copies
-        forks.append((parent_id, child.req_id, child.num_computed_tokens))
-        events["forks"] += 1
-        return child
-
-    real_abort = core.abort_requests
-
-    def abort_requests(req_ids, status=None):
-        survivors = {b.block_id for rid, blocks in kv.req_to_blocks.items() if rid not in req_ids for b in blocks}
-        pruned = {b.block_id for rid in req_ids for b in kv.req_to_blocks.get(rid, ())} - survivors
         _check_ref_counts(kv)
-        real_abort(req_ids) if status is None else real_abort(req_ids, status)
-        # blocks only the dropped parents held are free the moment abort returns
+        kids = real_replace(parent_ids, children)
+        for (index, child_id, _), kid in zip(children, kids):
+            # the child's table is its parent's: the same physical blocks, one more reference each
+            assert all(a is b for a, b in zip(kv.req_to_blocks[child_id], tables[parent_ids[index]]))
+            assert len(kv.req_to_blocks[child_id]) == len(tables[parent_ids[index]])
+            forks.append((parent_ids[index], child_id, kid.num_computed_tokens))
+        assert kv.num_cow_copies == num_copies  # forking never copies
+        # blocks only the dropped parents held are free the moment the parents are finished
         assert all(kv.pool.blocks[b].ref_cnt == 0 for b in pruned)
+        events["forks"] += len(kids)
         events["pruned_blocks"] += len(pruned)
         _check_ref_counts(kv)
+        return kids
 
     real_execute = core.executor.runner.execute_model
 
@@ -281,8 +279,7 @@ def test_forks_share_pruned_beams_free_at_once_only_partial_blocks_copied(tiny_s
         forks.clear()
         return real_execute(sched_output)
 
-    scheduler.fork_request = fork_request
-    core.abort_requests = abort_requests
+    scheduler.replace_beams = replace_beams
     core.executor.runner.execute_model = execute_model
     params = BeamSearchParams(4, max_tokens=12, ignore_eos=True)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:4]], params)
@@ -328,17 +325,12 @@ def test_bad_requests_raise_and_leave_nothing_behind(tiny_setup):
     with pytest.raises(InvalidRequestError, match="logprobs"):
         llm.beam_search({"prompt_token_ids": [5, 6]}, BeamSearchParams(7))
     assert llm.beam_search({"prompt_token_ids": [5, 6]}, BeamSearchParams(7, ignore_eos=True, max_tokens=3))
-    llm.engine.add_request("other", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
-    with pytest.raises(RuntimeError, match="other requests"):
-        BeamSearchRunner(llm.engine).run([{"prompt_token_ids": [5, 6]}], BeamSearchParams(2))
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+    assert not llm.engine.has_unfinished_requests()
     assert llm.engine.core.check_kv_leaks() == []
 
 
 def test_only_the_top_k_ranked_eos_candidates_finish():
-    params = BeamSearchParams(2, max_tokens=5)
-    group = BeamGroup(params, max_tokens=5, eos_token_ids=[0])
+    group = BeamSelection(2, max_tokens=5, eos_token_ids=[0])
     assert group.num_candidates == 4
     # step 1: EOS ranks third of four -> dropped, not finished; the two best non-EOS tokens run on
     assert group.step([[(7, -0.1), (8, -0.2), (0, -0.3), (9, -0.4)]]) == [(0, 7), (0, 8)]

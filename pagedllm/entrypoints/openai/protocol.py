@@ -58,6 +58,10 @@ class SamplingFields(OpenAIModel):
     priority: int = Field(0, ge=-_INT64 - 1, le=_INT64)
     """vLLM's extra: lower runs sooner; needs a server started with --scheduling-policy priority."""
     response_format: Optional[Any] = None
+    # beam search, as vLLM: max(n, best_of) beams, the best n returned, each beam's text once final
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
 
     @field_validator("response_format")
     @classmethod
@@ -81,11 +85,14 @@ class SamplingFields(OpenAIModel):
         top_k = self.top_k
         if top_k is not None and top_k in (0, -1):
             top_k = None  # vLLM's "disabled"
+        if self.use_beam_search:  # greedy by nature: an unset temperature means 0, not OpenAI's 1
+            extra.update(use_beam_search=True, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+        default_temperature = 0.0 if self.use_beam_search else 1.0
         try:
             return SamplingParams(
                 n=self.n,
                 best_of=extra.pop("best_of", None),
-                temperature=1.0 if self.temperature is None else self.temperature,
+                temperature=default_temperature if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=top_k,
                 min_p=self.min_p or 0.0,
@@ -150,7 +157,7 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
-        if self.stream and self.best_of is not None and self.best_of > self.n:
+        if self.stream and self.best_of is not None and self.best_of > self.n and not self.use_beam_search:
             raise InvalidRequestError("best_of > n cannot be streamed; set stream to false")
         return self.make_sampling_params(
             self.max_tokens, self.logprobs, best_of=self.best_of,
