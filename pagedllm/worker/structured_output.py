@@ -61,7 +61,11 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         # choice: JSON string escapes are EBNF string escapes too
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the native message
-        raise InvalidGrammarError(f"invalid structured_outputs.{kind}: {_clean(e)}") from None
+        raise InvalidGrammarError(f"invalid {_WHAT[kind]}: {_clean(e)}") from None
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "grammar",
+         "choice": "choice"}
 
 
 def _clean(error: BaseException) -> str:
