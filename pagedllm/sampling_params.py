@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Union
 
 MAX_STOP_STRINGS = 64
 """The most stop strings any request may carry (RequestLimits.max_stop_strings may only lower it)."""
@@ -16,6 +18,76 @@ MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 """A penalty outside it scales logits by more than 100x: float32 logits overflow or lose all order."""
 _SEED_RANGE = (-(2**63), 2**63 - 1)
+MAX_CHOICES = 256
+"""The most alternatives a `choice` constraint may list."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar: set exactly one field.
+
+    Plain data (it crosses the process boundary inside SamplingParams); the grammar itself is
+    built and compiled on the worker (pagedllm.worker.structured_output), and validated by the
+    front end before the request is queued.
+    """
+
+    json: Union[dict[str, Any], str, None] = None
+    """A JSON schema (a dict, or its JSON text): the output is a JSON value it validates."""
+    regex: str | None = None
+    """The output matches this regular expression."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """The output is a sentence of this EBNF grammar (xgrammar's GBNF dialect, root rule `root`)."""
+    json_object: bool | None = None
+    """True: the output is any JSON object (OpenAI's response_format {"type": "json_object"})."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", list(self.choice))
+        set_fields = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                      if getattr(self, name) is not None and getattr(self, name) is not False]
+        if len(set_fields) != 1:
+            shown = ", ".join(set_fields) if set_fields else "none"
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object "
+                             f"(got {shown})")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} strings")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured_outputs.choice entries must be non-empty strings")
+        if self.json_object is not None and self.json_object is not True and self.json_object is not False:
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for text in (self.regex, self.grammar, *(self.choice or ())):
+            if text is not None and not _is_valid_unicode(text):
+                raise ValueError("structured_outputs must be valid Unicode (it contains a lone surrogate)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, text): grammars are compiled once per key. A schema dict keeps its key order (the
+        grammar follows the declared property order), so equal texts mean equal grammars."""
+        kind = self.kind
+        if kind == "json":
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, ensure_ascii=False)
+        elif kind == "choice":
+            text = json.dumps(self.choice, ensure_ascii=False)
+        else:
+            text = getattr(self, kind) if kind != "json_object" else ""
+        return kind, text
 
 
 @dataclass(slots=True)
@@ -73,8 +145,13 @@ class SamplingParams:
     """Beam search: a finished beam's score is cumulative logprob / (generated length ** length_penalty)."""
     early_stopping: bool | str = False
     """Beam search: HF's early_stopping, False (heuristic), True or "never"."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (a dict of the same fields is
+    accepted too); the request then ends when the grammar does, with EOS."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, Mapping):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -153,12 +230,21 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
             "min_tokens": self.min_tokens != 0, "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
             "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
             "logprobs > 0": self.logprobs is not None and self.logprobs > 0,
         }
         refused = [name for name, given in unsupported.items() if given]
         if refused:
             raise ValueError(f"use_beam_search does not support {', '.join(refused)} (each beam's chosen-token "
                              f"logprobs are reported with logprobs=0)")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                # The grammar's end is signalled by EOS: past it no token is allowed at all.
+                raise ValueError("structured_outputs cannot be combined with ignore_eos: a constrained output "
+                                 "ends with EOS when its grammar is complete")
 
     @property
     def num_sequences(self) -> int:

@@ -186,6 +186,8 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time,
                                               request.priority)
+            if request.sampling_params.structured_outputs is not None:
+                self.metrics.record_grammar_stats(self.input_processor.grammar_stats())
         return RequestStream(self, request_id, queue)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,

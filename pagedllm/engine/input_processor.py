@@ -30,6 +30,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = list(eos_token_ids)
         self.limits = limits if limits is not None else RequestLimits()
+        self._grammars = None  # a GrammarCache of validated structured_outputs, made at the first one
+        self.num_structured_requests = 0
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text if any, token ids)."""
@@ -65,6 +67,7 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.check_limits(params)
         self.check_priority(priority)
+        self.check_structured_outputs(params)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
@@ -137,6 +140,33 @@ class InputProcessor:
                 f"priority must be 0 when the engine schedules first come, first served (got {priority}); start "
                 f"it with --scheduling-policy priority (scheduling_policy='priority') to use request priorities"
             )
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Refuse a schema, regex or grammar xgrammar cannot build (InvalidRequestError naming why).
+
+        The grammar is built here, where the request is processed (the server's worker threads, never
+        its event loop nor the engine's step), and cached by its text, so a repeated schema costs a
+        dictionary lookup; the worker compiles it against the vocabulary on its own thread.
+        """
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer; this model has none")
+        if self._grammars is None:
+            from pagedllm.worker.structured_output import GrammarCache, build_grammar  # xgrammar only when used
+
+            self._grammars = GrammarCache(build_grammar)
+        try:
+            self._grammars.get(spec).result()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        self.num_structured_requests += 1
+
+    def grammar_stats(self) -> tuple[int, int, int]:
+        """(structured-output requests accepted, grammar-cache hits, misses) so far, cumulative."""
+        if self._grammars is None:
+            return self.num_structured_requests, 0, 0
+        return self.num_structured_requests, self._grammars.hits, self._grammars.misses
 
     def check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
         for t in token_ids:

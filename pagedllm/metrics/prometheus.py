@@ -85,6 +85,13 @@ class ServerMetrics:
                                           "KV blocks the beams' sharing saves (block-table entries minus distinct blocks)")
         self.beam_group_preemptions = counter("pagedllm_beam_search_group_preemptions",
                                               "Beam-search requests preempted, all beams at once")
+        self.structured_requests = counter("pagedllm_structured_output_requests",
+                                           "Requests constrained by a JSON schema, regex, choice or grammar")
+        self.grammar_cache_hits = counter("pagedllm_grammar_cache_hits",
+                                          "Structured-output grammars found in the front end's cache (by text)")
+        self.grammar_cache_misses = counter("pagedllm_grammar_cache_misses",
+                                            "Structured-output grammars built anew by the front end")
+        self._grammar_totals = (0, 0, 0)
         self.engine_healthy.set(1)
         self._last_stats: EngineStatsMsg | None = None
         self._timings: dict[str, _RequestTiming] = {}
@@ -156,6 +163,15 @@ class ServerMetrics:
         self.request_success.labels(self._model_name, finish_reason or "abort").inc()
         if finish_reason != "abort":
             self.e2e_latency.observe(now - timing.arrival_time)
+
+    def record_grammar_stats(self, totals: tuple[int, int, int]) -> None:
+        """(structured requests, grammar-cache hits, misses), cumulative (InputProcessor.grammar_stats):
+        counted as increments."""
+        for counter, now, before in zip((self.structured_requests, self.grammar_cache_hits, self.grammar_cache_misses),
+                                        totals, self._grammar_totals):
+            if now > before:
+                counter.inc(now - before)
+        self._grammar_totals = tuple(max(a, b) for a, b in zip(totals, self._grammar_totals))
 
     def record_rejected(self, reason: str) -> None:
         """Count a request refused at admission (429), aborted at its deadline, or ended by a shutdown."""

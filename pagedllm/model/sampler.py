@@ -10,6 +10,7 @@ Processing order for every row (vLLM's, which users know):
         ├─ logit_bias
         ├─ min_tokens: eos + stop_token_ids to -inf while len(output) < min_tokens
         ├─ penalties: repetition (prompt + output), frequency and presence (output only)
+        ├─ structured outputs: tokens the row's grammar forbids to -inf (one bitmask op)
         │
         ├─ greedy rows ─────────────────────────────────────► argmax
         └─ random rows: / temperature ─► top_k ─► top_p ─► min_p ─► exponential race
@@ -118,11 +119,15 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None
     max_num_logprobs: int | None
     """Largest `logprobs` over the rows; None when no row asks for logprobs."""
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
+    """Structured outputs: ([N, ceil(V/32)] int32 bitmask, bit set = token allowed; the row indices it
+    applies to). None when no row is constrained."""
 
     @property
     def has_logits_processors(self) -> bool:
-        """Whether logit_bias, min_tokens suppression or a penalty rewrites some row's logits."""
-        return self.logit_bias is not None or self.suppressed is not None or self.output_counts is not None
+        """Whether logit_bias, min_tokens suppression, a penalty or a grammar rewrites some row's logits."""
+        return (self.logit_bias is not None or self.suppressed is not None or self.output_counts is not None
+                or self.token_bitmask is not None)
 
     @classmethod
     def from_requests(cls, rows: list[SamplingRow], vocab_size: int, device) -> "SamplingMetadata":
@@ -341,7 +346,21 @@ def apply_logits_processors(x: torch.Tensor, metadata: SamplingMetadata) -> torc
             vocab.copy_(torch.where(vocab > 0, vocab / penalty, vocab * penalty))
         vocab -= metadata.frequency_penalty[:, None] * counts
         vocab -= metadata.presence_penalty[:, None] * (counts > 0).to(torch.float32)
+    if metadata.token_bitmask is not None:
+        apply_token_bitmask(x, *metadata.token_bitmask)
     return x
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set x[r, t] to -inf where bit t of bitmask[r] is 0, for r in rows, in place: one op over the
+    whole [rows, V] block (xgrammar's kernel: C++ on the CPU, Triton on CUDA). Token ids beyond the
+    bitmask (a vocabulary padded past it) are forbidden too: no grammar can accept them."""
+    import xgrammar  # lazily: only structured outputs need it
+
+    covered = min(x.shape[1], bitmask.shape[1] * 32)
+    xgrammar.apply_token_bitmask_inplace(x, bitmask, vocab_size=covered, indices=rows)
+    if covered < x.shape[1]:
+        x[rows, covered:] = float("-inf")
 
 
 def _sample_random(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

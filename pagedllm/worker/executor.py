@@ -92,7 +92,7 @@ class UniprocExecutor(Executor):
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, max_num_seqs=scheduler_config.max_num_seqs,
-            max_model_len=scheduler_config.max_model_len,
+            max_model_len=scheduler_config.max_model_len, tokenizer=self.loaded.tokenizer,
         )
         return _kv_cache_info(spec, num_blocks, num_host_blocks)
 

@@ -96,7 +96,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int,
                  device: torch.device | str = "cpu", seed: int = 0, num_host_blocks: int = 0,
                  attention_backend: str = "torch", enforce_eager: bool = True, max_num_seqs: int = 128,
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, tokenizer=None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
@@ -121,6 +121,8 @@ class ModelRunner:
         # Seeded requests keep their generator across preemption; dropped only when finished.
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # the shared stream of unseeded requests
+        self.tokenizer = tokenizer  # structured outputs build their vocabulary from it
+        self.structured_output = None  # a StructuredOutputManager, made at the first constrained request
 
     # --- state updates from the scheduler's diffs ------------------------------------
 
@@ -128,8 +130,12 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self._drop_state(req_id)
             self.generators.pop(req_id, None)
+            if self.structured_output is not None:
+                self.structured_output.drop(req_id)
         for req_id in sched.preempted_req_ids:
             self._drop_state(req_id)
+            if self.structured_output is not None:  # rebuilt from the output tokens when it resumes
+                self.structured_output.drop(req_id)
         for new in sched.scheduled_new_reqs:
             self._drop_state(new.req_id)  # a preempted request resumed in the same step it was preempted
             eos_token_ids = sorted(new.eos_token_ids)
@@ -147,6 +153,8 @@ class ModelRunner:
             self._ensure_generator(new.req_id, new.sampling_params)
             for child_id, child_params in new.fork_children:
                 self._ensure_generator(child_id, child_params)
+            if new.sampling_params.structured_outputs is not None:
+                self._add_structured(new, eos_token_ids)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for index, block_id in cached.replaced_block_ids.items():
@@ -155,6 +163,18 @@ class ModelRunner:
             assert state.num_computed_tokens == cached.num_computed_tokens, (
                 f"{cached.req_id}: runner at {state.num_computed_tokens}, scheduler at {cached.num_computed_tokens}"
             )
+
+    def _add_structured(self, new, eos_token_ids: list[int]) -> None:
+        """Start compiling the request's grammar now, off the step: its first sampling step waits for it."""
+        if self.structured_output is None:
+            from pagedllm.worker.structured_output import StructuredOutputManager  # xgrammar only when used
+
+            assert self.tokenizer is not None, "the front end refuses structured outputs without a tokenizer"
+            self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, eos_token_ids,
+                                                             self.device)
+        spec = new.sampling_params.structured_outputs
+        for req_id in [new.req_id] + [child_id for child_id, _ in new.fork_children]:
+            self.structured_output.add_sequence(req_id, spec, eos_token_ids)
 
     def _drop_state(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
@@ -268,9 +288,20 @@ class ModelRunner:
             )
             for state, req_id, params in row_owner
         ]
-        sampler_output = self.sampler(logits, SamplingMetadata.from_requests(rows, self.vocab_size, self.device))
+        sampling_metadata = SamplingMetadata.from_requests(rows, self.vocab_size, self.device)
+        if self.structured_output is not None:  # grammar masks for the constrained rows
+            sampling_metadata.token_bitmask = self.structured_output.fill_bitmask(
+                [(req_id, row.output_token_ids) for (_, req_id, _), row in zip(row_owner, rows)])
+        sampler_output = self.sampler(logits, sampling_metadata)
 
         sampled = sampler_output.sampled_token_ids.tolist()  # the step's one host sync
+        if sampling_metadata.token_bitmask is not None:
+            for row in sampling_metadata.token_bitmask[1]:
+                req_id = row_owner[row][1]
+                try:
+                    self.structured_output.accept(req_id, sampled[row])
+                except ValueError as error:  # e.g. min_tokens held back the EOS the grammar needed
+                    output.failed[req_id] = str(error)
         logprob_ids = logprob_values = ranks = None
         if sampler_output.logprobs is not None:
             logprob_ids = sampler_output.logprob_token_ids.tolist()

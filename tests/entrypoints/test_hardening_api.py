@@ -93,9 +93,10 @@ HOSTILE = [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "not supported"),
     ("tool_choice", "/v1/chat/completions",
      json.dumps({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}), 400, "not supported"),
-    ("response_format", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                                                            "response_format": {"type": "json_object"}}),
-     400, "not supported"),
+    ("response_format with a malformed schema", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}),
+     400, "invalid JSON schema"),
     ("chat min_tokens beyond the resolved max_tokens", "/v1/chat/completions",
      json.dumps({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5000}), 400, "min_tokens"),
     ("JSON nested 100k deep", "/v1/completions", "[" * 100_000 + "]" * 100_000, 400, "nested"),

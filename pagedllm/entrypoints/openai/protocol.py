@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedllm.errors import InvalidRequestError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 64
 """Most sequences one request may ask for (n and best_of)."""
@@ -28,6 +28,33 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
 
 
 class SamplingFields(OpenAIModel):
@@ -57,20 +84,32 @@ class SamplingFields(OpenAIModel):
     cache_salt: Optional[str] = Field(None, max_length=256)
     priority: int = Field(0, ge=-_INT64 - 1, le=_INT64)
     """vLLM's extra: lower runs sooner; needs a server started with --scheduling-policy priority."""
-    response_format: Optional[Any] = None
     # beam search, as vLLM: max(n, best_of) beams, the best n returned, each beam's text once final
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsField] = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _plain_text_only(cls, response_format):
-        # Structured output does not exist yet: refusing beats silently answering free text.
-        if response_format is not None and not (isinstance(response_format, dict)
-                                                and response_format.get("type") == "text"):
-            raise ValueError("response_format is not supported (only {\"type\": \"text\"})")
-        return response_format
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """response_format or structured_outputs as StructuredOutputsParams (None: free text).
+
+        OpenAI's json_schema is always enforced (as if strict were true): a constraint the sampler
+        applies costs nothing extra to apply fully."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("give either response_format or structured_outputs, not both")
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format of type json_schema needs json_schema.schema")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        so = self.structured_outputs
+        if so is None:
+            return None
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object)
 
     def make_sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """Build validated SamplingParams; a bad value raises InvalidRequestError naming it."""
@@ -89,6 +128,7 @@ class SamplingFields(OpenAIModel):
             extra.update(use_beam_search=True, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
         default_temperature = 0.0 if self.use_beam_search else 1.0
         try:
+            structured_outputs = self.structured_outputs_params()
             return SamplingParams(
                 n=self.n,
                 best_of=extra.pop("best_of", None),
@@ -109,6 +149,7 @@ class SamplingFields(OpenAIModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured_outputs,
                 **extra,
             )
         except (ValueError, TypeError, OverflowError) as e:  # whatever a hostile value trips, it is a 400
