@@ -208,6 +208,14 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
                 if not _is_finite(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                # The grammar's end is signalled by EOS: past it no token is allowed at all.
+                raise ValueError("structured_outputs cannot be combined with ignore_eos: a constrained output "
+                                 "ends with EOS when its grammar is complete")
         if self.use_beam_search is not False:
             self._validate_beam_search()
 
@@ -237,14 +245,6 @@ class SamplingParams:
         if refused:
             raise ValueError(f"use_beam_search does not support {', '.join(refused)} (each beam's chosen-token "
                              f"logprobs are reported with logprobs=0)")
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise ValueError(f"structured_outputs must be StructuredOutputsParams, "
-                                 f"got {type(self.structured_outputs).__name__}")
-            if self.ignore_eos:
-                # The grammar's end is signalled by EOS: past it no token is allowed at all.
-                raise ValueError("structured_outputs cannot be combined with ignore_eos: a constrained output "
-                                 "ends with EOS when its grammar is complete")
 
     @property
     def num_sequences(self) -> int:
