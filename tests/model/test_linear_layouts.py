@@ -12,7 +12,7 @@ from pagedllm.model import load_model
 from pagedllm.model.layers import embedding
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.model.layers.linear import (
-    PACKED_MAX_ROWS,
+    PACKED_ROWS,
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -21,7 +21,7 @@ from pagedllm.model.layers.linear import (
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 96, 4, 2, 16, 250  # odd vocab: TP padding
-ROWS = [1, 7, 64, PACKED_MAX_ROWS + 1]  # the packed GEMM, and F.linear past its row limit
+ROWS = [1, 7, 64, PACKED_ROWS[1] + 1]  # the packed GEMM at 7 and 64, F.linear outside its range
 ATOL = 1e-5
 HAS_MKL_PACK = hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
@@ -201,3 +201,18 @@ def test_loaded_model_is_converted(kind, tmp_path):
     assert (model.lm_head.packed_weight is not None) == HAS_MKL_PACK
     if kind == "llama_tied_scaled":
         assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.skipif(not HAS_MKL_PACK, reason="no MKL packed GEMM in this torch build")
+def test_packed_copy_serves_exactly_its_row_range():
+    """Row counts in PACKED_ROWS read the packed copy, others the weight: give the packed copy
+    another matrix's values and see which one each call used."""
+    w, other = rand(48, HIDDEN, seed=19), rand(48, HIDDEN, seed=20)
+    layer = ColumnParallelLinear(HIDDEN, 48)
+    layer.weight.weight_loader(layer.weight, w)
+    layer.process_weights_after_loading()
+    layer.packed_weight = embedding.mkl_pack(other)
+    low, high = PACKED_ROWS
+    for m, expected in [(low - 1, w), (low, other), (high, other), (high + 1, w)]:
+        x = rand(m, HIDDEN, seed=21)
+        torch.testing.assert_close(layer(x), F.linear(x, expected), atol=ATOL, rtol=0)

@@ -18,10 +18,10 @@ no better on these shapes and lost at 1 row). The values, the shapes and the sha
 so tensor parallelism and the weight loaders need nothing new. CUDA weights are left alone.
 
 Then it adds an MKL-packed copy of the weight (``cblas_sgemm_pack`` once; ``mkl_pack``) that
-calls of at most ``PACKED_MAX_ROWS`` rows use: over all 120 linears of the default model, 2
-threads, with a distinct weight per layer (so nothing stays in cache), the packed GEMM took
-0.53-0.73x the column-major F.linear at 8-64 rows (the decode batches a trace runs: ~14 on
-average), within noise at 1-4 and at 128, and 1.06x at 512 (prefill chunks keep F.linear).
+calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
+distinct weight per layer (so nothing stays in cache), the packed GEMM took 0.53-0.73x the
+column-major F.linear at 8-64 rows (the decode batches a trace runs: ~14 on average), 0.9x at
+128, 1.02x at 1 row (1.16x at 1 thread) and 1.06x at 512 (prefill chunks keep F.linear).
 The packed copy costs ~1.3x the weight's size in resident memory; the weight stays, for the
 long chunks and for everything that reads it.
 """
@@ -38,8 +38,9 @@ from pagedllm.distributed.shapes import tp_shape
 
 logger = logging.getLogger(__name__)
 
-PACKED_MAX_ROWS = 256
-"""Calls with more rows than this use F.linear on the column-major weight (see the module docstring)."""
+PACKED_ROWS = (2, 256)
+"""Calls with a row count in this range (inclusive) use the packed copy; others F.linear on the
+column-major weight (see the module docstring)."""
 
 
 def materialize(loaded) -> torch.Tensor:
@@ -81,7 +82,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the fastest call for ``x``'s row count."""
         packed = self.packed_weight
-        if packed is not None and x.dim() == 2 and 0 < x.shape[0] <= PACKED_MAX_ROWS and x.dtype == torch.float32:
+        if (packed is not None and x.dim() == 2 and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]
+                and x.dtype == torch.float32):
             # The op uses the packed copy only when the row count equals the batch size it is
             # given; the packed layout does not depend on it, so give it this call's row count.
             return torch.ops.mkl._mkl_linear(x, packed, self.weight, bias, x.shape[0])
