@@ -12,6 +12,7 @@ from pagedllm.model import load_model
 from pagedllm.model.layers import embedding
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.model.layers.linear import (
+    PACKED_ROWS,
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -20,7 +21,7 @@ from pagedllm.model.layers.linear import (
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 96, 4, 2, 16, 250  # odd vocab: TP padding
-ROWS = [1, 7, 64]
+ROWS = [1, 7, 64, PACKED_ROWS[1] + 1]  # the packed GEMM at 7 and 64, F.linear outside its range
 ATOL = 1e-5
 HAS_MKL_PACK = hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
@@ -33,6 +34,10 @@ def assert_converted(weight: torch.Tensor, original: torch.Tensor) -> None:
     assert weight.shape == original.shape
     assert weight.t().is_contiguous() and not weight.is_contiguous(), "expected [in, out] storage"
     assert torch.equal(weight, original)
+
+
+def assert_packed(layer) -> None:
+    assert (layer.packed_weight is not None) == HAS_MKL_PACK
 
 
 def check_rows(forward, reference, in_features: int = HIDDEN) -> None:
@@ -59,6 +64,7 @@ def test_replicated_and_column_linear(bias):
             original = layer.weight.detach().clone()
             layer.process_weights_after_loading()
             assert_converted(layer.weight, original)
+            assert_packed(layer)
             shards.append(layer)
         check_rows(lambda x: torch.cat([s(x) for s in shards], dim=-1), Ref(w, b if bias else None))
 
@@ -72,6 +78,7 @@ def test_qkv_shards(tp_size):
         for shard_id, tensor in zip("qkv", (q, k, v)):
             layer.weight.weight_loader(layer.weight, tensor, shard_id)
         layer.process_weights_after_loading()
+        assert_packed(layer)
         qs, kvs = layer.q_size, layer.kv_size
         kv_rows = slice(layer.kv_head_start * HEAD_DIM, layer.kv_head_start * HEAD_DIM + kvs)
         expected = torch.cat([q[rank * qs:(rank + 1) * qs], k[kv_rows], v[kv_rows]])
@@ -96,6 +103,7 @@ def test_merged_gate_up_and_row_parallel_down(tp_size):
             original = layer.weight.detach().clone()
             layer.process_weights_after_loading()
             assert_converted(layer.weight, original)
+            assert_packed(layer)
         gate_ups.append(gu)
         downs.append(dn)
 
@@ -162,6 +170,17 @@ def test_lm_head_falls_back_without_the_mkl_op(monkeypatch):
     torch.testing.assert_close(lm_head.compute_logits(x), F.linear(x, lm_head.weight), atol=ATOL, rtol=0)
 
 
+def test_linears_fall_back_without_the_mkl_op(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", None, raising=False)
+    w, b = rand(48, HIDDEN, seed=17), rand(48, seed=18)
+    layer = ColumnParallelLinear(HIDDEN, 48, bias=True)
+    layer.weight.weight_loader(layer.weight, w)
+    layer.bias.weight_loader(layer.bias, b)
+    layer.process_weights_after_loading()
+    assert layer.packed_weight is None
+    check_rows(layer, Ref(w, b))
+
+
 def test_only_float32_cpu_weights_change():
     layer = ColumnParallelLinear(HIDDEN, 48)
     layer.weight.data = rand(48, HIDDEN, seed=16).to(torch.bfloat16)
@@ -177,7 +196,23 @@ def test_loaded_model_is_converted(kind, tmp_path):
     linears = [m for m in model.modules() if hasattr(m, "weight") and hasattr(m, "input_size")]
     assert len(linears) == 4 * model.num_layers
     assert all(m.weight.t().is_contiguous() for m in linears)
+    assert all((m.packed_weight is not None) == HAS_MKL_PACK for m in linears)
     assert model.model.embed_tokens.weight.is_contiguous()
     assert (model.lm_head.packed_weight is not None) == HAS_MKL_PACK
     if kind == "llama_tied_scaled":
         assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.skipif(not HAS_MKL_PACK, reason="no MKL packed GEMM in this torch build")
+def test_packed_copy_serves_exactly_its_row_range():
+    """Row counts in PACKED_ROWS read the packed copy, others the weight: give the packed copy
+    another matrix's values and see which one each call used."""
+    w, other = rand(48, HIDDEN, seed=19), rand(48, HIDDEN, seed=20)
+    layer = ColumnParallelLinear(HIDDEN, 48)
+    layer.weight.weight_loader(layer.weight, w)
+    layer.process_weights_after_loading()
+    layer.packed_weight = embedding.mkl_pack(other)
+    low, high = PACKED_ROWS
+    for m, expected in [(low - 1, w), (low, other), (high, other), (high + 1, w)]:
+        x = rand(m, HIDDEN, seed=21)
+        torch.testing.assert_close(layer(x), F.linear(x, expected), atol=ATOL, rtol=0)

@@ -14,15 +14,12 @@ slice's size, kept even when the head is tied to the embedding, whose table it t
 Without the MKL op (a build without MKL, another architecture) the head uses ``F.linear``.
 """
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
-
-logger = logging.getLogger(__name__)
+from pagedllm.model.layers.linear import mkl_pack
 
 
 class VocabEmbedding(nn.Module):
@@ -73,18 +70,3 @@ class LMHead(VocabEmbedding):
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[:, : self.vocab_size]  # [N, vocab]
-
-
-def mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` packed by MKL for ``torch.ops.mkl._mkl_linear``; None where that cannot be."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
-        return None
-    reorder = getattr(torch.ops.mkl, "_mkl_reorder_linear_weight", None)
-    if reorder is None:
-        logger.info("this torch build has no MKL packed GEMM; the LM head uses F.linear")
-        return None
-    try:
-        return reorder(weight.contiguous(), 64)  # 64: a size hint; the packed layout is the same for any
-    except RuntimeError as e:  # registered but not built in (no MKL)
-        logger.info("MKL packed GEMM unavailable (%s); the LM head uses F.linear", e)
-        return None
