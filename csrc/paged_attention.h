@@ -36,7 +36,7 @@ struct WorkItem {
 
 // Scratch floats one call needs per thread for items of at most max_rows rows.
 static inline int64_t scratch_floats(int64_t max_rows, int64_t head_dim) {
-  const int64_t per_key = max_rows * (2 * head_dim + 4) + kKeyChunk + 64;
+  const int64_t per_key = max_rows * (2 * head_dim + kKeyChunk + 6) + 64;
   const int64_t rp = max_rows + kMaxTileMR;
   const int64_t tiled = rp * (2 * head_dim + kKeyTile + 6) + head_dim * kKeyTile + 64;
   return per_key > tiled ? per_key : tiled;

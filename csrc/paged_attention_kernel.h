@@ -26,6 +26,13 @@ static inline void key_offsets(const AttnParams& p, const int64_t* table, int64_
   }
 }
 
+// key_offsets for a chunk of kKeyChunk, the slots past n filled with key c0's (a valid row, read
+// and then masked) so the chunk is always scored whole.
+static inline void chunk_offsets(const AttnParams& p, const int64_t* table, int64_t c0, int64_t n, int64_t* offs) {
+  key_offsets(p, table, c0, n, offs);
+  for (int64_t j = n; j < kKeyChunk; ++j) offs[j] = offs[0];
+}
+
 // An item's rows leave the kernel: normalised into the output when the item covers the whole
 // context, or as a partial (unnormalised acc, running max and sum) for the split merge.
 // Row r is query qi = r / G, head g = r % G of the item's KV head (both paths order rows so).
@@ -49,18 +56,60 @@ static inline void store_item_rows(const AttnParams& p, const WorkItem& w, int64
   }
 }
 
+// o[r, d0:d0+W*VW] = alpha[r] o[r, ...] + sum_{j<n} p[r, j] v_j[d0:...] for RB rows (row stride
+// D in o, KC in p): each V row is loaded once for the RB rows, and RB * W independent
+// accumulator chains keep the FMA units busy (one row alone is a chain of n dependent FMAs).
+// Rows per P.V register block: a decode item of a GQA group of 3 is one block.
+constexpr int PV_RB = 3;
+
+template <int D, int RB, int W>
+static inline void pv_chunk(float* o, const float* pk, const float* alpha, const float* vbase,
+                            const int64_t* offs, int64_t n, int d0) {
+  constexpr int KC = kKeyChunk;
+  vf acc[RB][W];
+  for (int r = 0; r < RB; ++r) {
+    const vf a = vset1(alpha[r]);
+    for (int b = 0; b < W; ++b) acc[r][b] = vmul(vload(o + r * D + d0 + b * VW), a);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = vbase + offs[j] + d0;
+    vf vv[W];
+    for (int b = 0; b < W; ++b) vv[b] = vload(v + b * VW);
+    for (int r = 0; r < RB; ++r) {
+      const vf pj = vset1(pk[r * KC + j]);
+      for (int b = 0; b < W; ++b) acc[r][b] = vfma(pj, vv[b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < W; ++b) vstore(o + r * D + d0 + b * VW, acc[r][b]);
+}
+
+// P.V of rows [r0, r0 + RB) over D in register tiles of up to PV_W vectors.
+template <int D, int RB>
+static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha, const float* vbase,
+                                 const int64_t* offs, int64_t n, int64_t r0) {
+  constexpr int NV = D / VW;
+  constexpr int W = NV < PV_W ? NV : PV_W;
+  int d0 = 0;
+  for (; d0 + W * VW <= D; d0 += W * VW)
+    pv_chunk<D, RB, W>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
+  for (; d0 < D; d0 += VW) pv_chunk<D, RB, 1>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
+}
+
 template <int D>
 static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   constexpr int NV = D / VW;
   constexpr int KC = kKeyChunk;
+  static_assert(KC % VW == 0, "a key chunk is whole score vectors");
   const int64_t G = p.group, R = w.q_count * G;
-  float* qb = scratch;       // [R, D] scaled queries
-  float* acc = qb + R * D;   // [R, D] unnormalised outputs
-  float* mx = acc + R * D;   // [R] running max
-  float* sm = mx + R;        // [R] running sum
-  float* pr = sm + R;        // [KC] one row's probabilities for the chunk
+  float* qb = scratch;        // [R, D] scaled queries
+  float* acc = qb + R * D;    // [R, D] unnormalised outputs
+  float* st = acc + R * D;    // [R, KC] this chunk's scores, then probabilities
+  float* mx = st + R * KC;    // [R] running max
+  float* sm = mx + R;         // [R] running sum
+  float* alpha = sm + R;      // [R] this chunk's rescale of acc
   // [R] exclusive key limit per row, 8-byte aligned
-  int64_t* row_end = (int64_t*)(((uintptr_t)(pr + KC) + 7) & ~(uintptr_t)7);
+  int64_t* row_end = (int64_t*)(((uintptr_t)(alpha + R) + 7) & ~(uintptr_t)7);
 
   const int64_t seq_len = p.seq_lens[w.seq];
   const int64_t q0 = p.query_start_loc[w.seq];
@@ -87,55 +136,68 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   const float* kbase = p.kv + w.kv_head * p.kv_stride_head;
   const float* vbase = kbase + p.kv_stride_kv;
   int64_t offs[KC], next_offs[KC];
-  if (w.key_begin < key_stop) key_offsets(p, table, w.key_begin, min64(KC, key_stop - w.key_begin), offs);
+  if (w.key_begin < key_stop) chunk_offsets(p, table, w.key_begin, min64(KC, key_stop - w.key_begin), offs);
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KC) {
     const int64_t n = min64(KC, key_stop - c0);
     const int64_t c1 = c0 + KC;
     if (c1 < key_stop) {  // look the next chunk up now and start its loads early
       const int64_t n1 = min64(KC, key_stop - c1);
-      key_offsets(p, table, c1, n1, next_offs);
+      chunk_offsets(p, table, c1, n1, next_offs);
       for (int64_t j = 0; j < n1; ++j)
         for (int d = 0; d < D; d += 16) {
           __builtin_prefetch(kbase + next_offs[j] + d);
           __builtin_prefetch(vbase + next_offs[j] + d);
         }
     }
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t nr = min64(n, row_end[r] - c0);
-      if (nr <= 0) continue;
+    // Rows are in query order, so their key limits only grow: skip the leading rows that see
+    // none of this chunk (causal rows of a short chunk).
+    int64_t r_first = 0;
+    while (r_first < R && row_end[r_first] <= c0) ++r_first;
+
+    // Scores, VW keys at a time: one accumulator per key (vertical FMAs over head_dim), then one
+    // transpose-and-add for the VW keys, so no key pays a horizontal reduction alone. Keys past
+    // n read key c0 again (a valid row) and are masked.
+    for (int64_t r = r_first; r < R; ++r) {
       vf q[NV];
       for (int v = 0; v < NV; ++v) q[v] = vload(qb + r * D + v * VW);
-      float chunk_max = -INFINITY;
-      for (int64_t j = 0; j < nr; ++j) {
-        const float* k = kbase + offs[j];
-        vf a = vmul(q[0], vload(k));
-        for (int v = 1; v < NV; ++v) a = vfma(q[v], vload(k + v * VW), a);
-        const float s = vreduce_add(a);
-        pr[j] = s;
-        chunk_max = s > chunk_max ? s : chunk_max;
+      float* s = st + r * KC;
+      for (int b = 0; b < KC; b += VW) {
+        vf a[VW];
+        for (int j = 0; j < VW; ++j) {
+          const float* k = kbase + offs[b + j];
+          vf x = vmul(q[0], vload(k));
+          for (int v = 1; v < NV; ++v) x = vfma(q[v], vload(k + v * VW), x);
+          a[j] = x;
+        }
+        vstore(s + b, vsum_lanes(a));
       }
-      const float m_new = chunk_max > mx[r] ? chunk_max : mx[r];
-      const float alpha = expf(mx[r] - m_new);  // 0 on the row's first chunk (mx = -inf)
-      for (int64_t j = nr; j < KC; ++j) pr[j] = -INFINITY;
-      const vf vm = vset1(m_new);
-      float total = 0.f;
-      for (int j = 0; j < KC; j += VW) {
-        const vf e = vexp(vload(pr + j), vm);
-        vstore(pr + j, e);
-        total += vreduce_add(e);
-      }
-      sm[r] = sm[r] * alpha + total;
-      mx[r] = m_new;
-      vf o[NV];
-      const vf va = vset1(alpha);
-      for (int v = 0; v < NV; ++v) o[v] = vmul(vload(acc + r * D + v * VW), va);
-      for (int64_t j = 0; j < nr; ++j) {
-        const float* vv = vbase + offs[j];
-        const vf pj = vset1(pr[j]);
-        for (int v = 0; v < NV; ++v) o[v] = vfma(pj, vload(vv + v * VW), o[v]);
-      }
-      for (int v = 0; v < NV; ++v) vstore(acc + r * D + v * VW, o[v]);
     }
+    // Online softmax per row; the rows are independent, so their reductions overlap.
+    for (int64_t r = r_first; r < R; ++r) {
+      float* s = st + r * KC;
+      const int64_t nr = min64(n, row_end[r] - c0);
+      for (int64_t j = nr; j < KC; ++j) s[j] = -INFINITY;
+      vf vmx = vload(s);
+      for (int b = VW; b < KC; b += VW) vmx = vmax(vmx, vload(s + b));
+      const float chunk_max = vreduce_max(vmx);
+      const float m_new = chunk_max > mx[r] ? chunk_max : mx[r];
+      alpha[r] = expf(mx[r] - m_new);  // 0 on the row's first chunk (mx = -inf)
+      const vf vm = vset1(m_new);
+      vf tot = vzero();
+      for (int b = 0; b < KC; b += VW) {
+        const vf e = vexp(vload(s + b), vm);  // masked keys give exactly 0
+        vstore(s + b, e);
+        tot = vfma(e, vset1(1.f), tot);
+      }
+      sm[r] = sm[r] * alpha[r] + vreduce_add(tot);
+      mx[r] = m_new;
+    }
+    // P.V: each V row loaded once per block of PV_RB rows. Every key up to n is applied to every
+    // row: a row's masked keys have probability 0.
+    int64_t r0 = r_first;
+    for (; r0 + PV_RB <= R; r0 += PV_RB) pv_rows_chunk<D, PV_RB>(acc, st, alpha, vbase, offs, n, r0);
+    if (R - r0 == 2) pv_rows_chunk<D, 2>(acc, st, alpha, vbase, offs, n, r0);
+    if (R - r0 == 1) pv_rows_chunk<D, 1>(acc, st, alpha, vbase, offs, n, r0);
     for (int64_t j = 0; j < KC; ++j) offs[j] = next_offs[j];
   }
 
