@@ -35,16 +35,17 @@ static inline void chunk_offsets(const AttnParams& p, const int64_t* table, int6
 
 // An item's rows leave the kernel: normalised into the output when the item covers the whole
 // context, or as a partial (unnormalised acc, running max and sum) for the split merge.
-// Row r is query qi = r / G, head g = r % G of the item's KV head (both paths order rows so).
+// Row r is KV head h = r / (q_count * G), then query qi, then group member g (both paths order
+// rows so).
 template <int D>
 static inline void store_item_rows(const AttnParams& p, const WorkItem& w, int64_t q0, const float* acc,
                                    const float* mx, const float* sm) {
   constexpr int NV = D / VW;
-  const int64_t G = p.group, R = w.q_count * G;
+  const int64_t G = p.group, Rh = w.q_count * G, R = w.kv_heads * Rh;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t qi = r / G, g = r - qi * G;
+    const int64_t h = r / Rh, qi = (r - h * Rh) / G, g = r - h * Rh - qi * G;
     if (w.part < 0) {
-      float* dst = p.out + ((q0 + w.q_begin + qi) * p.num_heads + w.kv_head * G + g) * D;
+      float* dst = p.out + ((q0 + w.q_begin + qi) * p.num_heads + (w.kv_head + h) * G + g) * D;
       const vf inv = vset1(sm[r] > 0.f ? 1.f / sm[r] : 0.f);
       for (int v = 0; v < NV; ++v) vstore(dst + v * VW, vmul(vload(acc + r * D + v * VW), inv));
     } else {
@@ -61,6 +62,7 @@ static inline void store_item_rows(const AttnParams& p, const WorkItem& w, int64
 // accumulator chains keep the FMA units busy (one row alone is a chain of n dependent FMAs).
 // Rows per P.V register block: a decode item of a GQA group of 3 is one block.
 constexpr int PV_RB = 3;
+static_assert(PV_RB == 3, "run_item's P.V handles a remainder of at most 2 rows");
 
 template <int D, int RB, int W>
 static inline void pv_chunk(float* o, const float* pk, const float* alpha, const float* vbase,
@@ -101,14 +103,14 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   constexpr int NV = D / VW;
   constexpr int KC = kKeyChunk;
   static_assert(KC % VW == 0, "a key chunk is whole score vectors");
-  const int64_t G = p.group, R = w.q_count * G;
+  const int64_t G = p.group, Rh = w.q_count * G, R = w.kv_heads * Rh;
   float* qb = scratch;        // [R, D] scaled queries
   float* acc = qb + R * D;    // [R, D] unnormalised outputs
   float* st = acc + R * D;    // [R, KC] this chunk's scores, then probabilities
   float* mx = st + R * KC;    // [R] running max
   float* sm = mx + R;         // [R] running sum
   float* alpha = sm + R;      // [R] this chunk's rescale of acc
-  // [R] exclusive key limit per row, 8-byte aligned
+  // [Rh] exclusive key limit per row of a head (the same for every head), 8-byte aligned
   int64_t* row_end = (int64_t*)(((uintptr_t)(alpha + R) + 7) & ~(uintptr_t)7);
 
   const int64_t seq_len = p.seq_lens[w.seq];
@@ -117,24 +119,27 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   const vf vscale = vset1(p.scale);
   int64_t key_stop = w.key_begin;
   for (int64_t qi = 0; qi < w.q_count; ++qi) {
-    const int64_t tok = q0 + w.q_begin + qi;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = qi * G + g;
-      const float* src = p.query + tok * p.q_stride_tok + (w.kv_head * G + g) * p.q_stride_head;
-      for (int v = 0; v < NV; ++v) {
-        vstore(qb + r * D + v * VW, vmul(vload(src + v * VW), vscale));
-        vstore(acc + r * D + v * VW, vzero());
-      }
-      mx[r] = -INFINITY;
-      sm[r] = 0.f;
-      row_end[r] = min64(first_pos + w.q_begin + qi + 1, w.key_end);
-      key_stop = max64(key_stop, row_end[r]);
+    const int64_t end = min64(first_pos + w.q_begin + qi + 1, w.key_end);
+    for (int64_t g = 0; g < G; ++g) row_end[qi * G + g] = end;
+    key_stop = max64(key_stop, end);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t h = r / Rh, qi = (r - h * Rh) / G, g = r - h * Rh - qi * G;
+    const float* src = p.query + (q0 + w.q_begin + qi) * p.q_stride_tok + ((w.kv_head + h) * G + g) * p.q_stride_head;
+    for (int v = 0; v < NV; ++v) {
+      vstore(qb + r * D + v * VW, vmul(vload(src + v * VW), vscale));
+      vstore(acc + r * D + v * VW, vzero());
     }
+    mx[r] = -INFINITY;
+    sm[r] = 0.f;
   }
 
+  // All the item's KV heads go through a chunk together: a token's K (and V) rows of adjacent
+  // heads are adjacent in memory, so a block is read as one run instead of one stride per head
+  // (and two threads never pull the same block's lines into both their caches).
   const int64_t* table = p.block_tables + w.seq * p.bt_stride;
   const float* kbase = p.kv + w.kv_head * p.kv_stride_head;
-  const float* vbase = kbase + p.kv_stride_kv;
+  const float* vbase0 = kbase + p.kv_stride_kv;
   int64_t offs[KC], next_offs[KC];
   if (w.key_begin < key_stop) chunk_offsets(p, table, w.key_begin, min64(KC, key_stop - w.key_begin), offs);
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KC) {
@@ -144,60 +149,66 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       const int64_t n1 = min64(KC, key_stop - c1);
       chunk_offsets(p, table, c1, n1, next_offs);
       for (int64_t j = 0; j < n1; ++j)
-        for (int d = 0; d < D; d += 16) {
-          __builtin_prefetch(kbase + next_offs[j] + d);
-          __builtin_prefetch(vbase + next_offs[j] + d);
-        }
+        for (int64_t h = 0; h < w.kv_heads; ++h)
+          for (int d = 0; d < D; d += 16) {
+            __builtin_prefetch(kbase + h * p.kv_stride_head + next_offs[j] + d);
+            __builtin_prefetch(vbase0 + h * p.kv_stride_head + next_offs[j] + d);
+          }
     }
-    // Rows are in query order, so their key limits only grow: skip the leading rows that see
-    // none of this chunk (causal rows of a short chunk).
+    // A head's rows are in query order, so their key limits only grow: skip the leading rows
+    // that see none of this chunk (causal rows of a short chunk).
     int64_t r_first = 0;
-    while (r_first < R && row_end[r_first] <= c0) ++r_first;
+    while (r_first < Rh && row_end[r_first] <= c0) ++r_first;
 
-    // Scores, VW keys at a time: one accumulator per key (vertical FMAs over head_dim), then one
-    // transpose-and-add for the VW keys, so no key pays a horizontal reduction alone. Keys past
-    // n read key c0 again (a valid row) and are masked.
-    for (int64_t r = r_first; r < R; ++r) {
-      vf q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = vload(qb + r * D + v * VW);
-      float* s = st + r * KC;
-      for (int b = 0; b < KC; b += VW) {
-        vf a[VW];
-        for (int j = 0; j < VW; ++j) {
-          const float* k = kbase + offs[b + j];
-          vf x = vmul(q[0], vload(k));
-          for (int v = 1; v < NV; ++v) x = vfma(q[v], vload(k + v * VW), x);
-          a[j] = x;
+    for (int64_t h = 0; h < w.kv_heads; ++h) {
+      const float* kb = kbase + h * p.kv_stride_head;
+      const float* vb = vbase0 + h * p.kv_stride_head;
+      const int64_t rb = h * Rh + r_first, re = (h + 1) * Rh;
+      // Scores, VW keys at a time: one accumulator per key (vertical FMAs over head_dim), then
+      // one transpose-and-add for the VW keys, so no key pays a horizontal reduction alone.
+      // Keys past n read key c0 again (a valid row) and are masked.
+      for (int64_t r = rb; r < re; ++r) {
+        vf q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = vload(qb + r * D + v * VW);
+        float* s = st + r * KC;
+        for (int b = 0; b < KC; b += VW) {
+          vf a[VW];
+          for (int j = 0; j < VW; ++j) {
+            const float* k = kb + offs[b + j];
+            vf x = vmul(q[0], vload(k));
+            for (int v = 1; v < NV; ++v) x = vfma(q[v], vload(k + v * VW), x);
+            a[j] = x;
+          }
+          vstore(s + b, vsum_lanes(a));
         }
-        vstore(s + b, vsum_lanes(a));
       }
-    }
-    // Online softmax per row; the rows are independent, so their reductions overlap.
-    for (int64_t r = r_first; r < R; ++r) {
-      float* s = st + r * KC;
-      const int64_t nr = min64(n, row_end[r] - c0);
-      for (int64_t j = nr; j < KC; ++j) s[j] = -INFINITY;
-      vf vmx = vload(s);
-      for (int b = VW; b < KC; b += VW) vmx = vmax(vmx, vload(s + b));
-      const float chunk_max = vreduce_max(vmx);
-      const float m_new = chunk_max > mx[r] ? chunk_max : mx[r];
-      alpha[r] = expf(mx[r] - m_new);  // 0 on the row's first chunk (mx = -inf)
-      const vf vm = vset1(m_new);
-      vf tot = vzero();
-      for (int b = 0; b < KC; b += VW) {
-        const vf e = vexp(vload(s + b), vm);  // masked keys give exactly 0
-        vstore(s + b, e);
-        tot = vfma(e, vset1(1.f), tot);
+      // Online softmax per row; the rows are independent, so their reductions overlap.
+      for (int64_t r = rb; r < re; ++r) {
+        float* s = st + r * KC;
+        const int64_t nr = min64(n, row_end[r - h * Rh] - c0);
+        for (int64_t j = nr; j < KC; ++j) s[j] = -INFINITY;
+        vf vmx = vload(s);
+        for (int b = VW; b < KC; b += VW) vmx = vmax(vmx, vload(s + b));
+        const float chunk_max = vreduce_max(vmx);
+        const float m_new = chunk_max > mx[r] ? chunk_max : mx[r];
+        alpha[r] = expf(mx[r] - m_new);  // 0 on the row's first chunk (mx = -inf)
+        const vf vm = vset1(m_new);
+        vf tot = vzero();
+        for (int b = 0; b < KC; b += VW) {
+          const vf e = vexp(vload(s + b), vm);  // masked keys give exactly 0
+          vstore(s + b, e);
+          tot = vfma(e, vset1(1.f), tot);
+        }
+        sm[r] = sm[r] * alpha[r] + vreduce_add(tot);
+        mx[r] = m_new;
       }
-      sm[r] = sm[r] * alpha[r] + vreduce_add(tot);
-      mx[r] = m_new;
+      // P.V: each V row loaded once per block of PV_RB rows. Every key up to n is applied to
+      // every row: a row's masked keys have probability 0.
+      int64_t r0 = rb;
+      for (; r0 + PV_RB <= re; r0 += PV_RB) pv_rows_chunk<D, PV_RB>(acc, st, alpha, vb, offs, n, r0);
+      if (re - r0 == 2) pv_rows_chunk<D, 2>(acc, st, alpha, vb, offs, n, r0);
+      if (re - r0 == 1) pv_rows_chunk<D, 1>(acc, st, alpha, vb, offs, n, r0);
     }
-    // P.V: each V row loaded once per block of PV_RB rows. Every key up to n is applied to every
-    // row: a row's masked keys have probability 0.
-    int64_t r0 = r_first;
-    for (; r0 + PV_RB <= R; r0 += PV_RB) pv_rows_chunk<D, PV_RB>(acc, st, alpha, vbase, offs, n, r0);
-    if (R - r0 == 2) pv_rows_chunk<D, 2>(acc, st, alpha, vbase, offs, n, r0);
-    if (R - r0 == 1) pv_rows_chunk<D, 1>(acc, st, alpha, vbase, offs, n, r0);
     for (int64_t j = 0; j < KC; ++j) offs[j] = next_offs[j];
   }
 
