@@ -64,8 +64,10 @@ static inline vf vexp(vf x, vf m) {
 constexpr int MR = 6;
 constexpr int NB = 4;
 
-// The per-key path's P.V register block: 3 rows x PV_W vectors of accumulators.
+// The per-key path's registers: P.V blocks of 3 rows x PV_W vectors of accumulators (plus PV_W
+// loads and a broadcast); scores hold SCORE_QV query vectors beside the VW key accumulators.
 constexpr int PV_W = 4;
+constexpr int SCORE_QV = 8;
 
 #include "paged_attention_kernel.h"
 

@@ -184,17 +184,21 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       // Scores, VW keys at a time: one accumulator per key (vertical FMAs over head_dim), then
       // one transpose-and-add for the VW keys, so no key pays a horizontal reduction alone.
       // Keys past n read key c0 again (a valid row) and are masked.
+      // The query is held SCORE_QV vectors at a time, so VW accumulators plus the query fit
+      // the register file (AVX2: 8 + 4 of 16).
       for (int64_t r = rb; r < re; ++r) {
-        vf q[NV];
-        for (int v = 0; v < NV; ++v) q[v] = vload(qb + r * D + v * VW);
         float* s = st + r * KC;
         for (int b = 0; b < KC; b += VW) {
           vf a[VW];
-          for (int j = 0; j < VW; ++j) {
-            const float* k = kb + offs[b + j];
-            vf x = vmul(q[0], vload(k));
-            for (int v = 1; v < NV; ++v) x = vfma(q[v], vload(k + v * VW), x);
-            a[j] = x;
+          for (int v0 = 0; v0 < NV; v0 += SCORE_QV) {
+            vf q[SCORE_QV];
+            for (int i = 0; i < SCORE_QV && v0 + i < NV; ++i) q[i] = vload(qb + r * D + (v0 + i) * VW);
+            for (int j = 0; j < VW; ++j) {
+              const float* k = kb + offs[b + j] + v0 * VW;
+              vf x = v0 == 0 ? vmul(q[0], vload(k)) : vfma(q[0], vload(k), a[j]);
+              for (int i = 1; i < SCORE_QV && v0 + i < NV; ++i) x = vfma(q[i], vload(k + i * VW), x);
+              a[j] = x;
+            }
           }
           vstore(s + b, vsum_lanes(a));
         }

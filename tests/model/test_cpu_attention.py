@@ -100,6 +100,13 @@ def test_decode_items_of_several_kv_heads(num_heads, num_kv_heads, block_size, h
     check(seq_lens, ones, num_splits=3, **kw)  # grouped items through the split merge
 
 
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_per_key_path_other_head_dims(head_dim):
+    # The query held in passes of SCORE_QV vectors (AVX2: 80 = 8 + 2 vectors, 256 = 4 passes),
+    # P.V register blocks narrower than the head with a one-vector remainder.
+    check([140, 70, 17], [1, 2, 1], paths=("per_key",), head_dim=head_dim, seed=head_dim)
+
+
 def test_short_chunks_per_key_path_grouped_heads():
     # 2 and 3 query rows x 3 heads: 6 / 9 rows per head, so items of 2 + 1 and of 1 KV head;
     # causal rows inside a chunk see different numbers of its keys.
