@@ -1,10 +1,11 @@
 // The paged-attention kernel body, written once over a small vector vocabulary that each ISA file
 // defines before including it (vf, VW, vload, vstore, vset1, vzero, vfma, vmul, vmax, vexp,
-// vreduce_add). Included inside an anonymous namespace, so each ISA gets its own private copy.
+// vreduce_add, vreduce_max, vsum_lanes). Included inside an anonymous namespace, so each ISA gets
+// its own private copy.
 //
-// One item = (sequence, KV head, tile of query rows, key range). The KV head's query group is
-// folded into the rows (row = query_row * group + g), so each K/V row is read from memory once
-// per item and reused from L1 by every row. Keys are streamed in chunks of kKeyChunk through the
+// One item = (sequence, KV heads, tile of query rows, key range). Each KV head's query group is
+// folded into the rows (row = (head * query_rows + query_row) * group + g), so each K/V row is
+// read from memory once per item and reused from L1 by every row. Keys are streamed in chunks of kKeyChunk through the
 // block table with an online softmax; row r of a sequence with query_len Q and seq_len L sees
 // keys [0, L - Q + r] (causal over the cached prefix and the chunk itself).
 
