@@ -99,29 +99,6 @@ static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha
   for (; d0 < D; d0 += VW) pv_chunk<D, RB, 1>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
 }
 
-// Chunks the per-key path prefetches ahead of the one it scores, the item's first ones at its
-// start (measured, 1 thread, AVX-512, decode 32x512 to 32x1024, op / SDPA: no prefetch
-// 0.85-0.96, 1 ahead 0.72-0.78; 2 to 4 ahead 2-4% faster than 1, within the noise of each other;
-// into L2 only (T1/T2 hints) 5-10% slower than into L1).
-constexpr int64_t kPrefetchChunks = 2;
-
-// Prefetches the K and V rows of keys [c, c + kKeyChunk) of kv_heads heads (a block's run of
-// adjacent heads), when c is before key_stop.
-template <int D>
-static inline void prefetch_chunk(const AttnParams& p, const int64_t* table, const float* kbase, const float* vbase,
-                                  int64_t kv_heads, int64_t c, int64_t key_stop) {
-  if (c >= key_stop) return;
-  const int64_t n = min64(kKeyChunk, key_stop - c);
-  int64_t offs[kKeyChunk];
-  key_offsets(p, table, c, n, offs);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int d = 0; d < D; d += 16) {  // one 64-byte line per 16 floats
-        __builtin_prefetch(kbase + h * p.kv_stride_head + offs[j] + d);
-        __builtin_prefetch(vbase + h * p.kv_stride_head + offs[j] + d);
-      }
-}
-
 template <int D>
 static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   constexpr int NV = D / VW;
@@ -165,14 +142,24 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   const float* kbase = p.kv + w.kv_head * p.kv_stride_head;
   const float* vbase0 = kbase + p.kv_stride_kv;
   int64_t offs[KC], next_offs[KC];
-  for (int64_t i = 1; i < kPrefetchChunks; ++i)  // the first chunk's loads come now anyway
-    prefetch_chunk<D>(p, table, kbase, vbase0, w.kv_heads, w.key_begin + i * KC, key_stop);
   if (w.key_begin < key_stop) chunk_offsets(p, table, w.key_begin, min64(KC, key_stop - w.key_begin), offs);
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KC) {
     const int64_t n = min64(KC, key_stop - c0);
     const int64_t c1 = c0 + KC;
-    if (c1 < key_stop) chunk_offsets(p, table, c1, min64(KC, key_stop - c1), next_offs);
-    prefetch_chunk<D>(p, table, kbase, vbase0, w.kv_heads, c0 + kPrefetchChunks * KC, key_stop);
+    // Look the next chunk up now and start its loads early. (Measured, 1 thread, AVX-512, decode
+    // 32x512 and 64x512, op / SDPA: no prefetch 0.85-0.96, this 0.71-0.77; 2 chunks ahead with
+    // a second table walk per chunk, and the item's second chunk prefetched at its start,
+    // 0.86-0.97; prefetching into L2 only (T1/T2 hints) 5-10% slower than into L1.)
+    if (c1 < key_stop) {
+      const int64_t n1 = min64(KC, key_stop - c1);
+      chunk_offsets(p, table, c1, n1, next_offs);
+      for (int64_t j = 0; j < n1; ++j)
+        for (int64_t h = 0; h < w.kv_heads; ++h)
+          for (int d = 0; d < D; d += 16) {  // one 64-byte line per 16 floats
+            __builtin_prefetch(kbase + h * p.kv_stride_head + next_offs[j] + d);
+            __builtin_prefetch(vbase0 + h * p.kv_stride_head + next_offs[j] + d);
+          }
+    }
     // A head's rows are in query order, so their key limits only grow: skip the leading rows
     // that see none of this chunk (causal rows of a short chunk).
     int64_t r_first = 0;
