@@ -28,15 +28,17 @@ struct AttnParams {
   float scale;
 };
 
-// One unit of work: a tile of one sequence's query rows for one KV head (its whole query group),
-// over keys [key_begin, key_end). part < 0: write the final output; else write partials there.
+// One unit of work: a tile of one sequence's query rows for KV heads [kv_head, kv_head + kv_heads)
+// (each with its whole query group), over keys [key_begin, key_end). part < 0: write the final
+// output; else write partials there. Rows are ordered head, then query row, then group member.
+// Only per-key path items (few rows per head) hold more than one KV head.
 struct WorkItem {
-  int64_t seq, kv_head, q_begin, q_count, key_begin, key_end, part, cost;
+  int64_t seq, kv_head, kv_heads, q_begin, q_count, key_begin, key_end, part, cost;
 };
 
 // Scratch floats one call needs per thread for items of at most max_rows rows.
 static inline int64_t scratch_floats(int64_t max_rows, int64_t head_dim) {
-  const int64_t per_key = max_rows * (2 * head_dim + 4) + kKeyChunk + 64;
+  const int64_t per_key = max_rows * (2 * head_dim + kKeyChunk + 6) + 64;
   const int64_t rp = max_rows + kMaxTileMR;
   const int64_t tiled = rp * (2 * head_dim + kKeyTile + 6) + head_dim * kKeyTile + 64;
   return per_key > tiled ? per_key : tiled;

@@ -28,6 +28,10 @@ constexpr int64_t kDefaultTileMinRows = 10;
 // more (192 measured 5-10% faster than 96 on 1x512 and 4x256 prefill, 1 thread), fewer leave
 // more items for the threads (the balance below caps it).
 constexpr int64_t kDefaultTileRows = 192;
+// The most rows (KV heads x query rows x group) a per-key path item groups: a decode item of the
+// default model (3 KV heads x 3 query heads) reads each whole block in one pass; 16 rows of state
+// stay in L1.
+constexpr int64_t kMaxGroupedRows = 16;
 
 int64_t best_isa() {
   static const int64_t isa = [] {
@@ -76,7 +80,7 @@ int64_t split_items(std::vector<WorkItem>& items, std::vector<SplitGroup>& group
       s.key_begin = k;
       s.key_end = std::min(w.key_end, k + per);
       s.part = parts++;
-      s.cost = (s.key_end - s.key_begin) * (w.q_count + 4);
+      s.cost = (s.key_end - s.key_begin) * (w.q_count * w.kv_heads + 4);
       out.push_back(s);
       ++g.num_parts;
     }
@@ -94,11 +98,12 @@ void merge_splits(const AttnParams& p, const std::vector<SplitGroup>& groups) {
       const SplitGroup& g = groups[gi];
       const WorkItem& w = g.item;
       const int64_t q0 = p.query_start_loc[w.seq];
-      for (int64_t r = 0; r < w.q_count * G; ++r) {
+      const int64_t Rh = w.q_count * G;
+      for (int64_t r = 0; r < w.kv_heads * Rh; ++r) {  // rows ordered as in store_item_rows
         float m = -INFINITY;
         for (int64_t s = 0; s < g.num_parts; ++s) m = std::max(m, p.part_max[(g.first_part + s) * p.max_rows + r]);
-        const int64_t tok = q0 + w.q_begin + r / G;
-        float* dst = p.out + (tok * p.num_heads + w.kv_head * G + r % G) * D;
+        const int64_t h = r / Rh, tok = q0 + w.q_begin + (r - h * Rh) / G;
+        float* dst = p.out + (tok * p.num_heads + (w.kv_head + h) * G + r % G) * D;
         std::fill(dst, dst + D, 0.f);
         float total = 0.f;
         for (int64_t s = 0; s < g.num_parts; ++s) {
@@ -170,8 +175,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
     for (int64_t qb = 0; qb < q_len; qb += t) {
       const int64_t qc = std::min(t, q_len - qb);
       const int64_t key_end = first_pos + qb + qc;
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        items.push_back(WorkItem{s, h, qb, qc, 0, key_end, -1, key_end * (qc * group + 4)});
+      // Per-key path items take several KV heads (up to kMaxGroupedRows rows) so each block is
+      // read as one run; tiled items keep one head (their rows already reuse each key tile).
+      const int64_t rows = qc * group;
+      const int64_t heads = rows >= tile_min_rows ? 1 : std::max<int64_t>(1, std::min(num_kv_heads, kMaxGroupedRows / rows));
+      for (int64_t h = 0; h < num_kv_heads; h += heads) {
+        const int64_t nh = std::min(heads, num_kv_heads - h);
+        items.push_back(WorkItem{s, h, nh, qb, qc, 0, key_end, -1, key_end * (rows * nh + 4)});
+      }
     }
   }
   std::vector<SplitGroup> groups;
@@ -180,7 +191,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
   int64_t max_rows = 0;
-  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.q_count * group);
+  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.kv_heads * w.q_count * group);
   at::Tensor part_acc, part_max, part_sum;
   if (num_parts > 0) {
     part_acc = at::empty({num_parts, max_rows, head_dim}, query.options());

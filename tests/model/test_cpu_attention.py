@@ -88,6 +88,32 @@ def test_mha_gqa_mqa(num_heads, num_kv_heads):
     check([45, 130, 9], [1, 20, 9], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=4)
 
 
+# Decode items of the per-key path hold several KV heads (up to 16 rows): a whole group of heads
+# (9 / 3), a remainder item (20 MHA heads: 16 + 4; 24 / 8 with groups of 3: 5 + 3 heads), and
+# contexts that end inside a 16-key chunk and inside a block.
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (20, 20), (24, 8), (16, 4)])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (16, 128), (32, 64)])
+def test_decode_items_of_several_kv_heads(num_heads, num_kv_heads, block_size, head_dim):
+    seq_lens, ones = [1, 15, 16, 17, 47, 129, 200], [1] * 7
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim, seed=11)
+    check(seq_lens, ones, paths=("default", "per_key"), **kw)
+    check(seq_lens, ones, num_splits=3, **kw)  # grouped items through the split merge
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_per_key_path_other_head_dims(head_dim):
+    # The query held in passes of SCORE_QV vectors (AVX2: 80 = 8 + 2 vectors, 256 = 4 passes),
+    # P.V register blocks narrower than the head with a one-vector remainder.
+    check([140, 70, 17], [1, 2, 1], paths=("per_key",), head_dim=head_dim, seed=head_dim)
+
+
+def test_short_chunks_per_key_path_grouped_heads():
+    # 2 and 3 query rows x 3 heads: 6 / 9 rows per head, so items of 2 + 1 and of 1 KV head;
+    # causal rows inside a chunk see different numbers of its keys.
+    check([40, 33, 18], [2, 3, 3], paths=("default", "per_key"), seed=12)
+    check([40, 33, 18], [2, 3, 3], num_splits=2, paths=("per_key",), seed=13)
+
+
 def test_blocks_shared_by_several_sequences():
     check([70, 90, 66, 49], [1, 5, 1, 17], shared_prefix_blocks=3, seed=5)
 

@@ -34,8 +34,12 @@ CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
-# so the library built on one machine runs on any x86-64 CPU with AVX2).
-CFLAGS = ("-O3", "-fno-math-errno")
+# so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile
+# time only: at::parallel_for is an inline `#pragma omp parallel`, which without it runs on one
+# thread whatever torch.set_num_threads says (the op ran single-threaded until this flag). Not at
+# link time: the GOMP symbols resolve to the libgomp torch already loaded, so the op shares
+# torch's intra-op threads instead of starting a second pool.
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_OP"
 DIR_ENV = "PAGEDLLM_CPU_OP_DIR"
