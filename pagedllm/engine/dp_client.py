@@ -79,7 +79,8 @@ class DPCoreClient:
     """Several cores behind one client. Construct, `await wait_ready()`, then use like MPCoreClient."""
 
     def __init__(self, engine_args: EngineArgs, log_level: str = "INFO", kv_cache_manager_factory=None,
-                 metrics=None) -> None:
+                 metrics=None, replicas: list | None = None) -> None:
+        """replicas: clients already made (tests); default: start data_parallel_size of them."""
         config = engine_args.parallel_config()
         self.num_replicas = config.data_parallel_size
         self.metrics = metrics
@@ -98,7 +99,9 @@ class DPCoreClient:
         self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self._closed = False
-        if config.uses_ray:
+        if replicas is not None:
+            self.replicas = replicas
+        elif config.uses_ray:
             from pagedllm.engine.ray_replica import start_ray_replicas
 
             self.replicas = start_ray_replicas(engine_args, config, log_level)
