@@ -19,6 +19,7 @@ cores the replicas compete for the same cores, so N replicas cannot beat one).
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import tempfile
@@ -76,8 +77,6 @@ def _metric_totals(url: str) -> dict[str, float]:
 
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    import os
-
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 

@@ -30,7 +30,7 @@ import zmq
 from pagedllm.config import EngineArgs
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.engine.core_client import MPCoreClient
-from pagedllm.engine.dp_router import DPRouter, NoReplicaUpError, RouteReason
+from pagedllm.engine.dp_router import DPRouter, NoReplicaUpError
 from pagedllm.engine.protocol import (
     CoreMessage,
     EngineStatsMsg,

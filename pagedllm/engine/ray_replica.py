@@ -22,11 +22,9 @@ import os
 import threading
 import time
 
-import zmq
-
 from pagedllm.config import EngineArgs, ParallelConfig
 from pagedllm.engine.core_client import MPCoreClient
-from pagedllm.engine.protocol import ReadyMsg, ShutdownMsg
+from pagedllm.engine.protocol import ReadyMsg
 from pagedllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -62,11 +60,9 @@ class EngineReplicaActor:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the core for good (no restart follows)."""
-        self._stopping = True
-        self.process.join(timeout_s)  # the front end sent it a ShutdownMsg
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout_s)
+        self._stopping = True  # before the core exits, or its exit would look like a death
+        self.process.terminate()  # SIGTERM: the core leaves its loop and closes cleanly
+        self.process.join(timeout_s)
         if self.process.is_alive():
             self.process.kill()
 
@@ -129,10 +125,6 @@ class RayCoreClient(MPCoreClient):
         import ray
 
         self._monitor.get_loop().call_soon_threadsafe(self._monitor.cancel)
-        try:
-            self._input_socket.send(self._encoder.encode(ShutdownMsg()), zmq.NOBLOCK)
-        except Exception:
-            pass
         try:
             ray.get(self.actor.stop.remote(timeout_s), timeout=timeout_s + 5)
         except Exception:
