@@ -14,7 +14,8 @@ bounded concurrency. Each configuration gets a fresh server:
 Reported per configuration: wall time and generated tokens/s, the prefix-cache hit rate (prompt tokens
 found cached / looked up, over the server's totals), routing decisions, and the CPU seconds spent by
 the API-server process and by the engine-core processes (where the time goes: on a machine with few
-cores the replicas compete for the same cores, so N replicas cannot beat one).
+cores the replicas compete for the same cores, so N replicas cannot beat one). Hit rate, routing and
+CPU seconds are those of the first pass; `--repeats` adds passes in ABBA order for the throughput.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +45,8 @@ def add_data_parallel_parser(bsub, common) -> None:
     p.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own suffix")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight after the warm-ups")
+    p.add_argument("--repeats", type=int, default=1, help="run the configs this many times, in ABBA order "
+                                                           "(every other pass reversed): shared machines drift")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts' random tokens")
 
 
@@ -154,12 +158,20 @@ def bench_data_parallel(args, engine_args: dict) -> dict:
         "prefix-affinity": {"data_parallel_size": args.replicas, "routing": "prefix-affinity"},
         "single": {"data_parallel_size": 1, "routing": "least-loaded"},
     }
-    results = {}
-    for name in [c for c in args.configs.split(",") if c]:
+    names = [c for c in args.configs.split(",") if c]
+    for name in names:
         if name not in runs:
             raise ValueError(f"unknown config {name!r}; choose from {', '.join(runs)}")
-        serve = _serve_args({**engine_args, **runs[name]})
-        results[name] = {**runs[name], **run_config(serve, warmups, rest, args.output_len, args.concurrency)}
+    results: dict[str, dict] = {}
+    for k in range(args.repeats):
+        for name in names if k % 2 == 0 else names[::-1]:
+            serve = _serve_args({**engine_args, **runs[name]})
+            measured = run_config(serve, warmups, rest, args.output_len, args.concurrency)
+            if name not in results:
+                results[name] = {**runs[name], **measured, "tokens_per_s_runs": []}
+            results[name]["tokens_per_s_runs"].append(measured["tokens_per_s"])
+    for r in results.values():
+        r["tokens_per_s_median"] = statistics.median(r["tokens_per_s_runs"])
     result = {"engine_args": engine_args, "groups": args.groups, "per_group": args.per_group,
               "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "output_len": args.output_len,
               "concurrency": args.concurrency, "runs": results}
@@ -169,9 +181,10 @@ def bench_data_parallel(args, engine_args: dict) -> dict:
 
 
 def data_parallel_table(result: dict) -> str:
-    headers = ["run", "replicas", "tokens/s", "wall s", "prefix hit rate", "affinity hits", "API CPU s",
-               "cores CPU s"]
-    rows = [[name, r["data_parallel_size"], r["tokens_per_s"], r["wall_s"], r["prefix_hit_rate"],
+    headers = ["run", "replicas", "tokens/s (median)", "tokens/s (each pass)", "prefix hit rate", "affinity hits",
+               "API CPU s", "cores CPU s"]
+    rows = [[name, r["data_parallel_size"], r["tokens_per_s_median"],
+             " / ".join(f"{t:.2f}" for t in r["tokens_per_s_runs"]), r["prefix_hit_rate"],
              int(r["routing"].get("affinity_hit", 0)), r["api_server_cpu_s"], r["engine_cores_cpu_s"]]
             for name, r in result["runs"].items()]
     return format_table(headers, rows)

@@ -139,9 +139,11 @@ def start_ray_replicas(engine_args: EngineArgs, config: ParallelConfig, log_leve
 
     if not ray.is_initialized():
         address = config.ray_address or os.environ.get("RAY_ADDRESS")
-        kwargs = {} if address else {"num_cpus": config.data_parallel_size * config.tensor_parallel_size}
+        # "local": a private instance even when a cluster was `ray start`ed on this machine
+        kwargs = {"address": address} if address else {
+            "address": "local", "num_cpus": config.data_parallel_size * config.tensor_parallel_size}
         env = {k: os.environ[k] for k in ("PYTHONPATH", "OMP_WAIT_POLICY") if k in os.environ}
-        ray.init(address=address, include_dashboard=False, runtime_env={"env_vars": env} if env else None,
+        ray.init(include_dashboard=False, runtime_env={"env_vars": env} if env else None,
                  logging_level=logging.WARNING, **kwargs)
     host = ray.util.get_node_ip_address()
     actor_cls = ray.remote(EngineReplicaActor)
