@@ -197,6 +197,21 @@ class ParallelConfig:
     distributed_secret: str | None = dataclasses.field(default=None, repr=False)
     """Shared secret a worker must prove it knows before it may join (HMAC challenge-response).
     Required when workers join from elsewhere; None with only local workers: a random one per engine."""
+    data_parallel_size: int = 1
+    """Engine replicas behind one front end, each with its own KV cache (and its own TP ranks)."""
+    distributed_executor_backend: str = "mp"
+    """How replicas are started: "mp" (local processes) or "ray" (Ray actors, restarted when they die)."""
+    ray_address: str | None = None
+    """The Ray cluster to join (None: RAY_ADDRESS, else a local instance)."""
+    ray_max_restarts: int = 3
+    """How often Ray restarts one replica that died before it stays down."""
+    routing: str = "least-loaded"
+    """least-loaded, or prefix-affinity (the replica that last served the prompt's leading blocks)."""
+    routing_affinity_blocks: int = 4
+    """Leading full blocks of a prompt that prefix-affinity routing hashes."""
+    routing_max_imbalance: int = 8
+    """Prefix affinity yields to least-loaded when the affine replica has more in-flight sequences than
+    the least-loaded one by more than this."""
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -215,6 +230,26 @@ class ParallelConfig:
                 f"ranks {self.num_local}..{tp - 1} join from other hosts, which needs a shared secret: set "
                 f"{DISTRIBUTED_SECRET_ENV} (or --distributed-secret) here and on every worker"
             )
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.routing not in ("least-loaded", "prefix-affinity"):
+            raise ValueError(f"routing must be least-loaded or prefix-affinity, got {self.routing!r}")
+        if self.ray_max_restarts < 0 or self.routing_affinity_blocks < 1 or self.routing_max_imbalance < 0:
+            raise ValueError("ray_max_restarts and routing_max_imbalance must be >= 0, routing_affinity_blocks >= 1")
+        if self.uses_ray and self.num_local < self.tensor_parallel_size:
+            raise ValueError("with Ray, every tensor-parallel rank of a replica runs on the replica's node: "
+                             "drop --num-local-workers")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.distributed_executor_backend == "ray" or self.ray_address is not None
+
+    @property
+    def uses_dp_client(self) -> bool:
+        """Whether the front end talks to its core(s) through DPCoreClient (several replicas, or Ray)."""
+        return self.data_parallel_size > 1 or self.uses_ray
 
     @property
     def num_local(self) -> int:
@@ -316,6 +351,25 @@ class EngineArgs:
                                                 "variable: command lines are visible to other users.",
                                           group="tensor parallelism", secret=True)
 
+    data_parallel_size: int = flag(1, "Engine replicas behind this one server, each with its own KV cache (and "
+                                      "its own tensor-parallel ranks); requests are routed by --routing.",
+                                   aliases=("-dp",), group="data parallelism")
+    distributed_executor_backend: str = flag("mp", "mp: replicas are local processes (a dead one stays down); ray: "
+                                                   "Ray actors on the nodes of a Ray cluster, restarted when they die.",
+                                             choices=("mp", "ray"), group="data parallelism")
+    ray_address: str | None = flag(None, "Join this Ray cluster (implies --distributed-executor-backend ray); default: "
+                                         "RAY_ADDRESS, else a local Ray instance.", group="data parallelism")
+    ray_max_restarts: int = flag(3, "How often Ray restarts one replica before it stays down.",
+                                 group="data parallelism")
+    routing: str = flag("least-loaded", "least-loaded (fewest in-flight sequences) or prefix-affinity (the replica "
+                                        "that last served the prompt's leading blocks, bounded by load).",
+                        choices=("least-loaded", "prefix-affinity"), group="data parallelism")
+    routing_affinity_blocks: int = flag(4, "Leading full blocks of a prompt that prefix-affinity routing hashes.",
+                                        group="data parallelism")
+    routing_max_imbalance: int = flag(8, "Prefix affinity yields to least-loaded when the affine replica has more "
+                                         "in-flight sequences than the least-loaded one by more than this.",
+                                      group="data parallelism")
+
     max_stop_token_ids: int = flag(RequestLimits.max_stop_token_ids, "Most stop_token_ids one request may carry.", group=_LIMIT_GROUP)
     max_logit_bias: int = flag(RequestLimits.max_logit_bias, "Most logit_bias entries one request may carry.", group=_LIMIT_GROUP)
     max_stop_strings: int = flag(RequestLimits.max_stop_strings, "Most stop strings one request may carry (at most 64).", group=_LIMIT_GROUP)
@@ -363,6 +417,13 @@ class EngineArgs:
             num_local_workers=self.num_local_workers,
             distributed_timeout=self.distributed_timeout,
             distributed_secret=self.distributed_secret or os.environ.get(DISTRIBUTED_SECRET_ENV) or None,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            ray_address=self.ray_address,
+            ray_max_restarts=self.ray_max_restarts,
+            routing=self.routing,
+            routing_affinity_blocks=self.routing_affinity_blocks,
+            routing_max_imbalance=self.routing_max_imbalance,
         )
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:

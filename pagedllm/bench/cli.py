@@ -12,6 +12,7 @@
     pagedllm bench trace-efficiency --num-requests 64   (engine wall time vs the trace's matmul-only ideal)
     pagedllm bench profile --batch-size 64 --context-len 512   (a decode step: matmuls, attention, other)
     pagedllm bench structured --batch-size 32 --max-tokens 64   (JSON schemas vs free text; grammar compile times)
+    pagedllm bench data-parallel --replicas 2   (least-loaded vs prefix-affinity routing; 1 vs 2 replicas)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 """
 
@@ -133,6 +134,9 @@ def add_bench_parser(sub) -> None:
     from pagedllm.bench.structured import add_structured_parser
 
     add_structured_parser(bsub, _common)
+    from pagedllm.bench.data_parallel import add_data_parallel_parser
+
+    add_data_parallel_parser(bsub, _common)
 
     p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
     _common(p)
@@ -501,13 +505,15 @@ def run_bench(args) -> int:
     from pagedllm.bench.cli_fast_path import bench_profile, bench_trace_efficiency
     from pagedllm.bench.cli_hardening import bench_hardening
     from pagedllm.bench.structured import bench_structured
+    from pagedllm.bench.data_parallel import bench_data_parallel
 
     engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
     commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,
                 "roofline": bench_roofline, "attention": bench_attention, "sharing": bench_sharing,
                 "prefix": bench_prefix, "preemption": bench_preemption, "hardening": bench_hardening,
                 "all": bench_all, "trace-efficiency": bench_trace_efficiency, "profile": bench_profile,
-                "structured": bench_structured}
+                "structured": bench_structured,
+                "data-parallel": bench_data_parallel}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     commands[args.bench_command](args, engine_args)
     print(f"results in {Path(args.out).resolve()}")

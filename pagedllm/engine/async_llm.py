@@ -24,6 +24,7 @@ from typing import Any
 
 from pagedllm.config import EngineArgs, RequestLimits
 from pagedllm.engine.core_client import MPCoreClient
+from pagedllm.engine.dp_client import ReplicaLostMsg
 from pagedllm.engine.frontend import FrontendCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import (
@@ -136,8 +137,14 @@ class AsyncLLM:
     async def start(cls, engine_args: EngineArgs, metrics: ServerMetrics | None = None,
                     log_level: str = "INFO", ready_timeout_s: float = 900.0,
                     kv_cache_manager_factory=None, num_threads: int = 4) -> AsyncLLM:
-        """Spawn the engine core, wait until its model is loaded, and load the tokenizer here."""
-        client = MPCoreClient(engine_args, log_level, kv_cache_manager_factory)
+        """Spawn the engine core (or data-parallel replicas: DPCoreClient), wait until its model is loaded,
+        and load the tokenizer here."""
+        if engine_args.parallel_config().uses_dp_client:
+            from pagedllm.engine.dp_client import DPCoreClient
+
+            client = DPCoreClient(engine_args, log_level, kv_cache_manager_factory, metrics)
+        else:
+            client = MPCoreClient(engine_args, log_level, kv_cache_manager_factory)
         try:
             ready = await client.wait_ready(ready_timeout_s)
             tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
@@ -251,7 +258,7 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Raise EngineDeadError unless the core is alive."""
         self._check_alive()
-        if not self.client.process.is_alive():
+        if not self.client.is_alive():
             self._set_dead(EngineDeadError("the engine core process is not running"))
             raise EngineDeadError("the engine core process is not running")
 
@@ -276,6 +283,10 @@ class AsyncLLM:
                     self._handle_outputs(msg)
                 elif isinstance(msg, RequestRejectedMsg):
                     self._handle_rejected(msg)
+                elif isinstance(msg, ReplicaLostMsg):  # data parallel: this request's replica died
+                    self._started.discard(msg.req_id)
+                    if (queue := self._queues.get(msg.req_id)) is not None:
+                        queue.put_nowait(msg.error)
         except EngineDeadError as e:
             self._set_dead(e)
         except Exception as e:  # a bug here must not leave requests hanging

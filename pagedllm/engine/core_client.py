@@ -48,11 +48,17 @@ class MPCoreClient:
     """
 
     def __init__(self, engine_args: EngineArgs, log_level: str = "INFO",
-                 kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
-        remove_stale_ipc_dirs()  # left by engines whose processes were killed
-        self._ipc_dir = make_ipc_dir()
-        input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
-        output_address = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
+                 kv_cache_manager_factory: KVCacheManagerFactory | None = None, tcp_host: str | None = None) -> None:
+        """tcp_host: bind the two sockets on tcp://tcp_host:<free port> instead of ipc (a core on another
+        machine can reach them: Ray replicas); the ipc directory is then not made."""
+        self._ipc_dir: str | None = None
+        if tcp_host is None:
+            remove_stale_ipc_dirs()  # left by engines whose processes were killed
+            self._ipc_dir = make_ipc_dir()
+            input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
+            output_address = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
+        else:
+            input_address = output_address = f"tcp://{tcp_host}:*"
         self._ctx = zmq.Context()
         self._input_socket = self._ctx.socket(zmq.PUSH)  # sync: sends never wait (no HWM)
         self._input_socket.setsockopt(zmq.SNDHWM, 0)
@@ -62,21 +68,35 @@ class MPCoreClient:
         self._output_socket.setsockopt(zmq.RCVHWM, 0)
         self._output_socket.setsockopt(zmq.LINGER, 0)
         self._output_socket.bind(output_address)
+        self.input_address = self._input_socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.output_address = self._output_socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self._closed = False
+        self._start_core(engine_args, log_level, kv_cache_manager_factory)
 
+    def _start_core(self, engine_args: EngineArgs, log_level: str,
+                    kv_cache_manager_factory: KVCacheManagerFactory | None) -> None:
+        """Start the core that connects to input_address/output_address (here: a spawned child)."""
         from pagedllm.engine.core_proc import run_engine_core
 
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(
             target=run_engine_core, name="pagedllm-engine-core",
-            args=(engine_args, input_address, output_address, log_level, kv_cache_manager_factory),
+            args=(engine_args, self.input_address, self.output_address, log_level, kv_cache_manager_factory),
         )
         self.process.start()
-        set_owners(self._ipc_dir, [os.getpid(), self.process.pid])
+        if self._ipc_dir is not None:
+            set_owners(self._ipc_dir, [os.getpid(), self.process.pid])
+
+    def is_alive(self) -> bool:
+        """Whether the core (its process) is still there."""
+        return self.process.is_alive()
+
+    def _death_reason(self) -> str:
+        return f"the engine core process exited unexpectedly (exit code {self.process.exitcode})"
 
     @property
     def ipc_dir(self) -> str:
@@ -119,13 +139,11 @@ class MPCoreClient:
                     self.dead_error = EngineDeadError(msg.error)
                     raise self.dead_error
                 return msg
-            if not self.process.is_alive():
+            if not self.is_alive():
                 # a dead signal sent just before exiting may still be in flight
                 if await self._output_socket.poll(_POLL_MS, zmq.POLLIN):
                     continue
-                self.dead_error = EngineDeadError(
-                    f"the engine core process exited unexpectedly (exit code {self.process.exitcode})"
-                )
+                self.dead_error = EngineDeadError(self._death_reason())
                 raise self.dead_error
 
     async def wait_ready(self, timeout_s: float = 900.0) -> ReadyMsg:
@@ -149,6 +167,14 @@ class MPCoreClient:
         if self._closed:
             return
         self._closed = True
+        self._stop_core(timeout_s)
+        self._input_socket.close(linger=0)
+        self._output_socket.close(linger=0)
+        self._ctx.term()
+        if self._ipc_dir is not None:
+            remove_ipc_dir(self._ipc_dir)
+
+    def _stop_core(self, timeout_s: float) -> None:
         if self.process.is_alive():
             try:
                 self._input_socket.send(self._encoder.encode(ShutdownMsg()), zmq.NOBLOCK)
@@ -162,7 +188,3 @@ class MPCoreClient:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self._input_socket.close(linger=0)
-        self._output_socket.close(linger=0)
-        self._ctx.term()
-        remove_ipc_dir(self._ipc_dir)

@@ -94,6 +94,7 @@ class ServerMetrics:
         self._grammar_totals = (0, 0, 0)
         self.engine_healthy.set(1)
         self._last_stats: EngineStatsMsg | None = None
+        self._init_replica_metrics()
         self._timings: dict[str, _RequestTiming] = {}
 
     # --- engine core ----------------------------------------------------------------------
@@ -176,6 +177,66 @@ class ServerMetrics:
     def record_rejected(self, reason: str) -> None:
         """Count a request refused at admission (429), aborted at its deadline, or ended by a shutdown."""
         self.requests_rejected.labels(self._model_name, reason).inc()
+
+    # --- data-parallel replicas (label `replica`; the unlabelled metrics above are the totals) ------
+
+    def _init_replica_metrics(self) -> None:
+        r = self.registry
+        labels = ["model_name", "replica"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labelnames=labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labelnames=[*labels, *extra], registry=r)
+
+        self.replica_up = gauge("pagedllm_replica_up", "1 while a data-parallel engine replica serves, else 0")
+        self.replica_running = gauge("pagedllm_replica_num_requests_running", "Requests running in a replica")
+        self.replica_waiting = gauge("pagedllm_replica_num_requests_waiting", "Requests waiting in a replica")
+        self.replica_kv_usage = gauge("pagedllm_replica_kv_cache_usage_ratio", "Fraction of a replica's KV blocks held")
+        self.replica_kv_leaks = gauge("pagedllm_replica_kv_cache_leaks", "Problems found by a replica's last idle "
+                                      "KV leak check")
+        self.replica_prefix_queries = counter("pagedllm_replica_prefix_cache_queries",
+                                              "Prompt tokens a replica looked up in its prefix cache")
+        self.replica_prefix_hits = counter("pagedllm_replica_prefix_cache_hits",
+                                           "Prompt tokens a replica found in its prefix cache")
+        self.routing_decisions = counter("pagedllm_routing_decisions", "Requests routed to a replica, by reason "
+                                         "(least_loaded, affinity_hit, affinity_miss, affinity_overloaded)",
+                                         ("reason",))
+        self.replica_requests_lost = counter("pagedllm_replica_requests_lost", "In-flight requests of a replica "
+                                             "that died: retried elsewhere (no token sent yet) or failed",
+                                             ("outcome",))
+        self.replica_restarts = counter("pagedllm_replica_restarts", "Times a replica came back after dying")
+        self._last_replica_stats: dict[str, EngineStatsMsg] = {}
+
+    def record_replica_up(self, replica: str, up: bool) -> None:
+        self.replica_up.labels(self._model_name, replica).set(1 if up else 0)
+        if not up:  # a restarted core counts from zero again
+            self._last_replica_stats.pop(replica, None)
+
+    def record_replica_stats(self, replica: str, stats: EngineStatsMsg) -> None:
+        """One replica's own stats (the totals go through record_engine_stats)."""
+        key = (self._model_name, replica)
+        self.replica_running.labels(*key).set(stats.num_running)
+        self.replica_waiting.labels(*key).set(stats.num_waiting)
+        self.replica_kv_usage.labels(*key).set(stats.kv_cache_usage)
+        self.replica_kv_leaks.labels(*key).set(stats.num_kv_leaks)
+        last = self._last_replica_stats.get(replica)
+        for counter, name in ((self.replica_prefix_queries, "prefix_cache_queries"),
+                              (self.replica_prefix_hits, "prefix_cache_hits")):
+            delta = getattr(stats, name) - (getattr(last, name) if last is not None else 0)
+            if delta > 0:
+                counter.labels(*key).inc(delta)
+        self._last_replica_stats[replica] = stats
+
+    def record_routing(self, replica: str, reason: str) -> None:
+        self.routing_decisions.labels(self._model_name, replica, reason).inc()
+
+    def record_replica_request_lost(self, replica: str, outcome: str) -> None:
+        self.replica_requests_lost.labels(self._model_name, replica, outcome).inc()
+
+    def record_replica_restart(self, replica: str) -> None:
+        self.replica_restarts.labels(self._model_name, replica).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.lifecycle import (
     PagedLLMServer,
     RequestIdMiddleware,
     h11_protocol_with_header_timeout,
+    replica_health,
 )
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -108,6 +109,9 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
             await engine.check_health()
         except EngineDeadError:
             return APIError(503, "unhealthy: the engine core is not running", code="engine_dead").response()
+        replicas = replica_health(engine)
+        if replicas is not None:  # data parallel: degraded (200) while some replica is down
+            return JSONResponse(replicas[1], status_code=replicas[0])
         return Response(status_code=200)
 
     @app.get("/version")
@@ -185,6 +189,9 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_man
         scheme = "https" if config.ssl_certfile else "http"
         logger.info("engine core ready (%d KV blocks, max_model_len %d); serving %s on %s://%s:%d",
                     engine.num_kv_blocks, engine.max_model_len, names, scheme, config.host, config.port)
+        if (ready_msgs := getattr(engine.client, "ready_msgs", None)) is not None:
+            logger.info("%d engine replicas, KV blocks %s (total %d)", len(ready_msgs),
+                        [r.num_blocks for r in ready_msgs], engine.num_kv_blocks)
         if not config.api_keys:
             logger.warning("no API key set: /v1/*, /tokenize and /detokenize are open to anyone who can reach %s",
                            config.host)

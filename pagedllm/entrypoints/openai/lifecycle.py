@@ -158,6 +158,20 @@ class PagedLLMServer(uvicorn.Server):
         asyncio.get_running_loop().call_later(0.5, setattr, self, "should_exit", True)
 
 
+def replica_health(engine: AsyncLLM) -> tuple[int, dict] | None:
+    """With data-parallel replicas: (status, body) of /health. 200 "ok" when all are up, 200 "degraded"
+    while some are down or restarting, 503 when none is up. None for a single engine core."""
+    client = engine.client
+    states = getattr(client, "states", None)
+    if states is None:
+        return None
+    replicas = [{"replica": i, "state": state.value} for i, state in enumerate(states)]
+    num_up = sum(r["state"] == "up" for r in replicas)
+    if num_up == 0:
+        return 503, {"status": "unhealthy", "message": "no engine replica is up", "replicas": replicas}
+    return 200, {"status": "ok" if num_up == len(replicas) else "degraded", "replicas": replicas}
+
+
 def h11_protocol_with_header_timeout(timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection that has not sent a complete request head within
     `timeout_s` of connecting or of finishing its previous response (uvicorn waits forever)."""
