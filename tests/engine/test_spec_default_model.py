@@ -43,7 +43,7 @@ def reference():
 @pytest.mark.parametrize("k,config", [
     (1, {}),
     (3, dict(max_num_batched_tokens=32)),
-    (5, dict(num_kv_blocks=10, block_size=16, preemption_mode="recompute")),
+    (5, dict(num_kv_blocks=20, block_size=8, preemption_mode="recompute", enable_prefix_caching=False)),
 ])
 def test_default_model_greedy_identical(reference, k, config):
     llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **config)
