@@ -11,6 +11,7 @@
     pagedllm bench hardening --max-num-waiting 16 --overload 2   (a neighbour of a request at every limit; 2x overload)
     pagedllm bench trace-efficiency --num-requests 64   (engine wall time vs the trace's matmul-only ideal)
     pagedllm bench profile --batch-size 64 --context-len 512   (a decode step: matmuls, attention, other)
+    pagedllm bench speculative --batch-sizes 1,4,16   (n-gram speculative decoding vs none)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 """
 
@@ -129,6 +130,9 @@ def add_bench_parser(sub) -> None:
     from pagedllm.bench.cli_fast_path import add_fast_path_parsers
 
     add_fast_path_parsers(bsub, _common)
+    from pagedllm.bench.speculative import add_speculative_parser
+
+    add_speculative_parser(bsub, _common)
 
     p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
     _common(p)
@@ -496,12 +500,14 @@ def smoke_sizes() -> dict:
 def run_bench(args) -> int:
     from pagedllm.bench.cli_fast_path import bench_profile, bench_trace_efficiency
     from pagedllm.bench.cli_hardening import bench_hardening
+    from pagedllm.bench.speculative import bench_speculative
 
     engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
     commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,
                 "roofline": bench_roofline, "attention": bench_attention, "sharing": bench_sharing,
                 "prefix": bench_prefix, "preemption": bench_preemption, "hardening": bench_hardening,
-                "all": bench_all, "trace-efficiency": bench_trace_efficiency, "profile": bench_profile}
+                "all": bench_all, "trace-efficiency": bench_trace_efficiency, "profile": bench_profile,
+                "speculative": bench_speculative}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     commands[args.bench_command](args, engine_args)
     print(f"results in {Path(args.out).resolve()}")
