@@ -58,3 +58,18 @@ def test_default_model_parallel_samples(reference):
     params = SamplingParams(n=2, temperature=0, max_tokens=40)
     llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     assert _run(llm, params) == [seqs * 2 for seqs in reference]
+
+
+def test_default_model_stop_strings_end_where_they_would_without():
+    """Several tokens arrive per step with speculation; a stop string still ends text and token ids at
+    the token that completes it."""
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[" lazy", " blocks", "Paris"])
+    results = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = LLM(max_model_len=512, speculative_config=spec)
+        outputs = llm.generate([{"prompt_token_ids": _chat(llm, p)} for p in PROMPTS], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                        for o in outputs])
+        assert llm.engine.core.check_kv_leaks() == []
+    assert results[0] == results[1]
+    assert sum(r[3] is not None for r in results[0]) >= 2  # the stop strings did stop something
