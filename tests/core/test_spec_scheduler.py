@@ -190,3 +190,23 @@ def test_no_proposal_past_max_tokens_or_for_a_prompt_chunk():
     sched.update_from_output(out, ModelRunnerOutput({"a": [5]}))
     out = sched.schedule()  # 1 output of 3: at most 1 proposal (it + the bonus make 3)
     assert out.scheduled_spec_tokens == {"a": [6]}
+
+
+def test_low_acceptance_backs_off_exponentially_and_success_resets_it():
+    from pagedllm.core.spec_decode import SpecDecoder
+
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=2))
+    tokens = [1, 2, 1, 2, 1]
+    assert spec.propose("a", tokens, 2) == [2, 1]
+    spec.record("a", 2, 0, 1)  # first failure: no pause yet
+    assert spec.propose("a", tokens, 2) == [2, 1]
+    spec.record("a", 2, 0, 1)  # second: skip 3 steps
+    assert [spec.propose("a", tokens, 2) for _ in range(4)] == [[], [], [], [2, 1]]
+    spec.record("a", 2, 0, 1)  # third: skip 7
+    assert sum(1 for _ in range(7) if spec.propose("a", tokens, 2) == []) == 7
+    assert spec.propose("a", tokens, 2) == [2, 1]
+    spec.record("a", 2, 1, 2)  # a success resets the failures
+    spec.record("a", 2, 0, 1)
+    assert spec.propose("a", tokens, 2) == [2, 1]
+    assert spec.stats.num_draft_tokens == 10 and spec.stats.num_accepted_tokens == 1
+    assert spec.stats.num_bonus_tokens == 5
