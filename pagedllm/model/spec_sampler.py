@@ -72,19 +72,20 @@ def verify(logits: torch.Tensor, metadata: SamplingMetadata, requests: list[Spec
     accept = candidates = None
     if random:
         assert probs is not None
-        draft_rows = torch.tensor([r.first + j for r in random for j in range(len(r.draft_ids))],
-                                  dtype=torch.int64, device=device)
-        draft_ids = torch.tensor([d for r in random for d in r.draft_ids], dtype=torch.int64, device=device)
-        all_rows = torch.tensor([r.first + j for r in random for j in range(len(r.draft_ids) + 1)],
-                                dtype=torch.int64, device=device)
+        draft_rows, draft_ids, all_rows, residual_rows = [], [], [], []
+        for r in random:
+            for j, draft in enumerate(r.draft_ids):
+                draft_rows.append(r.first + j)
+                draft_ids.append(draft)
+                residual_rows.append(len(all_rows) + j)
+            all_rows.extend(range(r.first, r.first + len(r.draft_ids) + 1))
+        draft_ids_t = torch.tensor(draft_ids, dtype=torch.int64, device=device)
         uniforms, noise = _draw(random, probs.shape[1], device)
-        accept = uniforms < probs[draft_rows, draft_ids]  # [D]
-        # Residual of every draft position (its proposal's mass removed); the bonus row keeps p_k.
-        residual = probs[all_rows]  # [A, V], a copy
-        residual_row = torch.tensor([i for i, (r, j) in enumerate((r, j) for r in random
-                                                                   for j in range(len(r.draft_ids) + 1))
-                                     if j < len(r.draft_ids)], dtype=torch.int64, device=device)
-        residual[residual_row, draft_ids] = 0.0
+        accept = uniforms < probs[torch.tensor(draft_rows, device=device), draft_ids_t]  # [D]
+        # Residual of every proposal's position (its mass removed: sampled without renormalising, the
+        # race below is scale-free); the bonus row keeps p_k.
+        residual = probs[torch.tensor(all_rows, device=device)]  # [A, V], a copy
+        residual[torch.tensor(residual_rows, device=device), draft_ids_t] = 0.0
         candidates = residual.div_(noise).argmax(dim=-1)  # exponential race: one draw from each row
     packed = [greedy_ids] + ([accept.to(torch.int64), candidates] if random else [])
     flat = torch.cat(packed).tolist()  # the one host sync

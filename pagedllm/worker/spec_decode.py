@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.sched_output import ModelRunnerOutput, TokenLogprobs
-from pagedllm.model.sampler import SamplingMetadata, SamplingRow, gather_logprobs
+from pagedllm.model.sampler import _MIN_TEMPERATURE, SamplingMetadata, SamplingRow, gather_logprobs
 from pagedllm.model.spec_sampler import SpecRequestRows, verify
-
-_MIN_TEMPERATURE = 1e-5  # the sampler's greedy cut-off (model/sampler.py)
 
 
 def attach_proposals(requests: dict, spec_tokens: dict[str, list[int]]) -> None:
