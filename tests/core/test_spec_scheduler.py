@@ -3,8 +3,10 @@
 The fake runner writes, for every scheduled position, the token it carries (a real token or a
 proposal) into the slot the block tables name, applies swaps and copy-on-write copies as the real
 runner does, and accepts a random prefix of each request's proposals. After every step:
-- a write never lands in a shared block (ref_cnt > 1) and never in a block registered in the
-  prefix cache by another request;
+- a proposal is never written into a shared block (ref_cnt > 1) nor one registered in the prefix
+  cache; a real token only when it is the token the block is registered with (a request completing
+  a block that another request's prefix hit shares in the same step: the KV is written before any
+  attention reads it);
 - every computed position of every running request holds that request's real token (a rejected
   proposal never counts as computed);
 - every block registered in the prefix cache holds exactly its registered tokens;
@@ -58,12 +60,16 @@ class FakeKVRunner:
             tokens = request.all_token_ids[start:start + num - len(proposals)] + proposals
             assert len(tokens) == num
             blocks = kv.req_to_blocks[req_id]
+            num_real = num - len(proposals)
             for offset, token in enumerate(tokens):
                 pos = start + offset
                 block = blocks[pos // BLOCK_SIZE]
-                assert block.ref_cnt == 1, f"{req_id} writes position {pos} into shared block {block.block_id}"
-                assert block.block_hash is None or pos < (pos // BLOCK_SIZE + 1) * BLOCK_SIZE <= request.num_tokens, \
-                    "a proposal is written into a block registered in the prefix cache"
+                if block.ref_cnt > 1 or block.block_hash is not None:
+                    # Only the tokens a block is registered with may be written into a shared or cached
+                    # block: a request completing a block that a prefix hit already shares this step.
+                    assert offset < num_real, f"{req_id}: a proposal lands in shared/cached block {block.block_id}"
+                    assert block.block_hash is not None and block.token_ids[pos % BLOCK_SIZE] == token, \
+                        f"{req_id} writes position {pos} into shared block {block.block_id}"
                 self.device.setdefault(block.block_id, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = token
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk
@@ -195,18 +201,19 @@ def test_no_proposal_past_max_tokens_or_for_a_prompt_chunk():
 def test_low_acceptance_backs_off_exponentially_and_success_resets_it():
     from pagedllm.core.spec_decode import SpecDecoder
 
-    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=2))
-    tokens = [1, 2, 1, 2, 1]
-    assert spec.propose("a", tokens, 2) == [2, 1]
-    spec.record("a", 2, 0, 1)  # first failure: no pause yet
-    assert spec.propose("a", tokens, 2) == [2, 1]
-    spec.record("a", 2, 0, 1)  # second: skip 3 steps
-    assert [spec.propose("a", tokens, 2) for _ in range(4)] == [[], [], [], [2, 1]]
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4))
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1]
+    assert spec.propose("a", tokens, 4) == [2, 3, 4, 5]
+    spec.record("a", 4, 0, 1)  # first failure: no pause, but fewer proposals (mean kept 4 -> 2)
+    assert spec.propose("a", tokens, 4) == [2, 3, 4]
+    spec.record("a", 3, 0, 1)  # second: skip 3 steps; mean kept 1 -> propose 2
+    assert [spec.propose("a", tokens, 4) for _ in range(4)] == [[], [], [], [2, 3]]
     spec.record("a", 2, 0, 1)  # third: skip 7
-    assert sum(1 for _ in range(7) if spec.propose("a", tokens, 2) == []) == 7
-    assert spec.propose("a", tokens, 2) == [2, 1]
-    spec.record("a", 2, 1, 2)  # a success resets the failures
-    spec.record("a", 2, 0, 1)
-    assert spec.propose("a", tokens, 2) == [2, 1]
-    assert spec.stats.num_draft_tokens == 10 and spec.stats.num_accepted_tokens == 1
+    assert sum(1 for _ in range(7) if spec.propose("a", tokens, 4) == []) == 7
+    assert spec.propose("a", tokens, 4) == [2, 3]  # mean kept 0.5 -> propose 2
+    spec.record("a", 2, 2, 3)  # all kept: counts as k kept (mean 2.25), and the failures reset
+    assert spec.propose("a", tokens, 4) == [2, 3, 4]
+    spec.record("a", 3, 3, 4)
+    assert spec.propose("a", tokens, 4) == [2, 3, 4, 5]
+    assert spec.stats.num_draft_tokens == 14 and spec.stats.num_accepted_tokens == 5
     assert spec.stats.num_bonus_tokens == 5
