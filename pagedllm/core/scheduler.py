@@ -369,7 +369,7 @@ class Scheduler:
             return []
         max_k = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
                     self.config.max_model_len - request.num_tokens - 1)
-        return self.spec.propose(request.req_id, request.all_token_ids, max_k)
+        return self.spec.propose(request.req_id, request.all_token_ids, max_k, batch_size=len(self.running))
 
     def _roll_back_rejected(self, request: Request, proposals: list[int], new_token_ids: list[int]) -> None:
         """After a speculative step: the KV of the last token and of the accepted proposals stays;

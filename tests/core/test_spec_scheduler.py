@@ -198,22 +198,49 @@ def test_no_proposal_past_max_tokens_or_for_a_prompt_chunk():
     assert out.scheduled_spec_tokens == {"a": [6]}
 
 
-def test_low_acceptance_backs_off_exponentially_and_success_resets_it():
+def test_low_acceptance_backs_off_longer_each_time_and_success_resets_it():
     from pagedllm.core.spec_decode import SpecDecoder
 
     spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4))
     tokens = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1]
+
+    def pause_then_proposal() -> tuple[int, list[int]]:
+        for paused in range(200):
+            proposal = spec.propose("a", tokens, 4)
+            if proposal:
+                return paused, proposal
+        raise AssertionError("never proposes again")
+
     assert spec.propose("a", tokens, 4) == [2, 3, 4, 5]
-    spec.record("a", 4, 0, 1)  # first failure: no pause, but fewer proposals (mean kept 4 -> 2)
-    assert spec.propose("a", tokens, 4) == [2, 3, 4]
-    spec.record("a", 3, 0, 1)  # second: skip 3 steps; mean kept 1 -> propose 2
-    assert [spec.propose("a", tokens, 4) for _ in range(4)] == [[], [], [], [2, 3]]
-    spec.record("a", 2, 0, 1)  # third: skip 7
-    assert sum(1 for _ in range(7) if spec.propose("a", tokens, 4) == []) == 7
-    assert spec.propose("a", tokens, 4) == [2, 3]  # mean kept 0.5 -> propose 2
-    spec.record("a", 2, 2, 3)  # all kept: counts as k kept (mean 2.25), and the failures reset
+    pauses = []
+    for _ in range(4):
+        spec.record("a", 4, 0, 1)
+        paused, proposal = pause_then_proposal()
+        pauses.append(paused)
+        assert len(proposal) < 4  # fewer proposals after failures too
+    assert pauses[0] > 0 and pauses == sorted(pauses) and pauses[-1] > pauses[0]
+    spec.record("a", len(proposal), len(proposal), len(proposal) + 1)  # all kept
     assert spec.propose("a", tokens, 4) == [2, 3, 4]
     spec.record("a", 3, 3, 4)
     assert spec.propose("a", tokens, 4) == [2, 3, 4, 5]
-    assert spec.stats.num_draft_tokens == 14 and spec.stats.num_accepted_tokens == 5
-    assert spec.stats.num_bonus_tokens == 5
+    assert spec.stats.num_bonus_tokens == 6
+
+
+def test_at_large_batches_only_requests_that_keep_most_proposals_speculate():
+    from pagedllm.core.spec_decode import PROBE_INTERVAL, SpecDecoder
+
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4))
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1]
+    for req_id, kept in (("copying", 4), ("chatting", 1)):
+        assert spec.propose(req_id, tokens, 4, batch_size=16) == [2, 3, 4, 5]
+        spec.record(req_id, 4, kept, kept + 1)
+    # 25% kept: worth it at batch 1 (bar 6%), not at batch 16 (bar 50%)
+    assert spec.propose("chatting", tokens, 4, batch_size=1) == [2, 3, 4, 5]
+    spec.record("chatting", 4, 1, 2)  # acceptance 0.25, mean kept 1.75
+    assert spec.propose("chatting", tokens, 4, batch_size=16) == []
+    assert [spec.propose("chatting", tokens, 4, batch_size=16) for _ in range(PROBE_INTERVAL - 1)] == \
+        [[]] * (PROBE_INTERVAL - 1)
+    assert spec.propose("chatting", tokens, 4, batch_size=16) == [2, 3, 4]  # a probe after the pause
+    spec.record("chatting", 3, 0, 1)
+    assert spec.propose("chatting", tokens, 4, batch_size=16) == []  # still below the bar: paused again
+    assert spec.propose("copying", tokens, 4, batch_size=16) == [2, 3, 4, 5]
