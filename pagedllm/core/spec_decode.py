@@ -75,12 +75,13 @@ class _Backoff:
     """After a pause for low acceptance: propose once whatever the acceptance (a probe)."""
 
 
-FLAT_BATCH_SIZE = 16
+FLAT_BATCH_SIZE = 4
 """The batch size at which a step's per-token compute costs about as much as its fixed part (reading
 the weights). A proposal costs a token of compute and pays off only if it is kept, so at batch B a
-request speculates only while it keeps more than B / (B + FLAT_BATCH_SIZE) of its proposals (3% at
-batch 1, 20% at 4, 50% at 16). Measured on the default model on a CPU: with acceptance ~0.4, n-gram
-speculation at batch 16 was 13% slower without this rule; copy-heavy requests (~0.9) still gain."""
+request speculates only while it keeps more than B / (B + FLAT_BATCH_SIZE) of its proposals (20% at
+batch 1, 50% at 4, 80% at 16). Measured on the default model on a 2-core CPU (`pagedllm bench
+speculative`): a 5-token step cost ~1.8x a 1-token step at batch 1, and at batch 16 the Alpaca-like
+trace (acceptance ~0.5) ran 9% slower with a 50% bar; copy-heavy requests (~0.9) keep speculating."""
 PROBE_INTERVAL = 8
 """A request below that bar proposes again after this many steps, to see whether its text changed."""
 

@@ -234,7 +234,7 @@ def test_at_large_batches_only_requests_that_keep_most_proposals_speculate():
     for req_id, kept in (("copying", 4), ("chatting", 1)):
         assert spec.propose(req_id, tokens, 4, batch_size=16) == [2, 3, 4, 5]
         spec.record(req_id, 4, kept, kept + 1)
-    # 25% kept: worth it at batch 1 (bar 6%), not at batch 16 (bar 50%)
+    # 25% kept: worth it at batch 1 (bar 20%), not at batch 16 (bar 80%)
     assert spec.propose("chatting", tokens, 4, batch_size=1) == [2, 3, 4, 5]
     spec.record("chatting", 4, 1, 2)  # acceptance 0.25, mean kept 1.75
     assert spec.propose("chatting", tokens, 4, batch_size=16) == []
