@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import types
@@ -175,6 +176,61 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens, the model scores them all in one step
+    and keeps the longest prefix it agrees with (losslessly), plus one token of its own."""
+
+    method: str = "ngram"
+    """'ngram': prompt lookup, the tokens that followed the sequence's latest n-gram earlier in its own tokens."""
+    num_speculative_tokens: int = 3
+    """Most tokens proposed per request per step (k); a step yields 1..k+1 tokens."""
+    prompt_lookup_min: int = 1
+    """Shortest n-gram matched (ngram)."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram matched (ngram); longer matches are tried first."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """A config from a dict or its JSON text (the --speculative-config flag); None/empty = off.
+        Unknown keys raise ValueError naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = parse_speculative_config(value)
+        if not value:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+
+def parse_speculative_config(text: str) -> dict:
+    """The JSON object of --speculative-config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+    SpeculativeConfig.from_value(value)  # refuse a bad config at parse time
+    return value
+
+
 DISTRIBUTED_SECRET_ENV = "PAGEDLLM_DISTRIBUTED_SECRET"
 """The environment variable holding the tensor-parallel shared secret (preferred to the flag: argv is public)."""
 MIN_SECRET_CHARS = 16
@@ -322,6 +378,9 @@ class EngineArgs:
                                           "request's priority, lower first, then arrival; a waiting request may "
                                           "preempt a running one it outranks when blocks run out).",
                                   choices=SCHEDULING_POLICIES)
+    speculative_config: dict | None = flag(None, "Speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
+                                           "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' (default: off).",
+                                           parse=parse_speculative_config)
     device: str = flag("auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N.", group="device")
     gpu_memory_utilization: float = flag(0.9, "CUDA only: fraction of GPU memory for weights, activations and KV "
                                               "cache; the KV cache gets what a profiling forward pass leaves (the "
@@ -393,6 +452,7 @@ class EngineArgs:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        self.speculative()  # refuse a bad speculative_config when the engine is configured
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
 
@@ -405,6 +465,10 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             swap_space=parse_memory_size(self.swap_space),
         )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative-decoding config; None when off."""
+        return SpeculativeConfig.from_value(self.speculative_config)
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RequestLimits)})

@@ -13,6 +13,7 @@
     pagedllm bench profile --batch-size 64 --context-len 512   (a decode step: matmuls, attention, other)
     pagedllm bench structured --batch-size 32 --max-tokens 64   (JSON schemas vs free text; grammar compile times)
     pagedllm bench data-parallel --replicas 2   (least-loaded vs prefix-affinity routing; 1 vs 2 replicas)
+    pagedllm bench speculative --batch-sizes 1,4,16   (n-gram speculative decoding vs none)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 """
 
@@ -137,6 +138,9 @@ def add_bench_parser(sub) -> None:
     from pagedllm.bench.data_parallel import add_data_parallel_parser
 
     add_data_parallel_parser(bsub, _common)
+    from pagedllm.bench.speculative import add_speculative_parser
+
+    add_speculative_parser(bsub, _common)
 
     p = bsub.add_parser("all", help="every benchmark at the sizes docs/benchmarks.md reports")
     _common(p)
@@ -506,6 +510,7 @@ def run_bench(args) -> int:
     from pagedllm.bench.cli_hardening import bench_hardening
     from pagedllm.bench.structured import bench_structured
     from pagedllm.bench.data_parallel import bench_data_parallel
+    from pagedllm.bench.speculative import bench_speculative
 
     engine_args = _engine_args(args) if hasattr(args, "block_size") else {}
     commands = {"throughput": bench_throughput, "memory": bench_memory, "serving": bench_serving,
@@ -513,7 +518,8 @@ def run_bench(args) -> int:
                 "prefix": bench_prefix, "preemption": bench_preemption, "hardening": bench_hardening,
                 "all": bench_all, "trace-efficiency": bench_trace_efficiency, "profile": bench_profile,
                 "structured": bench_structured,
-                "data-parallel": bench_data_parallel}
+                "data-parallel": bench_data_parallel,
+                "speculative": bench_speculative}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     commands[args.bench_command](args, engine_args)
     print(f"results in {Path(args.out).resolve()}")

@@ -88,16 +88,19 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
         num_headroom_blocks: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens of `request`; None if they do not fit.
 
         `new_computed_blocks` are prefix-cache hits being attached at admission; they come
         before any new block in the table. `num_headroom_blocks` must stay free afterwards
-        (None otherwise). Returns the ids appended to the block table.
+        (None otherwise). `num_lookahead_tokens` more slots follow for speculative proposals:
+        they are not the request's tokens, so no block they reach is registered in the prefix
+        cache (see `trim` for their rollback). Returns the ids appended to the block table.
         """
         held = self.req_to_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = self.num_blocks_for_tokens(num_computed + num_new_tokens)
+        num_needed = self.num_blocks_for_tokens(num_computed + num_new_tokens + num_lookahead_tokens)
         num_new_blocks = max(0, num_needed - len(held) - len(new_computed_blocks))
         # The first new token lands in a partially filled last block that others share:
         # this request gets a private copy first. The last sharer writes in place.
@@ -116,6 +119,26 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [block.block_id for block in new_blocks]
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Speculative rollback: free the tail blocks that hold none of the first `num_tokens` slots.
+
+        The freed blocks were new this step and private (proposals only ever write past the last
+        computed token, into a private or copied block), never registered in the prefix cache.
+        Returns how many blocks were freed.
+        """
+        blocks = self.req_to_blocks.get(request.req_id)
+        if not blocks:
+            return 0
+        num_keep = self.num_blocks_for_tokens(num_tokens)
+        tail = blocks[num_keep:]
+        if not tail:
+            return 0
+        assert num_keep >= self._num_cached_blocks.get(request.req_id, 0), "rolled back into a cached block"
+        assert all(block.ref_cnt == 1 for block in tail), "a rolled-back block is shared"
+        del blocks[num_keep:]
+        self.pool.free_blocks(reversed(tail))
+        return len(tail)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's block table: every block shared, ref counts up, nothing copied.

@@ -54,6 +54,10 @@ class SchedulerOutput:
     """(device block, host block) copies, made first: the device blocks may be reused this step."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block, device block) copies, made after swap_out and before the forward pass."""
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> speculative proposals, scheduled after the request's last token and counted in
+    num_scheduled_tokens (1 + len(proposals)). The runner scores every position and returns the
+    accepted prefix plus one token of its own (core/spec_decode.py)."""
 
     @property
     def is_empty(self) -> bool:

@@ -26,12 +26,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.beam_group import beam_group_token_counts, max_new_blocks, num_free_blocks
 from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import WaitingQueue, make_waiting_queue, priority_rank
+from pagedllm.core.spec_decode import SpecDecoder
 from pagedllm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -52,7 +53,7 @@ class Scheduler:
     priority, the worst-ranked) request when blocks run out."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", speculative_config: SpeculativeConfig | None = None) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         self.preemption_mode = preemption_mode
@@ -72,6 +73,8 @@ class Scheduler:
         """Beam groups preempted (each whole); their beams are also counted in num_preemptions."""
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        self.spec = SpecDecoder(speculative_config) if speculative_config is not None else None
+        """Speculative decoding (core/spec_decode.py); None when off."""
 
     # --- admission -------------------------------------------------------------------
 
@@ -159,6 +162,7 @@ class Scheduler:
         """Decide the next step. Running requests first (oldest first; by rank under 'priority'), then waiting ones."""
         token_budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         if self.config.scheduling_policy == "priority":
@@ -177,7 +181,17 @@ class Scheduler:
             else:
                 num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
                 assert num_new > 0, f"{request.req_id} is running with nothing to compute"
-                new_block_ids = self.kv.allocate_slots(request, num_new)
+                proposals = self._propose(request, token_budget)
+                new_block_ids = None
+                if proposals:  # speculation never preempts: without room, the request runs plainly
+                    new_block_ids = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(proposals))
+                    if new_block_ids is None:
+                        proposals = []
+                    else:
+                        spec_tokens[request.req_id] = proposals
+                        num_new += len(proposals)
+                if new_block_ids is None:
+                    new_block_ids = self.kv.allocate_slots(request, num_new)
                 while new_block_ids is None:
                     victims = self._preempt_newest()  # the newest request (with its beam group) goes first
                     preempted.extend(victims)
@@ -262,6 +276,7 @@ class Scheduler:
             block_copies=self.kv.take_block_copies(),
             swap_out=self._swap_out,
             swap_in=self._swap_in,
+            scheduled_spec_tokens=spec_tokens,
         )
         self._swap_out, self._swap_in = [], []
         self._finished_req_ids = set()
@@ -292,6 +307,9 @@ class Scheduler:
                 accepted.append(token_id)
                 if self._check_stop(request):
                     break
+            proposals = sched_output.scheduled_spec_tokens.get(req_id)
+            if proposals is not None:
+                self._roll_back_rejected(request, proposals, new_token_ids)
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -339,6 +357,32 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+    # --- speculative decoding (core/spec_decode.py) --------------------------------------
+
+    def _propose(self, request: Request, token_budget: int) -> list[int]:
+        """Proposals for a request at decode: never for beams, structured outputs (the runner verifies
+        proposals without the grammar's mask), a prompt still computing, or past max_tokens /
+        max_model_len (the accepted tokens plus the bonus must fit both)."""
+        if (self.spec is None or request.beam_group_id is not None
+                or request.sampling_params.structured_outputs is not None):
+            return []
+        if request.num_tokens - request.num_computed_tokens != 1 or self.forks.samples_of(request):
+            return []
+        max_k = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                    self.config.max_model_len - request.num_tokens - 1)
+        return self.spec.propose(request.req_id, request.all_token_ids, max_k, batch_size=len(self.running))
+
+    def _roll_back_rejected(self, request: Request, proposals: list[int], new_token_ids: list[int]) -> None:
+        """After a speculative step: the KV of the last token and of the accepted proposals stays;
+        the rejected positions are uncomputed again, and blocks holding only them are freed."""
+        num_accepted = len(new_token_ids) - 1
+        assert 0 <= num_accepted <= len(proposals) and new_token_ids[:num_accepted] == proposals[:num_accepted]
+        self.spec.record(request.req_id, len(proposals), num_accepted, len(new_token_ids))
+        if request.is_finished:
+            return  # its blocks are freed whole
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv.trim(request, request.num_computed_tokens)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         """Everything the runner needs about a request it has no state for.
@@ -502,6 +546,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> list[Request]:
         """Release a finished request; returns what finishing it finished too (samples that never started)."""
         self.kv.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.req_id)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
         orphans = self.forks.forget(request)

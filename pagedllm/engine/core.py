@@ -52,7 +52,8 @@ class EngineCore:
         except BaseException:
             executor.shutdown()  # tensor-parallel workers may already be running
             raise
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode,
+                                   speculative_config=engine_args.speculative())
         self.beams = BeamGroups(self.scheduler)
         """Beam-search requests: stepped after each step from their beams' top logprobs."""
         self.step_listeners: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
@@ -120,7 +121,19 @@ class EngineCore:
             num_beam_kv_blocks=num_beam_blocks,
             num_beam_kv_blocks_saved=num_beam_blocks_unshared - num_beam_blocks,
             num_beam_group_preemptions=self.scheduler.num_beam_group_preemptions,
+            **self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative-decoding counters for EngineStatsMsg (all zero when it is off)."""
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        stats = spec.stats
+        return dict(spec_num_steps=stats.num_spec_steps, spec_num_draft_tokens=stats.num_draft_tokens,
+                    spec_num_accepted_tokens=stats.num_accepted_tokens, spec_num_bonus_tokens=stats.num_bonus_tokens,
+                    spec_accepted_per_position=list(stats.accepted_per_position),
+                    spec_proposed_per_position=list(stats.proposed_per_position))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (benchmarks: a cold cache); False if some are still in use."""

@@ -6,6 +6,8 @@ its id returned so the caller aborts it in the core, freeing its blocks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 
@@ -151,6 +153,20 @@ class OutputProcessor:
         return results, to_abort
 
     def _update_sequence(self, seq: SequenceState, out: EngineCoreOutput) -> None:
+        if len(out.new_token_ids) > 1 and seq.detokenizer is not None and seq.detokenizer.params.stop:
+            # Several tokens in one step (speculative decoding): a stop string must end the output at
+            # the token that completes it, as it does when tokens arrive one per step.
+            last = len(out.new_token_ids) - 1
+            for i, token_id in enumerate(out.new_token_ids):
+                self._update_sequence_one(seq, dataclasses.replace(
+                    out, new_token_ids=[token_id],
+                    new_logprobs=out.new_logprobs[i:i + 1] if out.new_logprobs is not None else None,
+                    finish_reason=out.finish_reason if i == last else None,
+                    stop_reason=out.stop_reason if i == last else None))
+            return
+        self._update_sequence_one(seq, out)
+
+    def _update_sequence_one(self, seq: SequenceState, out: EngineCoreOutput) -> None:
         if seq.finished:
             return
         seq.token_ids.extend(out.new_token_ids)

@@ -80,6 +80,18 @@ class EngineStatsMsg(msgspec.Struct):
     """Blocks their sharing saves: the sum of the beams' block-table lengths minus the distinct blocks."""
     num_beam_group_preemptions: int = 0
     """Beam groups preempted, each as a whole (cumulative)."""
+    spec_num_steps: int = 0
+    """Speculative decoding (cumulative): request-steps that carried proposals."""
+    spec_num_draft_tokens: int = 0
+    """Proposed tokens scored."""
+    spec_num_accepted_tokens: int = 0
+    """Proposals kept (the model agreed)."""
+    spec_num_bonus_tokens: int = 0
+    """Tokens the model added after the accepted proposals."""
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    """[j]: proposals at position j kept; divided by spec_proposed_per_position[j], the acceptance rate there."""
+    spec_proposed_per_position: list[int] = msgspec.field(default_factory=list)
+    """[j]: proposals at position j scored."""
 
 
 class ReadyMsg(msgspec.Struct, tag="ready"):

@@ -92,6 +92,20 @@ class ServerMetrics:
         self.grammar_cache_misses = counter("pagedllm_grammar_cache_misses",
                                             "Structured-output grammars built anew by the front end")
         self._grammar_totals = (0, 0, 0)
+        self.spec_steps = counter("pagedllm_spec_decode_num_steps", "Speculative decoding: request-steps with proposals")
+        self.spec_draft_tokens = counter("pagedllm_spec_decode_num_draft_tokens",
+                                         "Speculative decoding: proposed tokens scored")
+        self.spec_accepted_tokens = counter("pagedllm_spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: proposed tokens kept")
+        self.spec_bonus_tokens = counter("pagedllm_spec_decode_num_bonus_tokens",
+                                         "Speculative decoding: tokens the model added after the kept proposals")
+        self.spec_accepted_per_pos = Counter(
+            "pagedllm_spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: proposals kept, by position "
+            "(0 = the first proposal); divided by _proposed_ of the same position, the acceptance rate there",
+            labelnames=["model_name", "position"], registry=r)
+        self.spec_proposed_per_pos = Counter(
+            "pagedllm_spec_decode_num_proposed_tokens_per_pos", "Speculative decoding: proposals scored, by position",
+            labelnames=["model_name", "position"], registry=r)
         self.engine_healthy.set(1)
         self._last_stats: EngineStatsMsg | None = None
         self._init_replica_metrics()
@@ -117,7 +131,24 @@ class ServerMetrics:
             delta = getattr(stats, name) - (getattr(last, name) if last is not None else 0)
             if delta > 0:
                 counter.inc(delta)
+        self._record_spec_decode(stats, last)
         self._last_stats = stats
+
+    def _record_spec_decode(self, stats: EngineStatsMsg, last: EngineStatsMsg | None) -> None:
+        """Speculative-decoding counters (the core's are cumulative): increments, per position too."""
+        for counter, name in ((self.spec_steps, "spec_num_steps"), (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                              (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
+                              (self.spec_bonus_tokens, "spec_num_bonus_tokens")):
+            delta = getattr(stats, name) - (getattr(last, name) if last is not None else 0)
+            if delta > 0:
+                counter.inc(delta)
+        for family, name in ((self.spec_accepted_per_pos, "spec_accepted_per_position"),
+                             (self.spec_proposed_per_pos, "spec_proposed_per_position")):
+            before = getattr(last, name) if last is not None else []
+            for position, value in enumerate(getattr(stats, name)):
+                delta = value - (before[position] if position < len(before) else 0)
+                if delta > 0:
+                    family.labels(model_name=self._model_name, position=str(position)).inc(delta)
 
     def record_engine_dead(self) -> None:
         self.engine_healthy.set(0)

@@ -24,6 +24,7 @@ from pagedllm.model.sampler import (
     compute_prompt_logprobs,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker import spec_decode
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class ModelRunner:
         self.request_tensors = RequestTensorCache(vocab_size, self.device)
         # Seeded requests keep their generator across preemption; dropped only when finished.
         self.generators: dict[str, torch.Generator] = {}
+        self._spec_tokens: dict[str, list[int]] = {}
+        """This step's speculative proposals (worker/spec_decode.py), req_id -> tokens."""
         torch.manual_seed(seed)  # the shared stream of unseeded requests
         self.tokenizer = tokenizer  # structured outputs build their vocabulary from it
         self.structured_output = None  # a StructuredOutputManager, made at the first constrained request
@@ -213,6 +216,8 @@ class ModelRunner:
         self._swap_blocks(sched.swap_out, self.kv_caches, self.host_kv_caches)
         self._swap_blocks(sched.swap_in, self.host_kv_caches, self.kv_caches)
         self._apply_block_copies(sched.block_copies)
+        self._spec_tokens = sched.scheduled_spec_tokens
+        spec_decode.attach_proposals(self.requests, self._spec_tokens)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
 
@@ -254,11 +259,21 @@ class ModelRunner:
         # Rows that reach the end of their known tokens sample the next one.
         sampling_rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
                          if s.num_computed_tokens + n == len(s.token_ids)]
+        spec_rows = [i for i in sampling_rows if states[i].req_id in self._spec_tokens]
+        kept_by_state: dict[str, list[int]] = {}
+        if spec_rows:
+            sampling_rows = [i for i in sampling_rows if states[i].req_id not in self._spec_tokens]
+            kept_by_state = spec_decode.verify_rows(self, states, spec_rows, self._spec_tokens, metadata,
+                                                    hidden_states, output)
         sampled_by_state: dict[str, int] = {}
         if sampling_rows:
             sampled_by_state = self._sample(states, sampling_rows, metadata, hidden_states, output)
 
         for state, n in zip(states, num_scheduled):
+            if state.req_id in kept_by_state:
+                spec_decode.commit(state, len(self._spec_tokens[state.req_id]), kept_by_state[state.req_id],
+                                   self.block_size)
+                continue
             state.num_computed_tokens += n
             if state.req_id in sampled_by_state:
                 state.token_ids.append(sampled_by_state[state.req_id])

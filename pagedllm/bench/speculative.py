@@ -1,0 +1,162 @@
+"""`pagedllm bench speculative`: n-gram speculative decoding against the same engine without it.
+
+Two workloads, each at every batch size (max_num_seqs = B, B requests in flight):
+
+    copy       chat prompts to the default model whose answers repeat spans of the prompt ("repeat
+               this text", "fix the typos in", "quote the sentence"), greedy, EOS honoured (the
+               outputs are token-for-token the same with and without speculation, so both runs
+               produce the same tokens)
+    alpaca     the Alpaca-like synthetic trace (bench/workloads.py), greedy, ignore_eos
+
+Per (workload, batch size, proposer): wall seconds, output tokens/s, time per output token
+(TPOT = B x wall / output tokens: the time one of the B concurrent sequences waits per token), the
+speed-up over no speculation, and the acceptance rate (kept / proposed), overall and per position.
+The two engines run side by side in one process, each warmed up first; the runs alternate
+(off, ngram, off, ngram, ...) over `--repeats` and the best wall time of each counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pagedllm.bench.common import format_table
+from pagedllm.bench.engine_utils import engine_prompts, request_params
+from pagedllm.bench.workloads import WorkloadSpec, make_workload
+
+PASSAGES = [
+    "Paged attention stores the key-value cache in fixed-size blocks, so memory is allocated on demand, "
+    "fragmentation stays below one block per sequence, and parallel samples share their prompt's blocks.",
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, the "
+    "members agreed to fund the reading room, the children's corner and a small cafe near the entrance.",
+    "To reset the router, unplug it for thirty seconds, plug it back in, wait until the status light turns "
+    "green, and then connect to the network named in the label on the bottom of the device.",
+    "Photosynthesis converts light energy into chemical energy: chlorophyll absorbs light, water is split "
+    "into oxygen and hydrogen, and carbon dioxide is fixed into sugars in the Calvin cycle.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "print([fibonacci(i) for i in range(10)])",
+    "Dear Ms. Carter, thank you for your order of twelve blue notebooks and three packs of pens. Your parcel "
+    "left our warehouse this morning and should arrive within three working days.",
+]
+TASKS = [
+    "Repeat the following text exactly, word for word:\n\n{}",
+    "Fix any typos in the following text and return the whole corrected text:\n\n{}",
+    "Rewrite the following text, changing nothing but making every sentence start on a new line:\n\n{}",
+]
+
+
+def copy_prompts(tokenizer, num_requests: int) -> list[list[int]]:
+    """Chat prompts whose answers copy spans of the prompt."""
+    prompts = []
+    for i in range(num_requests):
+        text = TASKS[i % len(TASKS)].format(PASSAGES[i % len(PASSAGES)])
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        prompts.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def _workload(name: str, llm, num_requests: int, output_len: int, length_scale: float, max_model_len: int):
+    """(prompts for LLM.generate, sampling params per request)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    if name == "copy":
+        prompts = copy_prompts(llm.get_tokenizer(), num_requests)
+        params = [SamplingParams(temperature=0, max_tokens=output_len) for _ in prompts]
+        return [{"prompt_token_ids": p} for p in prompts], params
+    requests = make_workload(WorkloadSpec(name="alpaca", num_requests=num_requests, max_model_len=max_model_len,
+                                          length_scale=length_scale))
+    return engine_prompts(requests), [request_params(r) for r in requests]
+
+
+def _timed_run(llm, prompts, params) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_speculative(engine_args: dict, workloads: list[str], batch_sizes: list[int], num_requests: int,
+                    output_len: int, speculative_config: dict, repeats: int = 1, length_scale: float = 1.0) -> dict:
+    """Every (workload, batch size): the engine without and with n-gram speculation, side by side."""
+    from pagedllm.entrypoints.llm import LLM
+
+    engine_args = {k: v for k, v in engine_args.items() if k != "speculative_config"}
+    rows = []
+    for batch_size in batch_sizes:
+        plain = LLM(**{**engine_args, "max_num_seqs": batch_size})
+        spec = LLM(**{**engine_args, "max_num_seqs": batch_size}, speculative_config=speculative_config)
+        for llm in (plain, spec):  # warm-up: first-call costs are not the proposer's
+            llm.generate([{"prompt_token_ids": [1, 2, 3, 1, 2, 3]}], request_params_warmup(), use_tqdm=False)
+        max_model_len = plain.engine.core.scheduler_config.max_model_len
+        for name in workloads:
+            n = max(num_requests, batch_size) if name == "copy" else max(num_requests, 2 * batch_size)
+            prompts, params = _workload(name, plain, n, output_len, length_scale, max_model_len)
+            best = {"off": float("inf"), "ngram": float("inf")}
+            outputs = {}
+            before = spec.engine.stats()
+            for _ in range(repeats):
+                for label, llm in (("off", plain), ("ngram", spec)):
+                    elapsed, outputs[label] = _timed_run(llm, prompts, params)
+                    best[label] = min(best[label], elapsed)
+            after = spec.engine.stats()
+            if outputs["off"] != outputs["ngram"]:
+                raise AssertionError(f"{name} at batch {batch_size}: greedy outputs differ with speculation")
+            num_out = sum(len(t) for t in outputs["off"])
+            proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            per_position = [
+                round((a1 - a0) / (p1 - p0), 3) if p1 > p0 else None
+                for a0, a1, p0, p1 in zip(before.spec_accepted_per_position or [0] * len(after.spec_accepted_per_position),
+                                          after.spec_accepted_per_position,
+                                          before.spec_proposed_per_position or [0] * len(after.spec_proposed_per_position),
+                                          after.spec_proposed_per_position)]
+            for label in ("off", "ngram"):
+                rows.append(dict(workload=name, batch_size=batch_size, proposer=label, num_requests=n,
+                                 output_tokens=num_out, seconds=best[label], tokens_per_s=num_out / best[label],
+                                 tpot_ms=1000 * batch_size * best[label] / num_out,
+                                 speedup=best["off"] / best[label],
+                                 acceptance_rate=(accepted / proposed if proposed else 0.0) if label == "ngram" else None,
+                                 proposed_tokens=proposed if label == "ngram" else None,
+                                 acceptance_per_position=per_position if label == "ngram" else None))
+        del plain, spec
+    return {"speculative_config": speculative_config, "repeats": repeats, "rows": rows}
+
+
+def request_params_warmup():
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def format_speculative(result: dict) -> str:
+    headers = ["workload", "batch", "proposer", "tok/s", "TPOT ms", "speed-up", "accept", "accept by position"]
+    rows = [[r["workload"], r["batch_size"], r["proposer"], r["tokens_per_s"], r["tpot_ms"], r["speedup"],
+             r["acceptance_rate"], ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"] or [])]
+            for r in result["rows"]]
+    return format_table(headers, rows)
+
+
+def add_speculative_parser(bsub, common) -> None:
+    p = bsub.add_parser("speculative", help="n-gram speculative decoding vs none: copy-heavy and Alpaca-like, per batch")
+    common(p)
+    p.add_argument("--workloads", default="copy,alpaca", help="copy (prompts whose answers repeat them), alpaca")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per run (at least the batch size)")
+    p.add_argument("--spec-output-len", type=int, default=160, help="copy: max_tokens of each answer")
+    p.add_argument("--length-scale", type=float, default=1.0, help="alpaca: multiply the trace's lengths")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2, help="alternating timed runs per engine; the best counts")
+
+
+def bench_speculative(args, engine_args: dict) -> dict:
+    from pagedllm.bench.common import write_result
+
+    config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    result = run_speculative(engine_args, [w for w in args.workloads.split(",") if w],
+                             [int(b) for b in args.batch_sizes.split(",") if b], args.num_requests,
+                             args.spec_output_len, config, repeats=args.repeats, length_scale=args.length_scale)
+    print(format_speculative(result))
+    write_result(args.out, "speculative", result)
+    return result

@@ -1,0 +1,170 @@
+"""Speculative decoding, the scheduler's side: who proposes what, when to stop trying, what it earned.
+
+A running request at decode may carry up to k proposed tokens. They are scheduled like prompt
+tokens after its last sampled token, so one forward pass scores all k + 1 positions:
+
+    all_token_ids:  [ ...... computed ...... | t ]           t: sampled last step, KV not yet computed
+    scheduled:                               [ t | d1 d2 d3 ]   d: proposals (never in all_token_ids)
+    runner returns:                              [ d1 d2 | b ]  accepted prefix + one token of its own
+    after the step: num_computed_tokens = num_tokens - 1        (the KV of t, d1, d2 is kept; d3's
+                                                                  slot is rolled back and rewritten later)
+
+Proposals never enter `all_token_ids`, so prefix-cache hashing only ever covers real tokens.
+Pure Python (no torch): proposers here must be cheap per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.config import SpeculativeConfig
+
+
+class NgramProposer:
+    """Prompt lookup: find the sequence's last n tokens earlier in its own tokens (longest n first,
+    latest occurrence) and propose the tokens that followed them there.
+
+    Each request keeps an index {n-gram: end of its latest occurrence}, extended only with the tokens
+    that arrived since the last call, so a proposal costs O(new tokens x n-gram lengths), not a scan.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self._index: dict[str, dict[tuple[int, ...], int]] = {}
+        self._num_indexed: dict[str, int] = {}
+        """req_id -> exclusive end of the last n-gram ends indexed (the index covers ends < this)."""
+
+    def propose(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        num_tokens = len(token_ids)
+        index = self._index.setdefault(req_id, {})
+        # Index every n-gram ending before the last token (a match must have a continuation).
+        start = self._num_indexed.get(req_id, 1)
+        for end in range(max(start, 1), num_tokens):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                index[tuple(token_ids[end - n:end])] = end
+        self._num_indexed[req_id] = max(start, num_tokens)
+        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
+            end = index.get(tuple(token_ids[num_tokens - n:]))
+            if end is not None:
+                return token_ids[end:end + k]
+        return []
+
+    def forget(self, req_id: str) -> None:
+        self._index.pop(req_id, None)
+        self._num_indexed.pop(req_id, None)
+
+
+@dataclass(slots=True)
+class _Backoff:
+    """Per request: how many proposals it is worth scoring, and how long to pause after failures.
+
+    A scored proposal is not free once a step is no longer bound by reading the weights (batch 16
+    on the CPU): each costs about a token of compute. So a request proposes about one more token than
+    it has recently kept (`mean_accepted`, halved towards each step's count), and a request whose
+    proposals keep failing skips proposing for 3, 7, ... 63 steps.
+    """
+
+    mean_accepted: float
+    acceptance: float | None = None
+    """Recent fraction of proposals kept (halved towards each step's); None before the first."""
+    num_failures: int = 0
+    skip_steps: int = 0
+    probe_due: bool = False
+    """After a pause for low acceptance: propose once whatever the acceptance (a probe)."""
+
+
+FLAT_BATCH_SIZE = 4
+"""The batch size at which a step's per-token compute costs about as much as its fixed part (reading
+the weights). A proposal costs a token of compute and pays off only if it is kept, so at batch B a
+request speculates only while it keeps more than B / (B + FLAT_BATCH_SIZE) of its proposals (20% at
+batch 1, 50% at 4, 80% at 16). Measured on the default model on a 2-core CPU (`pagedllm bench
+speculative`): a 5-token step cost ~1.8x a 1-token step at batch 1, and at batch 16 the Alpaca-like
+trace (acceptance ~0.5) ran 9% slower with a 50% bar; copy-heavy requests (~0.9) keep speculating."""
+PROBE_INTERVAL = 8
+"""A request below that bar proposes again after this many steps, to see whether its text changed."""
+
+
+MAX_BACKOFF_EXPONENT = 6
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counters of speculative decoding (only grow)."""
+
+    num_spec_steps: int = 0
+    """Request-steps that carried proposals."""
+    num_draft_tokens: int = 0
+    """Tokens proposed and scored."""
+    num_accepted_tokens: int = 0
+    """Proposals the model agreed with (kept)."""
+    num_bonus_tokens: int = 0
+    """Tokens the model added after the accepted prefix, in request-steps with proposals."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """[j]: how often the proposal at position j (0-based) was accepted."""
+    proposed_per_position: list[int] = field(default_factory=list)
+    """[j]: how often a proposal at position j was scored."""
+
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class SpecDecoder:
+    """The scheduler's collaborator: proposals for requests at decode, backoff, and the counters."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._backoff: dict[str, _Backoff] = {}
+        k = config.num_speculative_tokens
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * k, proposed_per_position=[0] * k)
+
+    def propose(self, req_id: str, token_ids: list[int], max_k: int, batch_size: int = 1) -> list[int]:
+        """At most min(k, max_k) proposals for a request whose only uncomputed token is its last;
+        `batch_size`: the requests running this step (see FLAT_BATCH_SIZE)."""
+        k = min(self.config.num_speculative_tokens, max_k)
+        if k <= 0:
+            return []
+        backoff = self._backoff.get(req_id)
+        if backoff is not None:
+            if backoff.skip_steps > 0:
+                backoff.skip_steps -= 1
+                return []
+            if backoff.probe_due:
+                backoff.probe_due = False
+            elif backoff.acceptance is not None and backoff.acceptance < batch_size / (batch_size + FLAT_BATCH_SIZE):
+                backoff.skip_steps = PROBE_INTERVAL - 1
+                backoff.probe_due = True
+                return []
+            k = min(k, 1 + int(backoff.mean_accepted + 0.5))
+        return self.proposer.propose(req_id, token_ids, k)
+
+    def record(self, req_id: str, num_proposed: int, num_accepted: int, num_new_tokens: int) -> None:
+        """A step scored `num_proposed` proposals of `req_id`, kept `num_accepted`, appended `num_new_tokens`."""
+        stats = self.stats
+        stats.num_spec_steps += 1
+        stats.num_draft_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted
+        stats.num_bonus_tokens += max(0, num_new_tokens - num_accepted)
+        for j in range(num_proposed):
+            stats.proposed_per_position[j] += 1
+        for j in range(num_accepted):
+            stats.accepted_per_position[j] += 1
+        backoff = self._backoff.get(req_id)
+        if backoff is None:
+            backoff = self._backoff[req_id] = _Backoff(mean_accepted=float(self.config.num_speculative_tokens))
+        # A proposal cut short by max_tokens or the lookup says little: count a full run as k kept.
+        kept = self.config.num_speculative_tokens if num_accepted == num_proposed else num_accepted
+        backoff.mean_accepted = 0.5 * backoff.mean_accepted + 0.5 * kept
+        rate = num_accepted / num_proposed if num_proposed else 0.0
+        backoff.acceptance = rate if backoff.acceptance is None else 0.5 * backoff.acceptance + 0.5 * rate
+        if num_accepted == 0:
+            backoff.num_failures = min(backoff.num_failures + 1, MAX_BACKOFF_EXPONENT)
+            backoff.skip_steps = (1 << backoff.num_failures) - 1 if backoff.num_failures > 1 else 0
+        else:
+            backoff.num_failures = 0
+
+    def forget(self, req_id: str) -> None:
+        self.proposer.forget(req_id)
+        self._backoff.pop(req_id, None)

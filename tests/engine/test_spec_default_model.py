@@ -1,0 +1,75 @@
+"""N-gram speculation on the default model (SmolLM2-135M-Instruct): greedy outputs unchanged, token for
+token, on copy-heavy chat prompts (where proposals are accepted) batched with ordinary ones, with
+chunked prefill, recompute preemption, prefix caching and n > 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+PASSAGE = ("The quick brown fox jumps over the lazy dog. Paged attention stores the key-value cache in "
+           "fixed-size blocks, so memory is allocated on demand and shared between sequences.")
+PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Fix the spelling in this sentence and repeat it: Teh quick brwon fox jumps over the lazy dog.",
+    "What is the capital of France?",
+    f"Quote the second sentence of this text:\n\n{PASSAGE}",
+]
+
+
+def _chat(llm: LLM, text: str) -> list[int]:
+    tokenizer = llm.get_tokenizer()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def _run(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
+    prompts = [{"prompt_token_ids": _chat(llm, p)} for p in PROMPTS]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.core.check_kv_leaks() == []
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(LLM(max_model_len=512), GREEDY)
+
+
+@pytest.mark.parametrize("k,config", [
+    (1, {}),
+    (3, dict(max_num_batched_tokens=32)),
+    (5, dict(num_kv_blocks=20, block_size=8, preemption_mode="recompute", enable_prefix_caching=False)),
+])
+def test_default_model_greedy_identical(reference, k, config):
+    llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **config)
+    assert _run(llm, GREEDY) == reference
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_accepted_tokens > 0
+    if "num_kv_blocks" in config:
+        assert stats.num_preemptions > 0
+
+
+def test_default_model_parallel_samples(reference):
+    params = SamplingParams(n=2, temperature=0, max_tokens=40)
+    llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert _run(llm, params) == [seqs * 2 for seqs in reference]
+
+
+def test_default_model_stop_strings_end_where_they_would_without():
+    """Several tokens arrive per step with speculation; a stop string still ends text and token ids at
+    the token that completes it."""
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[" lazy", " blocks", "Paris"])
+    results = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = LLM(max_model_len=512, speculative_config=spec)
+        outputs = llm.generate([{"prompt_token_ids": _chat(llm, p)} for p in PROMPTS], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                        for o in outputs])
+        assert llm.engine.core.check_kv_leaks() == []
+    assert results[0] == results[1]
+    assert sum(r[3] is not None for r in results[0]) >= 2  # the stop strings did stop something
