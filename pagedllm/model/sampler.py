@@ -365,6 +365,12 @@ def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
 
 def _sample_random(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Sample every row of processed logits `x` as if it were random (greedy rows are fixed later)."""
+    return _exponential_race(sampling_probs(x, metadata), metadata)
+
+
+def sampling_probs(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row samples from: processed logits `x` (changed in place) through
+    temperature, top-k/top-p and min-p. Speculative verification scores proposals against it too."""
     x.div_(metadata.temperature[:, None])
     if metadata.top_p is not None:
         x = _apply_top_k_top_p(x, metadata.top_k, metadata.top_p)
@@ -374,7 +380,7 @@ def _sample_random(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.min_p is not None:
         max_probs = probs.max(dim=-1, keepdim=True).values
         probs.masked_fill_(probs < metadata.min_p[:, None] * max_probs, 0.0)
-    return _exponential_race(probs, metadata)
+    return probs
 
 
 def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:

@@ -23,10 +23,9 @@ import torch
 
 from pagedllm.model.sampler import (
     SamplingMetadata,
-    _apply_top_k,
-    _apply_top_k_top_p,
     apply_logits_processors,
     argmax_rows,
+    sampling_probs,
 )
 
 
@@ -47,16 +46,7 @@ def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torc
     greedy_ids = argmax_rows(x)
     if metadata.all_greedy:
         return greedy_ids, None
-    # The same steps as the plain sampler's random branch, stopping at the distribution.
-    x.div_(metadata.temperature[:, None])
-    if metadata.top_p is not None:
-        x = _apply_top_k_top_p(x, metadata.top_k, metadata.top_p)
-    elif metadata.top_k is not None:
-        x = _apply_top_k(x, metadata.top_k, metadata.max_top_k)
-    probs = torch.softmax(x, dim=-1)
-    if metadata.min_p is not None:
-        max_probs = probs.max(dim=-1, keepdim=True).values
-        probs.masked_fill_(probs < metadata.min_p[:, None] * max_probs, 0.0)
+    probs = sampling_probs(x, metadata)  # the plain sampler's distribution
     return greedy_ids, probs
 
 
