@@ -11,6 +11,8 @@ Three drafts of the tiny copy model (tests/engine/test_spec_decode.py) exercise 
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -138,3 +140,31 @@ def test_refusals(copy_model_dir, tmp_path):  # noqa: F811
         LLM(model=copy_model_dir, speculative_config=_spec(other_vocab, 3))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         LLM(model=copy_model_dir, tensor_parallel_size=2, device="cpu", speculative_config=_spec(copy_model_dir, 3))
+
+
+def test_a_failing_draft_model_costs_acceptance_not_requests(copy_model_dir, drafts, baseline, monkeypatch):  # noqa: F811
+    llm = LLM(model=copy_model_dir, speculative_config=_spec(drafts["same"], 3))
+    draft = llm.engine.core.executor.runner.draft
+    calls = {"n": 0}
+    forward = draft.model.forward
+
+    def sometimes_fails(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] % 5 == 0:
+            raise RuntimeError("draft out of memory")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(draft.model, "forward", sometimes_fails)
+    assert _run(llm, GREEDY) == baseline
+    assert draft.num_failures > 0
+    assert 0 < llm.engine.core.stats().spec_num_accepted_tokens < llm.engine.core.stats().spec_num_draft_tokens
+
+
+def test_the_cli_flag_takes_a_draft_model(copy_model_dir):  # noqa: F811
+    from pagedllm.config import EngineArgs, SpeculativeConfig
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--speculative-config",
+                              f'{{"method": "draft_model", "model": "{copy_model_dir}", "num_speculative_tokens": 2}}'])
+    assert EngineArgs.from_cli_args(args).speculative() == SpeculativeConfig("draft_model", 2, model=copy_model_dir)
