@@ -185,7 +185,8 @@ class SpeculativeConfig:
     and keeps the longest prefix it agrees with (losslessly), plus one token of its own."""
 
     method: str = "ngram"
-    """'ngram': prompt lookup, the tokens that followed the sequence's latest n-gram earlier in its own tokens."""
+    """'ngram': prompt lookup, the tokens that followed the sequence's latest n-gram earlier in its own tokens;
+    'draft_model': the greedy guesses of a smaller model with the same vocabulary (`model`)."""
     num_speculative_tokens: int = 3
     """Most tokens proposed per request per step (k); a step yields 1..k+1 tokens."""
     prompt_lookup_min: int = 1

@@ -10,7 +10,9 @@ tokens after its last sampled token, so one forward pass scores all k + 1 positi
                                                                   slot is rolled back and rewritten later)
 
 Proposals never enter `all_token_ids`, so prefix-cache hashing only ever covers real tokens.
-Pure Python (no torch): proposers here must be cheap per step.
+Pure Python (no torch): proposers here must be cheap per step. A draft model (method 'draft_model')
+runs in the worker instead (worker/draft_proposer.py): the scheduler then reserves the k slots
+(`SchedulerOutput.num_draft_tokens`) and learns the proposals from the runner's output.
 """
 
 from __future__ import annotations
