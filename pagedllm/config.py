@@ -176,7 +176,7 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -185,17 +185,28 @@ class SpeculativeConfig:
     and keeps the longest prefix it agrees with (losslessly), plus one token of its own."""
 
     method: str = "ngram"
-    """'ngram': prompt lookup, the tokens that followed the sequence's latest n-gram earlier in its own tokens."""
+    """'ngram': prompt lookup, the tokens that followed the sequence's latest n-gram earlier in its own tokens;
+    'draft_model': the greedy guesses of a smaller model with the same vocabulary (`model`)."""
     num_speculative_tokens: int = 3
     """Most tokens proposed per request per step (k); a step yields 1..k+1 tokens."""
     prompt_lookup_min: int = 1
     """Shortest n-gram matched (ngram)."""
     prompt_lookup_max: int = 4
     """Longest n-gram matched (ngram); longer matches are tried first."""
+    model: str | None = None
+    """draft_model: a smaller Llama-family model with the target's tokenizer (an HF directory or .gguf),
+    run greedily by the worker with its own paged KV cache; required for that method, refused otherwise."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError('speculative method "draft_model" needs "model": the draft model\'s path')
+            if not os.path.exists(os.path.expanduser(self.model)):
+                raise ValueError(f"the draft model path {self.model!r} does not exist")
+        elif self.model is not None:
+            raise ValueError(f'"model" is only read by the "draft_model" method, not {self.method!r}')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -1,4 +1,4 @@
-"""`pagedllm bench speculative`: n-gram speculative decoding against the same engine without it.
+"""`pagedllm bench speculative`: speculative decoding (n-gram, a draft model) against the same engine without it.
 
 Two workloads, each at every batch size (max_num_seqs = B, B requests in flight):
 
@@ -11,8 +11,13 @@ Two workloads, each at every batch size (max_num_seqs = B, B requests in flight)
 Per (workload, batch size, proposer): wall seconds, output tokens/s, time per output token
 (TPOT = B x wall / output tokens: the time one of the B concurrent sequences waits per token), the
 speed-up over no speculation, and the acceptance rate (kept / proposed), overall and per position.
-The two engines run side by side in one process, each warmed up first; the runs alternate
-(off, ngram, off, ngram, ...) over `--repeats` and the best wall time of each counts.
+The engines run side by side in one process, each warmed up first; the runs alternate
+(off, ngram, draft_model, off, ...) over `--repeats` and the best wall time of each counts.
+
+`--methods ngram,draft_model` adds the draft-model proposer. Its draft is `--draft-model`, else a
+cut of the target: its first `--draft-layers` layers with the final norm and the (tied) head
+(model/truncate.py; no smaller SmolLM2 is available offline). Such a cut is a weak draft: on the
+default model 4 layers agree with the full model's greedy token about 1 time in 12, 24 layers 1 in 3.
 """
 
 from __future__ import annotations
@@ -74,51 +79,60 @@ def _timed_run(llm, prompts, params) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def _acceptance(before, after) -> tuple[int, int, list[float | None]]:
+    """(proposed, accepted, acceptance per position) between two stats snapshots of one engine."""
+    k = len(after.spec_accepted_per_position)
+    per_position = [
+        round((a1 - a0) / (p1 - p0), 3) if p1 > p0 else None
+        for a0, a1, p0, p1 in zip(before.spec_accepted_per_position or [0] * k, after.spec_accepted_per_position,
+                                  before.spec_proposed_per_position or [0] * k, after.spec_proposed_per_position)]
+    return (after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            after.spec_num_accepted_tokens - before.spec_num_accepted_tokens, per_position)
+
+
 def run_speculative(engine_args: dict, workloads: list[str], batch_sizes: list[int], num_requests: int,
-                    output_len: int, speculative_config: dict, repeats: int = 1, length_scale: float = 1.0) -> dict:
-    """Every (workload, batch size): the engine without and with n-gram speculation, side by side."""
+                    output_len: int, speculative_configs: dict[str, dict], repeats: int = 1,
+                    length_scale: float = 1.0) -> dict:
+    """Every (workload, batch size): the engine without speculation and with each config of
+    `speculative_configs` (label -> speculative_config), side by side."""
     from pagedllm.entrypoints.llm import LLM
 
     engine_args = {k: v for k, v in engine_args.items() if k != "speculative_config"}
     rows = []
     for batch_size in batch_sizes:
-        plain = LLM(**{**engine_args, "max_num_seqs": batch_size})
-        spec = LLM(**{**engine_args, "max_num_seqs": batch_size}, speculative_config=speculative_config)
-        for llm in (plain, spec):  # warm-up: first-call costs are not the proposer's
+        engines = {"off": LLM(**{**engine_args, "max_num_seqs": batch_size})}
+        for label, config in speculative_configs.items():
+            engines[label] = LLM(**{**engine_args, "max_num_seqs": batch_size}, speculative_config=config)
+        for llm in engines.values():  # warm-up: first-call costs are not the proposer's
             llm.generate([{"prompt_token_ids": [1, 2, 3, 1, 2, 3]}], request_params_warmup(), use_tqdm=False)
+        plain = engines["off"]
         max_model_len = plain.engine.core.scheduler_config.max_model_len
         for name in workloads:
             n = max(num_requests, batch_size) if name == "copy" else max(num_requests, 2 * batch_size)
             prompts, params = _workload(name, plain, n, output_len, length_scale, max_model_len)
-            best = {"off": float("inf"), "ngram": float("inf")}
+            best = {label: float("inf") for label in engines}
             outputs = {}
-            before = spec.engine.stats()
+            before = {label: llm.engine.stats() for label, llm in engines.items()}
             for _ in range(repeats):
-                for label, llm in (("off", plain), ("ngram", spec)):
+                for label, llm in engines.items():
                     elapsed, outputs[label] = _timed_run(llm, prompts, params)
                     best[label] = min(best[label], elapsed)
-            after = spec.engine.stats()
-            if outputs["off"] != outputs["ngram"]:
-                raise AssertionError(f"{name} at batch {batch_size}: greedy outputs differ with speculation")
+            for label in speculative_configs:
+                if outputs["off"] != outputs[label]:
+                    raise AssertionError(f"{name} at batch {batch_size}: greedy outputs differ with {label}")
             num_out = sum(len(t) for t in outputs["off"])
-            proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-            per_position = [
-                round((a1 - a0) / (p1 - p0), 3) if p1 > p0 else None
-                for a0, a1, p0, p1 in zip(before.spec_accepted_per_position or [0] * len(after.spec_accepted_per_position),
-                                          after.spec_accepted_per_position,
-                                          before.spec_proposed_per_position or [0] * len(after.spec_proposed_per_position),
-                                          after.spec_proposed_per_position)]
-            for label in ("off", "ngram"):
-                rows.append(dict(workload=name, batch_size=batch_size, proposer=label, num_requests=n,
-                                 output_tokens=num_out, seconds=best[label], tokens_per_s=num_out / best[label],
-                                 tpot_ms=1000 * batch_size * best[label] / num_out,
-                                 speedup=best["off"] / best[label],
-                                 acceptance_rate=(accepted / proposed if proposed else 0.0) if label == "ngram" else None,
-                                 proposed_tokens=proposed if label == "ngram" else None,
-                                 acceptance_per_position=per_position if label == "ngram" else None))
-        del plain, spec
-    return {"speculative_config": speculative_config, "repeats": repeats, "rows": rows}
+            for label, llm in engines.items():
+                row = dict(workload=name, batch_size=batch_size, proposer=label, num_requests=n,
+                           output_tokens=num_out, seconds=best[label], tokens_per_s=num_out / best[label],
+                           tpot_ms=1000 * batch_size * best[label] / num_out, speedup=best["off"] / best[label],
+                           acceptance_rate=None, proposed_tokens=None, acceptance_per_position=None)
+                if label != "off":
+                    proposed, accepted, per_position = _acceptance(before[label], llm.engine.stats())
+                    row.update(acceptance_rate=accepted / proposed if proposed else 0.0, proposed_tokens=proposed,
+                               acceptance_per_position=per_position)
+                rows.append(row)
+        del plain, engines
+    return {"speculative_configs": speculative_configs, "repeats": repeats, "rows": rows}
 
 
 def request_params_warmup():
@@ -136,7 +150,8 @@ def format_speculative(result: dict) -> str:
 
 
 def add_speculative_parser(bsub, common) -> None:
-    p = bsub.add_parser("speculative", help="n-gram speculative decoding vs none: copy-heavy and Alpaca-like, per batch")
+    p = bsub.add_parser("speculative", help="speculative decoding (n-gram, draft model) vs none: copy-heavy and "
+                                            "Alpaca-like, per batch")
     common(p)
     p.add_argument("--workloads", default="copy,alpaca", help="copy (prompts whose answers repeat them), alpaca")
     p.add_argument("--batch-sizes", default="1,4,16")
@@ -147,16 +162,43 @@ def add_speculative_parser(bsub, common) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2, help="alternating timed runs per engine; the best counts")
+    p.add_argument("--methods", default="ngram", help="proposers to compare with none: ngram, draft_model")
+    p.add_argument("--draft-model", default=None,
+                   help="draft_model: the draft's directory (default: the target's first --draft-layers layers)")
+    p.add_argument("--draft-layers", type=int, default=4, help="layers of the target kept in the default draft")
 
 
 def bench_speculative(args, engine_args: dict) -> dict:
     from pagedllm.bench.common import write_result
 
-    config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
-    result = run_speculative(engine_args, [w for w in args.workloads.split(",") if w],
-                             [int(b) for b in args.batch_sizes.split(",") if b], args.num_requests,
-                             args.spec_output_len, config, repeats=args.repeats, length_scale=args.length_scale)
+    import tempfile
+
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - {"ngram", "draft_model"})
+    if unknown:
+        raise ValueError(f"unknown --methods {unknown}; known: ngram, draft_model")
+    configs = {}
+    with tempfile.TemporaryDirectory(prefix="pagedllm-draft-") as scratch:
+        for method in methods:
+            config = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+            if method == "ngram":
+                config.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+            else:
+                config["model"] = args.draft_model or cut_draft(engine_args.get("model"), args.draft_layers, scratch)
+            configs[method] = config
+        result = run_speculative(engine_args, [w for w in args.workloads.split(",") if w],
+                                 [int(b) for b in args.batch_sizes.split(",") if b], args.num_requests,
+                                 args.spec_output_len, configs, repeats=args.repeats, length_scale=args.length_scale)
+    if "draft_model" in configs and args.draft_model is None:
+        result["draft_layers"] = args.draft_layers
     print(format_speculative(result))
     write_result(args.out, "speculative", result)
     return result
+
+
+def cut_draft(model: str | None, num_layers: int, directory: str) -> str:
+    """A draft model made of the target's first `num_layers` layers, written under `directory`."""
+    from pagedllm.model.loader import resolve_hf_dir
+    from pagedllm.model.truncate import write_truncated_model
+
+    return str(write_truncated_model(resolve_hf_dir(model), f"{directory}/draft-{num_layers}-layers", num_layers))

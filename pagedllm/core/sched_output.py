@@ -58,6 +58,10 @@ class SchedulerOutput:
     """req_id -> speculative proposals, scheduled after the request's last token and counted in
     num_scheduled_tokens (1 + len(proposals)). The runner scores every position and returns the
     accepted prefix plus one token of its own (core/spec_decode.py)."""
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    """req_id -> proposals the runner's draft model makes this step (method 'draft_model'): scheduled like
+    `scheduled_spec_tokens` (1 + k slots in num_scheduled_tokens), their ids known only to the runner,
+    which reports them in ModelRunnerOutput.spec_token_ids."""
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +89,8 @@ class ModelRunnerOutput:
     """req_id -> logprobs of the prompt positions computed this step (None for the first token)."""
     failed: dict[str, str] = field(default_factory=dict)
     """req_id -> error message, for requests that failed alone; the others carry on."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> the proposals the draft model made for SchedulerOutput.num_draft_tokens (what was scored)."""
 
 
 @dataclass(slots=True)

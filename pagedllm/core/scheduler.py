@@ -163,6 +163,7 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
+        num_draft_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         if self.config.scheduling_policy == "priority":
@@ -181,15 +182,17 @@ class Scheduler:
             else:
                 num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
                 assert num_new > 0, f"{request.req_id} is running with nothing to compute"
-                proposals = self._propose(request, token_budget)
+                proposals, num_draft = self._propose(request, token_budget)
+                num_lookahead = len(proposals) or num_draft
                 new_block_ids = None
-                if proposals:  # speculation never preempts: without room, the request runs plainly
-                    new_block_ids = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(proposals))
-                    if new_block_ids is None:
-                        proposals = []
-                    else:
-                        spec_tokens[request.req_id] = proposals
-                        num_new += len(proposals)
+                if num_lookahead:  # speculation never preempts: without room, the request runs plainly
+                    new_block_ids = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=num_lookahead)
+                    if new_block_ids is not None:
+                        if proposals:
+                            spec_tokens[request.req_id] = proposals
+                        else:
+                            num_draft_tokens[request.req_id] = num_draft
+                        num_new += num_lookahead
                 if new_block_ids is None:
                     new_block_ids = self.kv.allocate_slots(request, num_new)
                 while new_block_ids is None:
@@ -277,6 +280,7 @@ class Scheduler:
             swap_out=self._swap_out,
             swap_in=self._swap_in,
             scheduled_spec_tokens=spec_tokens,
+            num_draft_tokens=num_draft_tokens,
         )
         self._swap_out, self._swap_in = [], []
         self._finished_req_ids = set()
@@ -308,6 +312,8 @@ class Scheduler:
                 if self._check_stop(request):
                     break
             proposals = sched_output.scheduled_spec_tokens.get(req_id)
+            if req_id in sched_output.num_draft_tokens:  # the runner's draft model made them
+                proposals = runner_output.spec_token_ids[req_id]
             if proposals is not None:
                 self._roll_back_rejected(request, proposals, new_token_ids)
             logprobs = runner_output.logprobs.get(req_id)
@@ -360,18 +366,21 @@ class Scheduler:
 
     # --- speculative decoding (core/spec_decode.py) --------------------------------------
 
-    def _propose(self, request: Request, token_budget: int) -> list[int]:
-        """Proposals for a request at decode: never for beams, structured outputs (the runner verifies
-        proposals without the grammar's mask), a prompt still computing, or past max_tokens /
+    def _propose(self, request: Request, token_budget: int) -> tuple[list[int], int]:
+        """(n-gram proposals, number of draft-model proposals the runner makes) for a request at
+        decode; at most one of them non-empty. Never for beams, structured outputs (the runner
+        verifies proposals without the grammar's mask), a prompt still computing, or past max_tokens /
         max_model_len (the accepted tokens plus the bonus must fit both)."""
         if (self.spec is None or request.beam_group_id is not None
                 or request.sampling_params.structured_outputs is not None):
-            return []
+            return [], 0
         if request.num_tokens - request.num_computed_tokens != 1 or self.forks.samples_of(request):
-            return []
+            return [], 0
         max_k = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
                     self.config.max_model_len - request.num_tokens - 1)
-        return self.spec.propose(request.req_id, request.all_token_ids, max_k, batch_size=len(self.running))
+        if self.spec.proposes_in_worker:
+            return [], self.spec.num_to_propose(request.req_id, max_k, batch_size=len(self.running))
+        return self.spec.propose(request.req_id, request.all_token_ids, max_k, batch_size=len(self.running)), 0
 
     def _roll_back_rejected(self, request: Request, proposals: list[int], new_token_ids: list[int]) -> None:
         """After a speculative step: the KV of the last token and of the accepted proposals stays;

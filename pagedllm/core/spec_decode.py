@@ -10,7 +10,9 @@ tokens after its last sampled token, so one forward pass scores all k + 1 positi
                                                                   slot is rolled back and rewritten later)
 
 Proposals never enter `all_token_ids`, so prefix-cache hashing only ever covers real tokens.
-Pure Python (no torch): proposers here must be cheap per step.
+Pure Python (no torch): proposers here must be cheap per step. A draft model (method 'draft_model')
+runs in the worker instead (worker/draft_proposer.py): the scheduler then reserves the k slots
+(`SchedulerOutput.num_draft_tokens`) and learns the proposals from the runner's output.
 """
 
 from __future__ import annotations
@@ -111,34 +113,52 @@ class SpecDecodeStats:
 
 
 class SpecDecoder:
-    """The scheduler's collaborator: proposals for requests at decode, backoff, and the counters."""
+    """The scheduler's collaborator: proposals for requests at decode, backoff, and the counters.
+
+    'ngram' proposes here (token ids in SchedulerOutput.scheduled_spec_tokens); 'draft_model' only
+    decides how many tokens to propose (SchedulerOutput.num_draft_tokens): the runner's draft model
+    makes them at the start of the step that scores them and reports them back. Backoff is the same.
+    """
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)
         self._backoff: dict[str, _Backoff] = {}
         k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k, proposed_per_position=[0] * k)
 
+    @property
+    def proposes_in_worker(self) -> bool:
+        """True when the runner (its draft model) makes the proposals, the scheduler only counts them."""
+        return self.proposer is None
+
     def propose(self, req_id: str, token_ids: list[int], max_k: int, batch_size: int = 1) -> list[int]:
         """At most min(k, max_k) proposals for a request whose only uncomputed token is its last;
-        `batch_size`: the requests running this step (see FLAT_BATCH_SIZE)."""
+        `batch_size`: the requests running this step (see FLAT_BATCH_SIZE). ngram only."""
+        assert self.proposer is not None, "draft_model proposals are made by the runner"
+        k = self.num_to_propose(req_id, max_k, batch_size)
+        return self.proposer.propose(req_id, token_ids, k) if k > 0 else []
+
+    def num_to_propose(self, req_id: str, max_k: int, batch_size: int = 1) -> int:
+        """How many tokens the request should propose this step (0: none), after backoff; counts a
+        skipped step, so call it once per request-step."""
         k = min(self.config.num_speculative_tokens, max_k)
         if k <= 0:
-            return []
+            return 0
         backoff = self._backoff.get(req_id)
         if backoff is not None:
             if backoff.skip_steps > 0:
                 backoff.skip_steps -= 1
-                return []
+                return 0
             if backoff.probe_due:
                 backoff.probe_due = False
             elif backoff.acceptance is not None and backoff.acceptance < batch_size / (batch_size + FLAT_BATCH_SIZE):
                 backoff.skip_steps = PROBE_INTERVAL - 1
                 backoff.probe_due = True
-                return []
+                return 0
             k = min(k, 1 + int(backoff.mean_accepted + 0.5))
-        return self.proposer.propose(req_id, token_ids, k)
+        return k
 
     def record(self, req_id: str, num_proposed: int, num_accepted: int, num_new_tokens: int) -> None:
         """A step scored `num_proposed` proposals of `req_id`, kept `num_accepted`, appended `num_new_tokens`."""
@@ -166,5 +186,6 @@ class SpecDecoder:
             backoff.num_failures = 0
 
     def forget(self, req_id: str) -> None:
-        self.proposer.forget(req_id)
+        if self.proposer is not None:
+            self.proposer.forget(req_id)
         self._backoff.pop(req_id, None)

@@ -36,6 +36,7 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
 from pagedllm.model.loader import load_model, load_model_info
 from pagedllm.worker import tp_protocol as proto
+from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
 from pagedllm.worker.gpu import profile_num_kv_blocks, resolve_device, resolve_dtype
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks
@@ -53,14 +54,20 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
     dtype = resolve_dtype(engine_args.dtype, device)
     if parallel_config.tensor_parallel_size == 1:
         return UniprocExecutor(engine_args, device, dtype)
+    speculative = engine_args.speculative()
+    if speculative is not None and speculative.method == "draft_model":
+        raise ValueError('speculative decoding with a draft model ("method": "draft_model") is not supported '
+                         "with tensor_parallel_size > 1 yet; use \"ngram\" or a single rank")
     if device.type != "cpu":
         raise ValueError("tensor parallelism runs on the CPU (gloo) so far; pass device='cpu' (--device cpu)")
     return MultiprocTPExecutor(engine_args, parallel_config, dtype)
 
 
-def _kv_cache_info(spec: KVCacheSpec, num_blocks: int, num_host_blocks: int) -> KVCacheInfo:
+def _kv_cache_info(spec: KVCacheSpec, num_blocks: int, num_host_blocks: int,
+                   draft_spec: KVCacheSpec | None = None) -> KVCacheInfo:
+    bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
     return KVCacheInfo(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=spec.block_size,
-                       bytes_per_block=spec.bytes_per_block, num_kv_heads=spec.num_kv_heads)
+                       bytes_per_block=bytes_per_block, num_kv_heads=spec.num_kv_heads)
 
 
 class UniprocExecutor(Executor):
@@ -74,27 +81,39 @@ class UniprocExecutor(Executor):
             torch.set_num_threads(engine_args.num_threads)
         self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device))
         self.model_info = ModelInfo.from_loaded(self.loaded)
+        speculative = engine_args.speculative()
+        self.draft_loaded = None
+        """The draft model of speculative 'draft_model' (loaded before CUDA profiling counts the weights)."""
+        if speculative is not None and speculative.method == "draft_model":
+            self.draft_loaded = load_draft_model(speculative.model, self.model_info.vocab_size, dtype, str(device))
         self.kv_spec: KVCacheSpec | None = None
         self.runner: ModelRunner | None = None
 
     def initialize_kv_cache(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> KVCacheInfo:
         model = self.loaded.model
         self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, self.dtype)
+        draft_spec = None
+        if self.draft_loaded is not None:
+            draft_spec = KVCacheSpec.for_model(self.draft_loaded.hf_config, cache_config.block_size, self.dtype)
+        bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
         profiled = None
         if self.device.type == "cuda" and cache_config.num_kv_blocks is None:
             profiled = profile_num_kv_blocks(  # CUDA: what gpu_memory_utilization leaves, not kv_cache_memory
-                model, spec.bytes_per_block, scheduler_config.max_num_batched_tokens,
+                model, bytes_per_block, scheduler_config.max_num_batched_tokens,
                 scheduler_config.max_num_seqs, self.engine_args.gpu_memory_utilization, self.device,
             )
-        num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config, profiled)
+        num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config, profiled, draft_spec)
         args = self.engine_args
+        draft = None
+        if self.draft_loaded is not None:
+            draft = DraftProposer(self.draft_loaded.model, draft_spec, num_blocks, num_host_blocks, self.device)
         self.runner = ModelRunner(
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, max_num_seqs=scheduler_config.max_num_seqs,
-            max_model_len=scheduler_config.max_model_len, tokenizer=self.loaded.tokenizer,
+            max_model_len=scheduler_config.max_model_len, tokenizer=self.loaded.tokenizer, draft=draft,
         )
-        return _kv_cache_info(spec, num_blocks, num_host_blocks)
+        return _kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"

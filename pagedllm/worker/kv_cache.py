@@ -46,25 +46,28 @@ class KVCacheSpec:
                    head_dim=head_dim_of(hf_config), block_size=block_size, dtype=dtype)
 
 
-def num_kv_blocks(spec: KVCacheSpec, cache_config: CacheConfig, profiled: int | None = None) -> tuple[int, int]:
+def num_kv_blocks(spec: KVCacheSpec, cache_config: CacheConfig, profiled: int | None = None,
+                  draft_spec: KVCacheSpec | None = None) -> tuple[int, int]:
     """(device blocks, host swap blocks): an explicit count, else what profiling found (CUDA), else
-    kv_cache_memory's worth; host blocks only for preemption_mode='swap'."""
+    kv_cache_memory's worth; host blocks only for preemption_mode='swap'. With a draft model each
+    block id holds the draft's KV too (worker/draft_proposer.py), so a block costs both."""
+    bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
     num_blocks = cache_config.num_kv_blocks or profiled
     if num_blocks is None:
-        num_blocks = spec.num_blocks_for_memory(cache_config.kv_cache_memory)
+        num_blocks = cache_config.kv_cache_memory // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={cache_config.kv_cache_memory} bytes is less than one KV block "
-            f"({spec.bytes_per_block} bytes); raise it"
+            f"({bytes_per_block} bytes); raise it"
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB, %d KiB per block): at most %d tokens in flight",
-        num_blocks, spec.block_size, num_blocks * spec.bytes_per_block / 2**20,
-        spec.bytes_per_block // 1024, num_blocks * spec.block_size,
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %d KiB per block%s): at most %d tokens in flight",
+        num_blocks, spec.block_size, num_blocks * bytes_per_block / 2**20, bytes_per_block // 1024,
+        " with the draft model's" if draft_spec is not None else "", num_blocks * spec.block_size,
     )
     num_host_blocks = 0
     if cache_config.preemption_mode == "swap":
-        num_host_blocks = spec.num_blocks_for_memory(cache_config.swap_space)
+        num_host_blocks = cache_config.swap_space // bytes_per_block
         logger.info("Swap space: %d host blocks", num_host_blocks)
     return num_blocks, num_host_blocks
 

@@ -98,7 +98,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int,
                  device: torch.device | str = "cpu", seed: int = 0, num_host_blocks: int = 0,
                  attention_backend: str = "torch", enforce_eager: bool = True, max_num_seqs: int = 128,
-                 max_model_len: int = 2048, tokenizer=None) -> None:
+                 max_model_len: int = 2048, tokenizer=None, draft=None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
@@ -111,6 +111,13 @@ class ModelRunner:
             self.host_kv_caches = [cache.pin_memory() for cache in self.host_kv_caches]
         self.attn_backend = make_attention_backend(attention_backend, self.device)
         set_attention_backend(model, self.attn_backend)
+        self.draft = draft
+        """The draft model's proposer (worker/draft_proposer.py) for speculative 'draft_model'; None otherwise."""
+        # Block copies and swaps move the draft's KV with the target's: its cache shares the block ids.
+        self._block_caches = self.kv_caches + (draft.kv_caches if draft is not None else [])
+        self._host_block_caches = self.host_kv_caches + (draft.host_kv_caches if draft is not None else [])
+        if draft is not None:
+            set_attention_backend(draft.model, self.attn_backend)
         self.decode_graphs = None  # CUDA graphs of decode steps (CUDA, not enforce_eager)
         if self.device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cuda_graphs:
             from pagedllm.worker.gpu import DecodeGraphRunner
@@ -204,7 +211,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for kv_cache in self.kv_caches:
+        for kv_cache in self._block_caches:
             kv_cache[:, dst] = kv_cache[:, src]
 
     # --- one step ----------------------------------------------------------------------
@@ -213,10 +220,14 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
         # Order matters: blocks swapped out may be the very blocks swapped in or copied into now.
-        self._swap_blocks(sched.swap_out, self.kv_caches, self.host_kv_caches)
-        self._swap_blocks(sched.swap_in, self.host_kv_caches, self.kv_caches)
+        self._swap_blocks(sched.swap_out, self._block_caches, self._host_block_caches)
+        self._swap_blocks(sched.swap_in, self._host_block_caches, self._block_caches)
         self._apply_block_copies(sched.block_copies)
         self._spec_tokens = sched.scheduled_spec_tokens
+        if self.draft is not None:
+            self.draft.update(sched)
+            if not sched.is_empty:
+                self._spec_tokens = self.draft.propose(self, sched)  # fills sched.num_draft_tokens' slots
         spec_decode.attach_proposals(self.requests, self._spec_tokens)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -224,6 +235,12 @@ class ModelRunner:
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+        output = self._execute_isolating_failures(states, num_scheduled)
+        if sched.num_draft_tokens:  # the scheduler counts acceptance against what was scored
+            output.spec_token_ids = {r: self._spec_tokens[r] for r in sched.num_draft_tokens}
+        return output
+
+    def _execute_isolating_failures(self, states: list[RunnerRequestState], num_scheduled: list[int]) -> ModelRunnerOutput:
         try:
             return self._execute(states, num_scheduled)
         except Exception as error:  # noqa: BLE001 - isolate the failing request, keep the others

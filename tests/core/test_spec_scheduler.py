@@ -16,6 +16,7 @@ runner does, and accepts a random prefix of each request's proposals. After ever
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,6 +31,8 @@ from pagedllm.sampling_params import SamplingParams
 from tests.core.test_scheduler import _check_block_invariants
 
 BLOCK_SIZE = 4
+DRAFT_DIR = str(Path(__file__).parent)
+"""Any existing path: the draft model is the runner's business, the scheduler only counts its slots."""
 
 
 class FakeKVRunner:
@@ -53,9 +56,14 @@ class FakeKVRunner:
         for src, dst in out.block_copies:
             self.device[dst] = list(self.device.get(src, [None] * BLOCK_SIZE))
         sampled: dict[str, list[int]] = {}
+        drafted: dict[str, list[int]] = {}  # draft_model: the runner makes the proposals
         for req_id, num in out.num_scheduled_tokens.items():
             request = self.sched.requests[req_id]
             proposals = out.scheduled_spec_tokens.get(req_id, [])
+            if req_id in out.num_draft_tokens:
+                assert not proposals
+                proposals = drafted[req_id] = [self.rng.randrange(3, 3 + self.alphabet)
+                                               for _ in range(out.num_draft_tokens[req_id])]
             start = request.num_computed_tokens - num
             tokens = request.all_token_ids[start:start + num - len(proposals)] + proposals
             assert len(tokens) == num
@@ -79,7 +87,7 @@ class FakeKVRunner:
             sampled[req_id] = proposals[:num_accepted] + [self.rng.randrange(3, 3 + self.alphabet)]
             for child in self.sched.forks.samples_of(request):
                 sampled[child.req_id] = [self.rng.randrange(3, 3 + self.alphabet)]
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=drafted)
 
     def check(self) -> None:
         kv = self.sched.kv
@@ -117,23 +125,27 @@ operations = st.lists(
 
 @settings(max_examples=120, deadline=None)
 @given(ops=operations, num_blocks=st.integers(10, 30), budget=st.integers(1, 40), caching=st.booleans(),
-       swap=st.booleans(), k=st.integers(1, 5), seed=st.integers(0, 2**16), alphabet=st.integers(2, 6))
+       swap=st.booleans(), k=st.integers(1, 5), seed=st.integers(0, 2**16), alphabet=st.integers(2, 6),
+       draft=st.booleans())
 def test_proposals_and_rollbacks_never_leak_nor_write_shared_blocks(ops, num_blocks, budget, caching, swap, k,
-                                                                     seed, alphabet):
+                                                                     seed, alphabet, draft):
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=200)
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, caching, num_host_blocks=12 if swap else 0)
-    sched = Scheduler(config, kv, "swap" if swap else "recompute",
-                      speculative_config=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3))
+    spec_config = (SpeculativeConfig(method="draft_model", model=DRAFT_DIR, num_speculative_tokens=k) if draft
+                   else SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3))
+    sched = Scheduler(config, kv, "swap" if swap else "recompute", speculative_config=spec_config)
     rng = random.Random(seed)
     runner = FakeKVRunner(sched, rng, alphabet)
 
     def step() -> None:
         out = sched.schedule()
-        for req_id, proposals in out.scheduled_spec_tokens.items():
+        assert not (out.scheduled_spec_tokens and out.num_draft_tokens)  # one method per engine
+        counts = {req_id: len(p) for req_id, p in out.scheduled_spec_tokens.items()} | out.num_draft_tokens
+        for req_id, num_proposals in counts.items():
             request = sched.requests[req_id]
-            assert request.beam_group_id is None and 1 <= len(proposals) <= k
-            assert out.num_scheduled_tokens[req_id] == 1 + len(proposals)
-            assert request.num_output_tokens + len(proposals) + 1 <= request.max_tokens
+            assert request.beam_group_id is None and 1 <= num_proposals <= k
+            assert out.num_scheduled_tokens[req_id] == 1 + num_proposals
+            assert request.num_output_tokens + num_proposals + 1 <= request.max_tokens
         sched.update_from_output(out, runner.execute(out))
         _check_block_invariants(sched)
         runner.check()
@@ -263,3 +275,32 @@ def test_no_proposal_for_a_structured_output_request():
     out = sched.schedule()
     assert out.scheduled_spec_tokens == {"a": [5, 6, 7, 8, 9]}
     assert out.num_scheduled_tokens == {"a": 6, "b": 1}
+
+
+def test_draft_model_slots_are_counted_and_rolled_back_against_the_runners_proposals():
+    """draft_model: the scheduler sends only a count; acceptance and rollback follow what the runner
+    reports it proposed."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=200)
+    kv = KVCacheManager(40, BLOCK_SIZE, True)
+    sched = Scheduler(config, kv, speculative_config=SpeculativeConfig(method="draft_model", model=DRAFT_DIR,
+                                                                       num_speculative_tokens=4))
+    request = Request("a", [5, 6, 7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=20), frozenset({2}), 20)
+    sched.add_request(request)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 9} and not out.num_draft_tokens  # a prompt: nothing proposed
+    sched.update_from_output(out, ModelRunnerOutput({"a": [40]}))
+    out = sched.schedule()
+    assert out.num_draft_tokens == {"a": 4} and not out.scheduled_spec_tokens
+    assert out.num_scheduled_tokens == {"a": 5}
+    assert len(kv.req_to_blocks["a"]) == 4  # positions 0..13: ceil(14 / 4)
+    sched.update_from_output(out, ModelRunnerOutput({"a": [41, 42, 7]}, spec_token_ids={"a": [41, 42, 43, 44]}))
+    assert request.output_token_ids == [40, 41, 42, 7]
+    assert request.num_computed_tokens == 12 and request.num_tokens == 13
+    assert len(kv.req_to_blocks["a"]) == 3  # the fourth block held only rejected positions: freed
+    stats = sched.spec.stats
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_bonus_tokens) == (4, 2, 1)
+    assert stats.accepted_per_position == [1, 1, 0, 0] and stats.proposed_per_position == [1, 1, 1, 1]
+    out = sched.schedule()  # kept 2 of 4: the backoff proposes about one more than it kept
+    assert out.num_draft_tokens == {"a": 4}
+    sched.update_from_output(out, ModelRunnerOutput({"a": [9]}, spec_token_ids={"a": [1, 1, 1, 1]}))
+    assert request.num_computed_tokens == 13 and len(kv.req_to_blocks["a"]) == 4

@@ -73,3 +73,37 @@ def test_default_model_stop_strings_end_where_they_would_without():
         assert llm.engine.core.check_kv_leaks() == []
     assert results[0] == results[1]
     assert sum(r[3] is not None for r in results[0]) >= 2  # the stop strings did stop something
+
+
+@pytest.fixture(scope="module")
+def default_drafts(tmp_path_factory):
+    """Drafts cut from the default model: its first 4 layers (final norm and tied head kept), and all 30
+    (the target itself, through the draft path: its proposals must nearly all be kept)."""
+    from pagedllm.model.truncate import write_truncated_model
+    from tests.engine.tiny_llama_dir import default_model_dir
+
+    root = tmp_path_factory.mktemp("default-drafts")
+    return {layers: str(write_truncated_model(default_model_dir(), root / f"l{layers}", layers)) for layers in (4, 30)}
+
+
+@pytest.mark.parametrize("k,layers,config", [
+    (2, 4, dict(max_num_batched_tokens=32)),
+    (4, 30, dict(num_kv_blocks=36, block_size=4, preemption_mode="recompute", enable_prefix_caching=False)),
+])
+def test_default_model_with_a_draft_model_greedy_identical(reference, default_drafts, k, layers, config):
+    llm = LLM(max_model_len=512, speculative_config={"method": "draft_model", "model": default_drafts[layers],
+                                                     "num_speculative_tokens": k}, **config)
+    assert _run(llm, GREEDY) == reference
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens > 0
+    if layers == 30:
+        assert stats.spec_num_accepted_tokens > 0.9 * stats.spec_num_draft_tokens
+    if "num_kv_blocks" in config:
+        assert stats.num_preemptions > 0
+
+
+def test_default_model_with_a_draft_model_parallel_samples(reference, default_drafts):
+    params = SamplingParams(n=2, temperature=0, max_tokens=40)
+    llm = LLM(max_model_len=512, enable_prefix_caching=True,
+              speculative_config={"method": "draft_model", "model": default_drafts[4], "num_speculative_tokens": 3})
+    assert _run(llm, params) == [seqs * 2 for seqs in reference]

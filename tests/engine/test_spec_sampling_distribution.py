@@ -1,8 +1,9 @@
-"""Sampled requests keep their output distribution under n-gram speculation: on the tiny copy model,
-the joint distribution of a request's output tokens 2 and 3 (verified in one speculative step) with
-speculation matches the one without (two-sample chi-square over many seeded requests).
+"""Sampled requests keep their output distribution under speculation (n-gram, and a draft model cut from
+the target: greedy proposals, q = one-hot, verified by the same rejection sampler): on the tiny copy
+model, the joint distribution of a request's output tokens 2 and 3 (verified in one speculative step)
+with speculation matches the one without (two-sample chi-square over many seeded requests).
 
-False-failure rate: the test fails with probability ALPHA = 1e-3 for a correct sampler (the seeds are
+False-failure rate: each test fails with probability ALPHA = 1e-3 for a correct sampler (the seeds are
 fixed, so a run is deterministic). Power: a sampler that forgets to remove the rejected proposal from
 the residual distribution scored p = 1.5e-7 here (checked by hand when the test was written)."""
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.truncate import write_truncated_model
 from tests.engine.test_spec_decode import copy_model, copy_model_dir  # noqa: F401 - fixture
 
 ALPHA = 1e-3
@@ -59,10 +62,19 @@ def _tails(llm: LLM, prompt: list[int], offset: int) -> Counter:
     return Counter(tuple(o.outputs[0].token_ids) for o in outputs)
 
 
-def test_sampled_distribution_unchanged_by_speculation(copy_model_dir):  # noqa: F811
+@pytest.fixture(scope="module")
+def plain_tails(copy_model_dir):  # noqa: F811
+    return _tails(LLM(model=copy_model_dir, max_num_seqs=256), _cycle_prompt(), offset=0)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_distribution_unchanged_by_speculation(copy_model_dir, plain_tails, method, tmp_path):  # noqa: F811
     prompt = _cycle_prompt()
-    plain = _tails(LLM(model=copy_model_dir, max_num_seqs=256), prompt, offset=0)
-    llm = LLM(model=copy_model_dir, max_num_seqs=256, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    plain = plain_tails
+    config = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        config["model"] = str(write_truncated_model(copy_model_dir, tmp_path / "draft", 1))
+    llm = LLM(model=copy_model_dir, max_num_seqs=256, speculative_config=config)
     spec = _tails(llm, prompt, offset=100_000)
     stats = llm.engine.core.stats()
     assert stats.spec_num_draft_tokens >= NUM_REQUESTS // 2, "too few requests speculated"
