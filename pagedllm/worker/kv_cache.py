@@ -7,6 +7,10 @@ Layout of each layer's tensor (a block id indexes every layer):
 
 Flattening (num_blocks, block_size) gives one row per token slot, so writing new K/V is one
 indexed copy through the slot mapping and reading a block table is one gather.
+
+The element type is the model's unless ``kv_cache_dtype`` names a narrower one (float16 or
+bfloat16 on the CPU): blocks are sized from it, so the same memory holds twice the blocks, and
+the device cache, the host swap cache and copy-on-write copies all share it.
 """
 
 from __future__ import annotations
