@@ -94,6 +94,12 @@ def test_tiny_model_16_bit_cache(tiny_dir, kv_dtype):
         llm = LLM(model=tiny_dir, max_model_len=512, kv_cache_dtype=kv_dtype, attention_backend=backend)
         outputs[backend] = [t for t, _ in _run(llm, params)]
     assert len(set(map(str, outputs.values()))) == 1, outputs
+    # n=2 shares each prompt's blocks; the partial last block is copied on write (in 16 bits).
+    shared = llm.generate([_chat(llm, p) for p in PROMPTS], SamplingParams(n=2, temperature=0, max_tokens=24),
+                          use_tqdm=False)
+    assert llm.engine.core.check_kv_leaks() == []
+    assert llm.engine.core.scheduler.kv.num_cow_copies > 0
+    assert [[list(c.token_ids) for c in o.outputs] for o in shared] == [[t, t] for t in outputs[backend]]
     # Swap preemption: the host cache holds the same 16-bit blocks and gives them back unchanged.
     swapped = LLM(model=tiny_dir, max_model_len=512, kv_cache_dtype=kv_dtype, num_kv_blocks=12, block_size=8,
                   preemption_mode="swap", swap_space=2**20, enable_prefix_caching=False)
