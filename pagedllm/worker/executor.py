@@ -52,7 +52,8 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
     device = resolve_device(engine_args.device)
     dtype = resolve_dtype(engine_args.dtype, device)
     # Refused here, before any weights load, when the device or TP setup cannot run it.
-    resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype, device, parallel_config.tensor_parallel_size)
+    resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype, device, parallel_config.tensor_parallel_size,
+                           engine_args.attention_backend)
     if parallel_config.tensor_parallel_size == 1:
         return UniprocExecutor(engine_args, device, dtype)
     if device.type != "cpu":

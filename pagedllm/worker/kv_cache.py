@@ -55,7 +55,7 @@ _KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": to
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str,
-                           tensor_parallel_size: int = 1) -> torch.dtype:
+                           tensor_parallel_size: int = 1, attention_backend: str = "auto") -> torch.dtype:
     """The cache's element type: 'auto' = the model's dtype. A narrower cache than the compute dtype
     is supported where attention widens it on read: the CPU backends (compiled op and reference)."""
     if name == "auto":
@@ -65,12 +65,12 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     dtype = _KV_DTYPES[name]
     if dtype == model_dtype:
         return dtype
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or attention_backend == "triton":
         # The Triton kernels read and write the cache in the compute dtype; none of them is tested
         # with another one, so refuse rather than risk silently wrong attention.
         raise ValueError(f"kv_cache_dtype={name} differs from the model's dtype "
-                         f"({str(model_dtype).removeprefix('torch.')}); on {torch.device(device).type} the "
-                         f"KV cache must use the model's dtype: pass --kv-cache-dtype auto")
+                         f"({str(model_dtype).removeprefix('torch.')}); on {torch.device(device).type} and with "
+                         f"the triton backend the KV cache must use the model's dtype: pass --kv-cache-dtype auto")
     if tensor_parallel_size > 1:
         raise ValueError(f"kv_cache_dtype={name} with tensor_parallel_size > 1 is not supported yet (the workers "
                          f"allocate their caches in the model's dtype); pass --kv-cache-dtype auto")

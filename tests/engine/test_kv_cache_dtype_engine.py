@@ -54,8 +54,10 @@ def test_flag_validates_and_names_the_choices():
     assert resolve_kv_cache_dtype("auto", torch.float32, "cpu") is torch.float32
     assert resolve_kv_cache_dtype("float16", torch.float32, "cpu") is torch.float16
     assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, "cuda") is torch.bfloat16  # the same dtype: fine
-    with pytest.raises(ValueError, match="on cuda the KV cache must use the model's dtype"):
+    with pytest.raises(ValueError, match="on cuda and with the triton backend the KV cache must use the model's"):
         resolve_kv_cache_dtype("float16", torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="triton backend"):  # Triton under the interpreter, on the CPU
+        resolve_kv_cache_dtype("float16", torch.float32, "cpu", attention_backend="triton")
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         resolve_kv_cache_dtype("float16", torch.float32, "cpu", tensor_parallel_size=2)
 
@@ -126,3 +128,8 @@ def test_default_model_greedy_close_to_float32(float32_reference, kv_dtype, min_
         # differ only by the rounding of the cached K/V.
         assert max(abs(a - b) for a, b in zip(ref_lp[:n], out_lp[:n])) < max_dlogprob
     assert identical >= min_identical, f"identical outputs: {identical} of {len(PROMPTS)} ({report})"
+
+
+def test_engine_refuses_a_16_bit_cache_with_tensor_parallelism_before_starting_workers(tiny_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported yet"):
+        LLM(model=tiny_dir, tensor_parallel_size=2, kv_cache_dtype="float16")
