@@ -10,10 +10,17 @@ constexpr int kKeyChunk = 16;  // keys scored and exponentiated together (per-ke
 constexpr int kKeyTile = 64;   // keys per tile of the tiled (GEMM-like) path
 constexpr int kMaxTileMR = 8;  // the most rows any ISA's register tile pads an item to
 
+// Element types a KV cache may hold (the query, output and arithmetic stay float32): tags for the
+// kernels' overloads, bit patterns only (IEEE binary16 and bfloat16).
+struct f16_t { uint16_t bits; };
+struct bf16_t { uint16_t bits; };
+enum KvType : int32_t { kKvFloat32 = 0, kKvFloat16 = 1, kKvBFloat16 = 2 };
+
 struct AttnParams {
   const float* query;  // [num_tokens, num_heads, head_dim]
   int64_t q_stride_tok, q_stride_head;
-  const float* kv;  // [2, num_blocks, block_size, num_kv_heads, head_dim]
+  const void* kv;  // [2, num_blocks, block_size, num_kv_heads, head_dim] of kv_type; strides in elements
+  int32_t kv_type;
   int64_t kv_stride_kv, kv_stride_block, kv_stride_tok, kv_stride_head;
   const int64_t* block_tables;  // [num_seqs, max_blocks]
   int64_t bt_stride;
@@ -45,7 +52,7 @@ static inline int64_t scratch_floats(int64_t max_rows, int64_t head_dim) {
 }
 
 // Runs items[i] for every i taken from *next (an atomic counter shared by the threads) until
-// num_items; returns false if head_dim has no compiled variant.
+// num_items; returns false if head_dim or kv_type has no compiled variant.
 bool run_items_avx2(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
                     float* scratch);
 bool run_items_avx512(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,

@@ -1,6 +1,6 @@
-// The kernel for AVX2 + FMA CPUs (the baseline the op requires). Compiled for that target by the
+// The kernel for AVX2 + FMA + F16C CPUs (the baseline the op requires). Compiled for that target by the
 // pragma below, independent of the build's global flags; chosen at run time by the op.
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <math.h>
 
@@ -13,6 +13,11 @@ typedef __m256 vf;
 constexpr int VW = 8;
 static inline vf vload(const float* x) { return _mm256_loadu_ps(x); }
 static inline void vstore(float* x, vf v) { _mm256_storeu_ps(x, v); }
+static inline vf vload_kv(const float* x) { return _mm256_loadu_ps(x); }
+static inline vf vload_kv(const f16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)x)); }
+static inline vf vload_kv(const bf16_t* x) {  // bfloat16 is the top half of a float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)x)), 16));
+}
 static inline vf vset1(float x) { return _mm256_set1_ps(x); }
 static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }

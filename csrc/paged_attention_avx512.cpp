@@ -1,6 +1,6 @@
 // The kernel for AVX-512 CPUs. Compiled for that target by the pragma below, independent of the
 // build's global flags; the op calls it only where the CPU reports avx512f at run time.
-#pragma GCC target("avx512f,avx512dq,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx2,fma,f16c")
 #include <immintrin.h>
 #include <math.h>
 
@@ -13,6 +13,11 @@ typedef __m512 vf;
 constexpr int VW = 16;
 static inline vf vload(const float* x) { return _mm512_loadu_ps(x); }
 static inline void vstore(float* x, vf v) { _mm512_storeu_ps(x, v); }
+static inline vf vload_kv(const float* x) { return _mm512_loadu_ps(x); }
+static inline vf vload_kv(const f16_t* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
+static inline vf vload_kv(const bf16_t* x) {  // bfloat16 is the top half of a float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+}
 static inline vf vset1(float x) { return _mm512_set1_ps(x); }
 static inline vf vzero() { return _mm512_setzero_ps(); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }

@@ -1,7 +1,9 @@
 // The paged-attention kernel body, written once over a small vector vocabulary that each ISA file
 // defines before including it (vf, VW, vload, vstore, vset1, vzero, vfma, vmul, vmax, vexp,
-// vreduce_add, vreduce_max, vsum_lanes). Included inside an anonymous namespace, so each ISA gets
-// its own private copy.
+// vreduce_add, vreduce_max, vsum_lanes, and vload_kv: VW cache elements of type T = float, f16_t
+// or bf16_t widened to float32). Included inside an anonymous namespace, so each ISA gets its own
+// private copy. K/V elements are converted in registers as they are loaded; all arithmetic is
+// float32, so a 16-bit cache halves the bytes read and changes nothing else.
 //
 // One item = (sequence, KV heads, tile of query rows, key range). Each KV head's query group is
 // folded into the rows (row = (head * query_rows + query_row) * group + g), so each K/V row is
@@ -12,7 +14,7 @@
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// Offsets (in floats, relative to this KV head's base) of keys [c0, c0 + n) through the table.
+// Offsets (in elements, relative to this KV head's base) of keys [c0, c0 + n) through the table.
 static inline void key_offsets(const AttnParams& p, const int64_t* table, int64_t c0, int64_t n,
                                int64_t* offs) {
   int64_t b = c0 / p.block_size, o = c0 - b * p.block_size;
@@ -65,8 +67,8 @@ static inline void store_item_rows(const AttnParams& p, const WorkItem& w, int64
 constexpr int PV_RB = 3;
 static_assert(PV_RB == 3, "run_item's P.V handles a remainder of at most 2 rows");
 
-template <int D, int RB, int W>
-static inline void pv_chunk(float* o, const float* pk, const float* alpha, const float* vbase,
+template <int D, int RB, int W, typename T>
+static inline void pv_chunk(float* o, const float* pk, const float* alpha, const T* vbase,
                             const int64_t* offs, int64_t n, int d0) {
   constexpr int KC = kKeyChunk;
   vf acc[RB][W];
@@ -75,9 +77,9 @@ static inline void pv_chunk(float* o, const float* pk, const float* alpha, const
     for (int b = 0; b < W; ++b) acc[r][b] = vmul(vload(o + r * D + d0 + b * VW), a);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = vbase + offs[j] + d0;
+    const T* v = vbase + offs[j] + d0;
     vf vv[W];
-    for (int b = 0; b < W; ++b) vv[b] = vload(v + b * VW);
+    for (int b = 0; b < W; ++b) vv[b] = vload_kv(v + b * VW);
     for (int r = 0; r < RB; ++r) {
       const vf pj = vset1(pk[r * KC + j]);
       for (int b = 0; b < W; ++b) acc[r][b] = vfma(pj, vv[b], acc[r][b]);
@@ -88,18 +90,18 @@ static inline void pv_chunk(float* o, const float* pk, const float* alpha, const
 }
 
 // P.V of rows [r0, r0 + RB) over D in register tiles of up to PV_W vectors.
-template <int D, int RB>
-static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha, const float* vbase,
+template <int D, int RB, typename T>
+static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha, const T* vbase,
                                  const int64_t* offs, int64_t n, int64_t r0) {
   constexpr int NV = D / VW;
   constexpr int W = NV < PV_W ? NV : PV_W;
   int d0 = 0;
   for (; d0 + W * VW <= D; d0 += W * VW)
-    pv_chunk<D, RB, W>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
-  for (; d0 < D; d0 += VW) pv_chunk<D, RB, 1>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
+    pv_chunk<D, RB, W, T>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
+  for (; d0 < D; d0 += VW) pv_chunk<D, RB, 1, T>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
 }
 
-template <int D>
+template <int D, typename T>
 static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   constexpr int NV = D / VW;
   constexpr int KC = kKeyChunk;
@@ -139,8 +141,8 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   // heads are adjacent in memory, so a block is read as one run instead of one stride per head
   // (and two threads never pull the same block's lines into both their caches).
   const int64_t* table = p.block_tables + w.seq * p.bt_stride;
-  const float* kbase = p.kv + w.kv_head * p.kv_stride_head;
-  const float* vbase0 = kbase + p.kv_stride_kv;
+  const T* kbase = static_cast<const T*>(p.kv) + w.kv_head * p.kv_stride_head;
+  const T* vbase0 = kbase + p.kv_stride_kv;
   int64_t offs[KC], next_offs[KC];
   if (w.key_begin < key_stop) chunk_offsets(p, table, w.key_begin, min64(KC, key_stop - w.key_begin), offs);
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KC) {
@@ -155,7 +157,7 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       chunk_offsets(p, table, c1, n1, next_offs);
       for (int64_t j = 0; j < n1; ++j)
         for (int64_t h = 0; h < w.kv_heads; ++h)
-          for (int d = 0; d < D; d += 16) {  // one 64-byte line per 16 floats
+          for (int d = 0; d < D; d += 64 / (int)sizeof(T)) {  // one 64-byte line each
             __builtin_prefetch(kbase + h * p.kv_stride_head + next_offs[j] + d);
             __builtin_prefetch(vbase0 + h * p.kv_stride_head + next_offs[j] + d);
           }
@@ -166,8 +168,8 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
     while (r_first < Rh && row_end[r_first] <= c0) ++r_first;
 
     for (int64_t h = 0; h < w.kv_heads; ++h) {
-      const float* kb = kbase + h * p.kv_stride_head;
-      const float* vb = vbase0 + h * p.kv_stride_head;
+      const T* kb = kbase + h * p.kv_stride_head;
+      const T* vb = vbase0 + h * p.kv_stride_head;
       const int64_t rb = h * Rh + r_first, re = (h + 1) * Rh;
       // Scores, VW keys at a time: one accumulator per key (vertical FMAs over head_dim), then
       // one transpose-and-add for the VW keys, so no key pays a horizontal reduction alone.
@@ -182,9 +184,9 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
             vf q[SCORE_QV];
             for (int i = 0; i < SCORE_QV && v0 + i < NV; ++i) q[i] = vload(qb + r * D + (v0 + i) * VW);
             for (int j = 0; j < VW; ++j) {
-              const float* k = kb + offs[b + j] + v0 * VW;
-              vf x = v0 == 0 ? vmul(q[0], vload(k)) : vfma(q[0], vload(k), a[j]);
-              for (int i = 1; i < SCORE_QV && v0 + i < NV; ++i) x = vfma(q[i], vload(k + i * VW), x);
+              const T* k = kb + offs[b + j] + v0 * VW;
+              vf x = v0 == 0 ? vmul(q[0], vload_kv(k)) : vfma(q[0], vload_kv(k), a[j]);
+              for (int i = 1; i < SCORE_QV && v0 + i < NV; ++i) x = vfma(q[i], vload_kv(k + i * VW), x);
               a[j] = x;
             }
           }
@@ -214,9 +216,9 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       // P.V: each V row loaded once per block of PV_RB rows. Every key up to n is applied to
       // every row: a row's masked keys have probability 0.
       int64_t r0 = rb;
-      for (; r0 + PV_RB <= re; r0 += PV_RB) pv_rows_chunk<D, PV_RB>(acc, st, alpha, vb, offs, n, r0);
-      if (re - r0 == 2) pv_rows_chunk<D, 2>(acc, st, alpha, vb, offs, n, r0);
-      if (re - r0 == 1) pv_rows_chunk<D, 1>(acc, st, alpha, vb, offs, n, r0);
+      for (; r0 + PV_RB <= re; r0 += PV_RB) pv_rows_chunk<D, PV_RB, T>(acc, st, alpha, vb, offs, n, r0);
+      if (re - r0 == 2) pv_rows_chunk<D, 2, T>(acc, st, alpha, vb, offs, n, r0);
+      if (re - r0 == 1) pv_rows_chunk<D, 1, T>(acc, st, alpha, vb, offs, n, r0);
     }
     for (int64_t j = 0; j < KC; ++j) offs[j] = next_offs[j];
   }
@@ -226,28 +228,39 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
 
 #include "paged_attention_tile.h"
 
-template <int D>
+template <int D, typename T>
 static void run_all(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
                     float* scratch) {
   for (;;) {
     const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
     if (i >= num_items) return;
     if (items[i].q_count * p.group >= p.tile_min_rows)
-      run_item_tiled<D>(p, items[i], scratch);
+      run_item_tiled<D, T>(p, items[i], scratch);
     else
-      run_item<D>(p, items[i], scratch);
+      run_item<D, T>(p, items[i], scratch);
+  }
+}
+
+template <typename T>
+static bool run_items_typed(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
+                            float* scratch) {
+  switch (p.head_dim) {
+    case 32: run_all<32, T>(p, items, num_items, next, scratch); return true;
+    case 64: run_all<64, T>(p, items, num_items, next, scratch); return true;
+    case 80: run_all<80, T>(p, items, num_items, next, scratch); return true;
+    case 96: run_all<96, T>(p, items, num_items, next, scratch); return true;
+    case 128: run_all<128, T>(p, items, num_items, next, scratch); return true;
+    case 256: run_all<256, T>(p, items, num_items, next, scratch); return true;
+    default: return false;
   }
 }
 
 static bool run_items(const AttnParams& p, const WorkItem* items, int64_t num_items, int64_t* next,
                       float* scratch) {
-  switch (p.head_dim) {
-    case 32: run_all<32>(p, items, num_items, next, scratch); return true;
-    case 64: run_all<64>(p, items, num_items, next, scratch); return true;
-    case 80: run_all<80>(p, items, num_items, next, scratch); return true;
-    case 96: run_all<96>(p, items, num_items, next, scratch); return true;
-    case 128: run_all<128>(p, items, num_items, next, scratch); return true;
-    case 256: run_all<256>(p, items, num_items, next, scratch); return true;
+  switch (p.kv_type) {
+    case kKvFloat32: return run_items_typed<float>(p, items, num_items, next, scratch);
+    case kKvFloat16: return run_items_typed<f16_t>(p, items, num_items, next, scratch);
+    case kKvBFloat16: return run_items_typed<bf16_t>(p, items, num_items, next, scratch);
     default: return false;
   }
 }

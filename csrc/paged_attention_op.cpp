@@ -5,6 +5,8 @@
 // on any x86-64 CPU; the AVX2 or AVX-512 kernel is picked at run time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -39,10 +41,23 @@ int64_t best_isa() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl"))
       return kIsaAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
+    // F16C (16-bit KV caches) came with the same CPUs as FMA; required so every kernel can use it.
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return kIsaAvx2;
     return int64_t{0};
   }();
   return isa;
+}
+
+int32_t kv_type_of(const at::Tensor& kv_cache) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: return kKvFloat32;
+    case at::kHalf: return kKvFloat16;
+    case at::kBFloat16: return kKvBFloat16;
+    default: TORCH_CHECK(false, "paged_attention_cpu: kv_cache must be float32, float16 or bfloat16, got ",
+                         kv_cache.scalar_type());
+  }
+  return kKvFloat32;  // not reached
 }
 
 bool head_dim_supported(int64_t d) {
@@ -125,8 +140,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                                int64_t num_splits, int64_t isa, int64_t tile_min_rows, int64_t tile_rows) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
-              "paged_attention_cpu: float32 query and kv_cache only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention_cpu: float32 query only");
+  const int32_t kv_type = kv_type_of(kv_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_tokens, num_heads, head_dim], last dim dense");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
               "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], last dim dense");
@@ -202,7 +217,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   p.query = query.data_ptr<float>();
   p.q_stride_tok = query.stride(0);
   p.q_stride_head = query.stride(1);
-  p.kv = kv_cache.data_ptr<float>();
+  p.kv = kv_cache.data_ptr();
+  p.kv_type = kv_type;
   p.kv_stride_kv = kv_cache.stride(0);
   p.kv_stride_block = kv_cache.stride(1);
   p.kv_stride_tok = kv_cache.stride(2);
@@ -234,14 +250,45 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   return out;
 }
 
-// kv_cache[0 / 1] at each token's flat slot = its key / value rows (in place). Reads strided
-// views (the fused QKV projection's K and V columns) as they are; a slot < 0 skips the token.
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
+// c10's conversions round to nearest even, as torch's own .to(float16 / bfloat16) does.
+inline void store_row(const float* src, int64_t n, c10::Half* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+inline void store_row(const float* src, int64_t n, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+template <typename T>
+void kv_write_rows(const float* k, const float* v, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, T* kc,
+                   int64_t num_slots, int64_t heads, int64_t dim, const int64_t* slot_p, int64_t num_tokens) {
+  const int64_t row = heads * dim;
+  T* vc = kc + num_slots * row;
+  // A decode step's few rows are copied faster than threads start; long prompts are split.
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot_p[t] < 0) continue;
+      T* kd = kc + slot_p[t] * row;
+      T* vd = vc + slot_p[t] * row;
+      for (int64_t h = 0; h < heads; ++h) {
+        store_row(k + t * ks0 + h * ks1, dim, kd + h * dim);
+        store_row(v + t * vs0 + h * vs1, dim, vd + h * dim);
+      }
+    }
+  });
+}
+
+// kv_cache[0 / 1] at each token's flat slot = its key / value rows (in place), converted to the
+// cache's element type. Reads strided views (the fused QKV projection's K and V columns) as they
+// are; a slot < 0 skips the token.
 void kv_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(),
               "kv_write_cpu: CPU tensors only");
+  const auto cache_type = kv_cache.scalar_type();
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat &&
-                  kv_cache.scalar_type() == at::kFloat && slot_mapping.scalar_type() == at::kLong,
-              "kv_write_cpu: float32 key, value and kv_cache, int64 slot_mapping");
+                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16) &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "kv_write_cpu: float32 key and value, a float32, float16 or bfloat16 kv_cache, int64 slot_mapping");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim]");
   const int64_t num_tokens = key.size(0), heads = kv_cache.size(3), dim = kv_cache.size(4);
@@ -251,26 +298,19 @@ void kv_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens, "one slot per token");
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* slot_p = slots.data_ptr<int64_t>();
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), row = heads * dim;
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(slot_p[t] < num_slots, "kv_write_cpu: slot ", slot_p[t], " past the cache's ", num_slots);
   const float* k = key.data_ptr<float>();
   const float* v = value.data_ptr<float>();
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + num_slots * row;
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
-  // A decode step's few rows are copied faster than threads start; long prompts are split.
-  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slot_p[t] < 0) continue;
-      float* kd = kc + slot_p[t] * row;
-      float* vd = vc + slot_p[t] * row;
-      for (int64_t h = 0; h < heads; ++h) {
-        std::copy_n(k + t * ks0 + h * ks1, dim, kd + h * dim);
-        std::copy_n(v + t * vs0 + h * vs1, dim, vd + h * dim);
-      }
-    }
-  });
+  if (cache_type == at::kFloat)
+    kv_write_rows(k, v, ks0, ks1, vs0, vs1, kv_cache.data_ptr<float>(), num_slots, heads, dim, slot_p, num_tokens);
+  else if (cache_type == at::kHalf)
+    kv_write_rows(k, v, ks0, ks1, vs0, vs1, kv_cache.data_ptr<c10::Half>(), num_slots, heads, dim, slot_p, num_tokens);
+  else
+    kv_write_rows(k, v, ks0, ks1, vs0, vs1, kv_cache.data_ptr<c10::BFloat16>(), num_slots, heads, dim, slot_p,
+                  num_tokens);
 }
 
 }  // namespace
@@ -281,7 +321,7 @@ TORCH_LIBRARY(pagedllm, m) {
       "paged_attention_cpu(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale, int num_splits=0, int isa=0, int tile_min_rows=0, "
       "int tile_rows=0) -> Tensor");
-  // 2 = AVX-512, 1 = AVX2 + FMA, 0 = neither (the op then refuses to run).
+  // 2 = AVX-512, 1 = AVX2 + FMA + F16C, 0 = neither (the op then refuses to run).
   m.def("cpu_isa() -> int", &pagedllm::best_isa);
   m.def("kv_write_cpu(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }

@@ -10,12 +10,21 @@
 // then an online softmax per row over the tile, and O = alpha O + P V as a second micro-GEMM
 // that reads the tile's V rows in place (each is D contiguous floats, and the tile stays in L1/L2).
 
-alignas(64) static const float kZeroRow[256] = {};  // stands in for keys past a tile's end
+// Stands in for keys past a tile's end: all-zero bits are 0.0 in every cache element type.
+alignas(64) static const float kZeroRow[256] = {};
+
+// Eight cache elements widened to float32 (F16C for binary16; bfloat16 is float32's top half).
+static inline __m256 load8_kv(const float* x) { return _mm256_loadu_ps(x); }
+static inline __m256 load8_kv(const f16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)x)); }
+static inline __m256 load8_kv(const bf16_t* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)x)), 16));
+}
 
 // dst[k * ld + i] = rows[i][d0 + k] for i, k < 8: eight keys' dims d0..d0+7, transposed.
-static inline void transpose8x8(const float* const* rows, int d0, float* dst, int64_t ld) {
+template <typename T>
+static inline void transpose8x8(const T* const* rows, int d0, float* dst, int64_t ld) {
   __m256 r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d0);
+  for (int i = 0; i < 8; ++i) r[i] = load8_kv(rows[i] + d0);
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -54,8 +63,8 @@ static inline void score_rows(const float* q, const float* kt, float* s) {
 }
 
 // o[r, d0:d0+W*VW] = alpha[r] o[r, ...] + sum_{j<n} p[r, j] v_j[d0:...] for the MR rows.
-template <int D, int W>
-static inline void pv_rows(float* o, const float* p, const float* alpha, const float* vbase,
+template <int D, int W, typename T>
+static inline void pv_rows(float* o, const float* p, const float* alpha, const T* vbase,
                            const int64_t* offs, int64_t n, int d0) {
   vf acc[MR][W];
   for (int r = 0; r < MR; ++r) {
@@ -63,9 +72,9 @@ static inline void pv_rows(float* o, const float* p, const float* alpha, const f
     for (int b = 0; b < W; ++b) acc[r][b] = vmul(vload(o + r * D + d0 + b * VW), a);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = vbase + offs[j] + d0;
+    const T* v = vbase + offs[j] + d0;
     vf vv[W];
-    for (int b = 0; b < W; ++b) vv[b] = vload(v + b * VW);
+    for (int b = 0; b < W; ++b) vv[b] = vload_kv(v + b * VW);
     for (int r = 0; r < MR; ++r) {
       const vf pj = vset1(p[r * kKeyTile + j]);
       for (int b = 0; b < W; ++b) acc[r][b] = vfma(pj, vv[b], acc[r][b]);
@@ -77,7 +86,7 @@ static inline void pv_rows(float* o, const float* p, const float* alpha, const f
 
 static_assert(MR <= kMaxTileMR, "scratch_floats assumes at most kMaxTileMR padding rows");
 
-template <int D>
+template <int D, typename T>
 static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratch) {
   constexpr int NV = D / VW;
   constexpr int KT = kKeyTile;
@@ -115,15 +124,15 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
   }
 
   const int64_t* table = p.block_tables + w.seq * p.bt_stride;
-  const float* kbase = p.kv + w.kv_head * p.kv_stride_head;
-  const float* vbase = kbase + p.kv_stride_kv;
+  const T* kbase = static_cast<const T*>(p.kv) + w.kv_head * p.kv_stride_head;
+  const T* vbase = kbase + p.kv_stride_kv;
   int64_t offs[KT];
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KT) {
     const int64_t n = min64(KT, key_stop - c0);
     key_offsets(p, table, c0, n, offs);
     for (int64_t j0 = 0; j0 < KT; j0 += 8) {  // keys past n read as zeros
-      const float* rows[8];
-      for (int i = 0; i < 8; ++i) rows[i] = j0 + i < n ? kbase + offs[j0 + i] : kZeroRow;
+      const T* rows[8];
+      for (int i = 0; i < 8; ++i) rows[i] = j0 + i < n ? kbase + offs[j0 + i] : reinterpret_cast<const T*>(kZeroRow);
       for (int d0 = 0; d0 < D; d0 += 8) transpose8x8(rows, d0, kt + d0 * KT + j0, KT);
     }
 
@@ -166,8 +175,8 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
       for (int r = 0; r < MR; ++r) nb = max64(nb, min64(n, row_end[r0 + r] - c0));
       int d0 = 0;
       for (; d0 + NB * VW <= D; d0 += NB * VW)
-        pv_rows<D, NB>(acc + r0 * D, st + r0 * KT, alpha + r0, vbase, offs, nb, d0);
-      for (; d0 < D; d0 += VW) pv_rows<D, 1>(acc + r0 * D, st + r0 * KT, alpha + r0, vbase, offs, nb, d0);
+        pv_rows<D, NB, T>(acc + r0 * D, st + r0 * KT, alpha + r0, vbase, offs, nb, d0);
+      for (; d0 < D; d0 += VW) pv_rows<D, 1, T>(acc + r0 * D, st + r0 * KT, alpha + r0, vbase, offs, nb, d0);
     }
   }
 

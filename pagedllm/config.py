@@ -360,6 +360,7 @@ class RequestLimits:
 
 
 _LIMIT_GROUP = "request limits"
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -373,6 +374,11 @@ class EngineArgs:
                               "slower there), bfloat16 on CUDA.", choices=("auto", "float32", "float16", "bfloat16"))
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
     block_size: int = flag(16, "Tokens per KV block.")
+    kv_cache_dtype: str = flag("auto", "Element type of the KV cache; auto = the model's dtype. float16 or bfloat16 "
+                                       "on a float32 model halves the K/V that attention reads and doubles the "
+                                       "blocks that fit in the same memory (lossy: K/V are rounded on write, "
+                                       "attention still computes in float32). CPU only when it differs from "
+                                       "--dtype.", choices=KV_CACHE_DTYPES)
     kv_cache_memory: int | str = flag(1 << 30, "Bytes for the KV cache of all layers, e.g. 2GiB (ignored when "
                                                "num_kv_blocks is set).", parse=parse_memory_size)
     num_kv_blocks: int | None = flag(None, "An explicit KV block count, overriding kv_cache_memory.")
@@ -455,6 +461,8 @@ class EngineArgs:
         self.request_limits()  # refuse bad limits when the engine is configured, not at the first request
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

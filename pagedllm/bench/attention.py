@@ -12,6 +12,10 @@ bandwidth measured in the same run (a multi-threaded sum over a tensor far large
 caches). A mixed step (63 decodes at 512 + one 512-token prompt chunk) is timed beside its
 decode part and its chunk run apart. Times are minima over interleaved rounds (the machine may be
 shared); torch uses one thread per core.
+
+With ``kv_cache_dtype`` (``--kv-cache-dtype float16`` or ``bfloat16``) each shape also times the op
+and the reference on a 16-bit copy of the same cache, in the same rounds, beside the floor for
+the 16-bit cache's bytes (half the float32 floor).
 """
 
 from __future__ import annotations
@@ -87,8 +91,9 @@ class _Case:
         self.query = torch.cat(self.queries)
         self.kv_bytes = sum(2 * k.numel() * 4 for k in self.keys)
 
-    def op(self):
-        return cpu_op.paged_attention_cpu(self.query, self.kv_cache, self.metadata, self.scale)
+    def op(self, kv_cache: torch.Tensor | None = None):
+        return cpu_op.paged_attention_cpu(self.query, self.kv_cache if kv_cache is None else kv_cache,
+                                          self.metadata, self.scale)
 
     def backend(self):
         """What the engine runs on the CPU: the cpu backend (the op, or the reference for inputs it lacks)."""
@@ -111,14 +116,26 @@ def _contiguous_sdpa(case: _Case, phase: str):
 
 
 def compare(phase: str, num_seqs: int, seq_len: int, bandwidth: float, rounds: int = 10, num_heads: int = 9,
-            num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16, seed: int = 0) -> dict:
-    """One shape: `decode` (1 query per sequence over seq_len keys) or `prefill` (seq_len causal queries)."""
+            num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16, seed: int = 0,
+            kv_cache_dtype: torch.dtype | None = None) -> dict:
+    """One shape: `decode` (1 query per sequence over seq_len keys) or `prefill` (seq_len causal queries);
+    with kv_cache_dtype, also the op and the reference over that narrower copy of the cache."""
     num_q = 1 if phase == "decode" else seq_len
     case = _Case([seq_len] * num_seqs, [num_q] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, seed)
     fns = {"reference": case.reference, "contiguous": _contiguous_sdpa(case, phase)}
     if cpu_op.load():
         fns["op"] = case.op
+    narrow = None
+    if kv_cache_dtype is not None:
+        kv16 = case.kv_cache.to(kv_cache_dtype)
+        fns["reference16"] = lambda: paged_attention(case.query, kv16, case.metadata, case.scale)
+        if cpu_op.load():
+            fns["op16"] = lambda: case.op(kv16)
     with torch.inference_mode():
+        if kv_cache_dtype is not None:
+            expected16 = fns["reference16"]()
+            if "op16" in fns:
+                torch.testing.assert_close(fns["op16"](), expected16, rtol=1e-4, atol=1e-4)
         expected = case.reference()
         for name in ("contiguous", "op"):
             if name in fns:
@@ -127,11 +144,16 @@ def compare(phase: str, num_seqs: int, seq_len: int, bandwidth: float, rounds: i
                     out = out.reshape(num_seqs, num_heads, num_q, head_dim).transpose(1, 2).reshape(expected.shape)
                 torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
         t = _min_times(fns, rounds)
+    if kv_cache_dtype is not None:
+        kv_bytes = case.kv_bytes * kv_cache_dtype.itemsize // 4
+        narrow = {"kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
+                  "op_ms": 1e3 * t["op16"] if "op16" in t else None, "reference_ms": 1e3 * t["reference16"],
+                  "kv_mb": kv_bytes / 1e6, "floor_ms": 1e3 * kv_bytes / bandwidth}
     return {"phase": phase, "num_seqs": num_seqs, "seq_len": seq_len, "num_heads": num_heads,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
             "op_ms": 1e3 * t["op"] if "op" in t else None, "reference_ms": 1e3 * t["reference"],
             "contiguous_ms": 1e3 * t["contiguous"], "kv_mb": case.kv_bytes / 1e6,
-            "floor_ms": 1e3 * case.kv_bytes / bandwidth}
+            "floor_ms": 1e3 * case.kv_bytes / bandwidth, "narrow_kv": narrow}
 
 
 def compare_mixed(num_decodes: int = 63, context: int = 512, chunk: int = 512, rounds: int = 10,
@@ -156,15 +178,21 @@ def compare_mixed(num_decodes: int = 63, context: int = 512, chunk: int = 512, r
 
 
 def run_attention(shapes=DEFAULT_SHAPES, repeats: int = 10, progress: bool = True, mixed=MIXED,
-                  **model_shape) -> dict:
-    """Every shape, the mixed step and the bandwidth; ``repeats`` = interleaved rounds per shape."""
+                  kv_cache_dtype: str | None = None, **model_shape) -> dict:
+    """Every shape, the mixed step and the bandwidth; ``repeats`` = interleaved rounds per shape.
+    ``kv_cache_dtype`` ('float16' or 'bfloat16'): each shape also over a cache of that type."""
+    narrow = None
+    if kv_cache_dtype not in (None, "", "auto", "float32"):
+        if kv_cache_dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {kv_cache_dtype!r}")
+        narrow = getattr(torch, kv_cache_dtype)
     from tqdm.auto import tqdm
 
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or threads)
     try:
         bandwidth = read_bandwidth()
-        rows = [compare(phase, s, l, bandwidth, rounds=repeats, **model_shape)
+        rows = [compare(phase, s, l, bandwidth, rounds=repeats, kv_cache_dtype=narrow, **model_shape)
                 for phase, s, l in tqdm(shapes, desc="attention", disable=not progress)]
         mixed_row = compare_mixed(*mixed, rounds=repeats) if mixed else None
     finally:
@@ -180,10 +208,17 @@ def _ratio(a, b) -> str:
 def attention_table(result: dict) -> tuple[list[str], list[list]]:
     headers = ["phase", "seqs", "seq len", "compiled op ms", "torch ref ms", "contiguous SDPA ms",
                "KV-read floor ms", "op / SDPA", "op / floor"]
-    rows = [[r["phase"], r["num_seqs"], r["seq_len"], r.get("op_ms") if r.get("op_ms") is not None else "-",
-             r["reference_ms"], r["contiguous_ms"], r["floor_ms"],
-             _ratio(r.get("op_ms"), r["contiguous_ms"]), _ratio(r.get("op_ms"), r["floor_ms"])]
-            for r in result["rows"]]
+    rows = []
+    for r in result["rows"]:
+        rows.append([r["phase"], r["num_seqs"], r["seq_len"], r.get("op_ms") if r.get("op_ms") is not None else "-",
+                     r["reference_ms"], r["contiguous_ms"], r["floor_ms"],
+                     _ratio(r.get("op_ms"), r["contiguous_ms"]), _ratio(r.get("op_ms"), r["floor_ms"])])
+        n = r.get("narrow_kv")
+        if n:  # the same shape over a 16-bit cache: SDPA stays float32; the floor is the 16-bit bytes
+            rows.append([f"  {n['kv_cache_dtype']} KV (op / f32 op {_ratio(n['op_ms'], r.get('op_ms'))})",
+                         r["num_seqs"], r["seq_len"], n["op_ms"] if n["op_ms"] is not None else "-",
+                         n["reference_ms"], r["contiguous_ms"], n["floor_ms"],
+                         _ratio(n["op_ms"], r["contiguous_ms"]), _ratio(n["op_ms"], n["floor_ms"])])
     m = result.get("mixed")
     if m:
         label = f"{m['num_decodes']} decodes @{m['context']} + {m['chunk']} chunk"

@@ -39,7 +39,7 @@ from pagedllm.worker import tp_protocol as proto
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
 from pagedllm.worker.gpu import profile_num_kv_blocks, resolve_device, resolve_dtype
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
-from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks
+from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
     """The executor for these arguments, its model loaded (weights only where they run)."""
     device = resolve_device(engine_args.device)
     dtype = resolve_dtype(engine_args.dtype, device)
+    # Refused here, before any weights load, when the device or TP setup cannot run it.
+    resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype, device, parallel_config.tensor_parallel_size,
+                           engine_args.attention_backend)
     if parallel_config.tensor_parallel_size == 1:
         return UniprocExecutor(engine_args, device, dtype)
     speculative = engine_args.speculative()
@@ -91,10 +94,11 @@ class UniprocExecutor(Executor):
 
     def initialize_kv_cache(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> KVCacheInfo:
         model = self.loaded.model
-        self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, self.dtype)
+        kv_dtype = resolve_kv_cache_dtype(self.engine_args.kv_cache_dtype, self.dtype, self.device)
+        self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, kv_dtype)
         draft_spec = None
-        if self.draft_loaded is not None:
-            draft_spec = KVCacheSpec.for_model(self.draft_loaded.hf_config, cache_config.block_size, self.dtype)
+        if self.draft_loaded is not None:  # the draft's cache shares the block ids, so also their element type
+            draft_spec = KVCacheSpec.for_model(self.draft_loaded.hf_config, cache_config.block_size, kv_dtype)
         bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
         profiled = None
         if self.device.type == "cuda" and cache_config.num_kv_blocks is None:

@@ -7,6 +7,10 @@ Layout of each layer's tensor (a block id indexes every layer):
 
 Flattening (num_blocks, block_size) gives one row per token slot, so writing new K/V is one
 indexed copy through the slot mapping and reading a block table is one gather.
+
+The element type is the model's unless ``kv_cache_dtype`` names a narrower one (float16 or
+bfloat16 on the CPU): blocks are sized from it, so the same memory holds twice the blocks, and
+the device cache, the host swap cache and copy-on-write copies all share it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    """The cache's element type (the model's, or a narrower one from kv_cache_dtype)."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -46,6 +51,32 @@ class KVCacheSpec:
                    head_dim=head_dim_of(hf_config), block_size=block_size, dtype=dtype)
 
 
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str,
+                           tensor_parallel_size: int = 1, attention_backend: str = "auto") -> torch.dtype:
+    """The cache's element type: 'auto' = the model's dtype. A narrower cache than the compute dtype
+    is supported where attention widens it on read: the CPU backends (compiled op and reference)."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_KV_DTYPES)}, got {name!r}")
+    dtype = _KV_DTYPES[name]
+    if dtype == model_dtype:
+        return dtype
+    if torch.device(device).type != "cpu" or attention_backend == "triton":
+        # The Triton kernels read and write the cache in the compute dtype; none of them is tested
+        # with another one, so refuse rather than risk silently wrong attention.
+        raise ValueError(f"kv_cache_dtype={name} differs from the model's dtype "
+                         f"({str(model_dtype).removeprefix('torch.')}); on {torch.device(device).type} and with "
+                         f"the triton backend the KV cache must use the model's dtype: pass --kv-cache-dtype auto")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"kv_cache_dtype={name} with tensor_parallel_size > 1 is not supported yet (the workers "
+                         f"allocate their caches in the model's dtype); pass --kv-cache-dtype auto")
+    return dtype
+
+
 def num_kv_blocks(spec: KVCacheSpec, cache_config: CacheConfig, profiled: int | None = None,
                   draft_spec: KVCacheSpec | None = None) -> tuple[int, int]:
     """(device blocks, host swap blocks): an explicit count, else what profiling found (CUDA), else
@@ -61,9 +92,9 @@ def num_kv_blocks(spec: KVCacheSpec, cache_config: CacheConfig, profiled: int | 
             f"({bytes_per_block} bytes); raise it"
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB, %d KiB per block%s): at most %d tokens in flight",
-        num_blocks, spec.block_size, num_blocks * bytes_per_block / 2**20, bytes_per_block // 1024,
-        " with the draft model's" if draft_spec is not None else "", num_blocks * spec.block_size,
+        "KV cache: %d blocks of %d tokens (%s, %.1f MiB, %d KiB per block%s): at most %d tokens in flight",
+        num_blocks, spec.block_size, str(spec.dtype).removeprefix("torch."), num_blocks * bytes_per_block / 2**20,
+        bytes_per_block // 1024, " with the draft model's" if draft_spec is not None else "", num_blocks * spec.block_size,
     )
     num_host_blocks = 0
     if cache_config.preemption_mode == "swap":

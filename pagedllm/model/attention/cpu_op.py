@@ -8,10 +8,13 @@ tensor-parallel workers would race to build it).
 
 The library holds two ops: ``paged_attention_cpu`` (one varlen call for decode rows, prompt chunks
 over a cached prefix and mixed steps: a per-key path for items of few rows, a tiled micro-GEMM path
-for long chunks) and ``kv_write_cpu`` (the slot-mapped K/V store).
+for long chunks) and ``kv_write_cpu`` (the slot-mapped K/V store). The query and output are
+float32; the cache may be float32, float16 or bfloat16 (``--kv-cache-dtype``): 16-bit K/V are
+widened to float32 in registers as they are read (F16C / AVX-512 conversions; bfloat16 is a shift),
+and ``kv_write_cpu`` rounds to nearest even on store, as ``Tensor.to`` does.
 
 ``load()`` loads the library and registers ``torch.ops.pagedllm.paged_attention_cpu``. If it is
-not built, fails to load, the CPU lacks AVX2 + FMA, or ``PAGEDLLM_DISABLE_CPU_OP=1`` is set, it
+not built, fails to load, the CPU lacks AVX2 + FMA + F16C, or ``PAGEDLLM_DISABLE_CPU_OP=1`` is set, it
 logs the reason once and returns False; the engine then uses the torch reference.
 """
 
@@ -120,7 +123,7 @@ def load() -> bool:
         except Exception as exc:  # a library that does not load must not take the engine down
             return _unavailable(f"loading {path} failed: {exc}")
     if torch.ops.pagedllm.cpu_isa() == 0:
-        return _unavailable("this CPU lacks AVX2 + FMA")
+        return _unavailable("this CPU lacks AVX2 + FMA + F16C")
     _state["loaded"] = True
     return True
 
@@ -134,9 +137,13 @@ def isa_name() -> str:
     return {2: "avx512", 1: "avx2"}.get(int(torch.ops.pagedllm.cpu_isa()), "none") if load() else "none"
 
 
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Cache element types the op reads (widened to float32 in registers) and kv_write_cpu stores."""
+
+
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the op handles these inputs (else the caller uses the reference)."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_cache.dtype in KV_DTYPES
             and query.shape[-1] in SUPPORTED_HEAD_DIMS and query.stride(-1) == 1 and kv_cache.stride(-1) == 1)
 
 
@@ -159,7 +166,7 @@ def paged_attention_cpu(
 
 def supports_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether ``kv_write_cpu`` handles these inputs (else the caller uses ``index_copy_``)."""
-    return (key.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype == torch.float32
+    return (key.device.type == "cpu" and key.dtype == value.dtype == torch.float32 and kv_cache.dtype in KV_DTYPES
             and kv_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1)
 
 

@@ -10,6 +10,10 @@ batches without padding one sequence's queries to another's length: all decode r
 each) are batched through the block tables with each KV head's query group folded; every longer
 query (a prompt or a chunk of one) runs its own causal SDPA over its own gathered K/V. A decode-
 only step makes no host sync; a mixed step reads the query lengths once (``host_lens``).
+
+The cache may hold a narrower dtype than the model computes in (``--kv-cache-dtype``): writes
+round K/V to it (``Tensor.to``, round to nearest even), reads widen the gathered K/V back to the
+query's dtype, so attention itself runs in the compute dtype.
 """
 
 import torch
@@ -32,9 +36,9 @@ def write_kv_cache(
 
 
 def _gather_kv(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's K and V, padded: two [num_seqs, num_kv_heads, max_seq_len, head_dim]."""
+    """Each sequence's K and V in ``dtype``, padded: two [num_seqs, num_kv_heads, max_seq_len, head_dim]."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks_needed = -(-max_seq_len // block_size)
     tables = block_tables[:, :num_blocks_needed]  # [num_seqs, nb]
@@ -42,8 +46,8 @@ def _gather_kv(
     # index_select over rows of a 2-D view is far faster on CPU (measured ~100x on 2 threads)
     # than index_select or advanced indexing over the 4-D block tensor.
     blocks = kv_cache.reshape(2, num_blocks, -1)
-    key = blocks[0].index_select(0, tables.reshape(-1))  # [S * nb, block_size * Hkv * D]
-    value = blocks[1].index_select(0, tables.reshape(-1))
+    key = blocks[0].index_select(0, tables.reshape(-1)).to(dtype)  # [S * nb, block_size * Hkv * D]
+    value = blocks[1].index_select(0, tables.reshape(-1)).to(dtype)
     key = key.view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_seq_len]  # [S, L, Hkv, D]
     value = value.view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_seq_len]
     return key.transpose(1, 2), value.transpose(1, 2)  # [S, Hkv, L, D]
@@ -64,7 +68,7 @@ def paged_decode_attention(
     in HF's repeat_kv).
     """
     num_seqs, num_heads, head_dim = query.shape
-    key, value = _gather_kv(kv_cache, block_tables, max_seq_len)  # [S, Hkv, L, D]
+    key, value = _gather_kv(kv_cache, block_tables, max_seq_len, query.dtype)  # [S, Hkv, L, D]
     num_kv_heads = key.shape[1]
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [S, Hkv, G, D]
     key_pos = torch.arange(max_seq_len, device=query.device)
@@ -85,7 +89,7 @@ def paged_prefill_attention(
     Query row r sits at position ``seq_len - query_len + r`` and sees keys ``0 .. that``.
     """
     query_len, num_heads, _ = query.shape
-    key, value = _gather_kv(kv_cache, block_table[None], seq_len)  # [1, Hkv, L, D]
+    key, value = _gather_kv(kv_cache, block_table[None], seq_len, query.dtype)  # [1, Hkv, L, D]
     gqa = key.shape[1] != num_heads
     q = query.transpose(0, 1)[None]  # [1, H, Q, D]
     if query_len == seq_len:  # no cached prefix: SDPA's own (top-left) causal mask is ours
