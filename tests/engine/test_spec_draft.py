@@ -168,3 +168,12 @@ def test_the_cli_flag_takes_a_draft_model(copy_model_dir):  # noqa: F811
     args = parser.parse_args(["--speculative-config",
                               f'{{"method": "draft_model", "model": "{copy_model_dir}", "num_speculative_tokens": 2}}'])
     assert EngineArgs.from_cli_args(args).speculative() == SpeculativeConfig("draft_model", 2, model=copy_model_dir)
+
+
+def test_draft_with_a_16_bit_kv_cache(copy_model_dir, drafts):  # noqa: F811
+    """Both caches take the float16 element type; the draft that is the target keeps nearly everything,
+    which it could not if its cache were read back in another type than it was written in."""
+    plain = _run(LLM(model=copy_model_dir, kv_cache_dtype="float16"), GREEDY)
+    llm = LLM(model=copy_model_dir, kv_cache_dtype="float16", speculative_config=_spec(drafts["same"], 3))
+    assert _run(llm, GREEDY) == plain
+    assert _acceptance(llm) > 0.95
