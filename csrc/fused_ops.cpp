@@ -1,0 +1,217 @@
+// The small per-layer ops of a decode step, one call each instead of several ATen calls:
+//   rms_norm_cpu        out = x * rsqrt(mean(x^2) + eps) * w
+//   add_rms_norm_cpu    s = x + residual; (rms_norm(s), s)
+//   rotary_qk_cpu       HF "rotate half" RoPE, in place on the query and key heads of a qkv row
+//   silu_and_mul_cpu    silu(x[:, :d]) * x[:, d:]
+// At decode (14 rows x 576) each ATen call costs far more in dispatch and OpenMP fork/join than in
+// arithmetic (torch.rms_norm: ~80-110 us for ~2 us of work), so these run on the calling thread
+// unless a call has enough elements to pay for a fork (kMinElemsPerTask).
+//
+// One AVX2 + FMA kernel serves AVX2 and AVX-512 CPUs alike: the ops are bound by dispatch and
+// memory, not by vector width, and one kernel gives the same bits on both. The functions pick
+// their target with attributes (the file itself is built with the baseline flags, so loading the
+// library stays safe on any x86-64 CPU); the Python side calls them only where cpu_isa() >= 1.
+//
+// Rounding: the rotary and the products of the norm are the reference's operations in its order,
+// without contraction into FMAs (the functions doing them are compiled without "fma"), so rotary
+// is bit-exact with the torch reference. The norm's sum of squares and silu's exp are not in
+// torch's order or polynomial; they differ from it by a few ulps (tests/model/test_fused_ops.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace pagedllm {
+namespace {
+
+// Below this many elements per task a call stays on one thread: an OpenMP fork/join costs several
+// microseconds, about what a thread streams through ~32K floats here.
+constexpr int64_t kMinElemsPerTask = 32768;
+
+int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kMinElemsPerTask / std::max<int64_t>(1, cols)); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": float32 CPU tensor expected");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-D tensor with a dense last dim expected");
+}
+
+__attribute__((target("avx2,fma"))) float sum_squares(const float* x, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  a0 = _mm256_add_ps(a0, a1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float total = _mm_cvtss_f32(s);
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+// out = (x * inv) * w, as the reference rounds it (two products, no FMA: no "fma" target here).
+__attribute__((target("avx2"))) void scale_row(const float* __restrict x, const float* __restrict w, float inv,
+                                               float* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+__attribute__((target("avx2"))) void add_row(const float* __restrict x, const float* __restrict r,
+                                             float* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + r[i];
+}
+
+float inv_rms(const float* x, int64_t n, float eps) {
+  const float var = sum_squares(x, n) / static_cast<float>(n);
+  return 1.f / std::sqrt(var + eps);
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, "rms_norm_cpu: x");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
+                  weight.is_contiguous() && weight.size(0) == x.size(1),
+              "rms_norm_cpu: weight must be a contiguous float32 [hidden] tensor matching x");
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      scale_row(xp + r * xs, wp, inv_rms(xp + r * xs, n, static_cast<float>(eps)), op + r * n, n);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                    const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  check_rows(residual, "add_rms_norm_cpu: residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_cpu: x and residual shapes differ");
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  at::Tensor sum = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sp + r * n;
+      add_row(xp + r * xs, rp + r * rs, s, n);
+      scale_row(s, wp, inv_rms(s, n, static_cast<float>(eps)), op + r * n, n);
+    }
+  });
+  return {out, sum};
+}
+
+// One head in place: x[d] = x[d] * c[d] + x[d +- D/2] * ss[d], ss the signed sin (first half
+// negated), which is HF's x * cos + rotate_half(x) * sin with the same products and sums.
+__attribute__((target("avx2"))) void rotate_head(float* __restrict x, const float* __restrict c,
+                                                 const float* __restrict ss, int64_t half) {
+  float* __restrict hi = x + half;
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x[d], b = hi[d];
+    x[d] = a * c[d] + b * ss[d];
+    hi[d] = b * c[half + d] + a * ss[half + d];
+  }
+}
+
+void rotary_qk_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t num_heads,
+                   int64_t head_dim) {
+  check_rows(qkv, "rotary_qk_cpu: qkv");
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && num_heads >= 0 && num_heads * head_dim <= qkv.size(1),
+              "rotary_qk_cpu: num_heads x head_dim (", num_heads, " x ", head_dim, ") exceeds a qkv row of ",
+              qkv.size(1));
+  for (const at::Tensor* t : {&cos, &signed_sin})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == tokens * head_dim,
+                "rotary_qk_cpu: cos and signed_sin must be contiguous float32 [num_tokens, (1,) head_dim]");
+  const int64_t qs = qkv.stride(0), half = head_dim / 2;
+  float* qp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = signed_sin.data_ptr<float>();
+  at::parallel_for(0, tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotate_head(qp + t * qs + h * head_dim, cp + t * head_dim, sp + t * head_dim, half);
+  });
+}
+
+// e^x for x in [-88.38, 88.38] (clamped outside), Cody-Waite reduction and a degree-5 polynomial
+// (the Cephes expf scheme, about 1-2 ulp).
+__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  // 2^fx: fx in [-127, 128]; -127 (x near the lower clamp) gives a zero exponent field, i.e. 0.
+  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
+  e = _mm256_max_epi32(e, _mm256_setzero_si256());
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+__attribute__((target("avx2,fma"))) void silu_mul_row(const float* __restrict g, const float* __restrict u,
+                                                      float* __restrict out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul_cpu: x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul_cpu: the last dim must be even (gate, then up)");
+  const int64_t rows = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
+  at::Tensor out = at::empty({rows, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(3 * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * xs, xp + r * xs + d, op + r * d, d);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("rms_norm_cpu(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_cpu(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_qk_cpu(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads, int head_dim) -> ()");
+  m.def("silu_and_mul_cpu(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("rms_norm_cpu", &pagedllm::rms_norm_cpu);
+  m.impl("add_rms_norm_cpu", &pagedllm::add_rms_norm_cpu);
+  m.impl("rotary_qk_cpu", &pagedllm::rotary_qk_cpu);
+  m.impl("silu_and_mul_cpu", &pagedllm::silu_and_mul_cpu);
+}

@@ -1,0 +1,158 @@
+"""The compiled small CPU ops (csrc/fused_ops.cpp) against the layers' torch reference definitions.
+
+Rotary must equal the reference bit for bit; the norm (sum of squares in another order) and SiLU
+(another exp polynomial) within a few ulps. With the ops switched off, the layers take the torch
+path. The library is built here if this checkout's is missing (as in test_cpu_attention.py).
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import rotate_half
+
+from pagedllm.model.attention import cpu_op
+from pagedllm.model.layers import cpu_fused
+from pagedllm.model.layers.activation import SiluAndMul
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding
+
+NORM_TOL = dict(rtol=4e-6, atol=1e-6)  # a few ulps of float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_ops():
+    if not cpu_op.load():
+        try:
+            cpu_op.build()
+        except Exception as exc:  # no compiler / headers: genuinely unavailable here
+            pytest.skip(f"CPU op library cannot be built here: {exc}")
+        cpu_op._state.clear()
+        if not cpu_op.load():
+            pytest.skip(f"CPU op library unavailable: {cpu_op.unavailable_reason()}")
+    cpu_fused.reset()
+    assert cpu_fused.ops() is not None
+    yield
+    cpu_fused.reset()
+
+
+def _norm(hidden: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(seed)) + 1.0)
+    return norm
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 7, 14, 64, 301])
+@pytest.mark.parametrize("hidden", [576, 64, 100])
+def test_rms_norm_matches_reference(rows, hidden, monkeypatch):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    norm = _norm(hidden, rows)
+    x = torch.randn(rows, hidden, generator=gen) * 4
+    residual = torch.randn(rows, hidden, generator=gen)
+    native = _counting(monkeypatch, RMSNorm, "forward_native")
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), norm.forward_native(x), **NORM_TOL)
+        normed, summed = norm(x, residual)
+        ref_normed, ref_summed = norm.forward_native(x, residual)
+    assert len(native) == 2  # the two reference calls above only: the module took the op
+    assert torch.equal(summed, ref_summed)  # the add is exact
+    torch.testing.assert_close(normed, ref_normed, **NORM_TOL)
+    assert not torch.equal(normed, summed)
+
+
+def test_rms_norm_strided_rows_and_inputs_kept():
+    norm = _norm(96, 0)
+    base = torch.randn(5, 200)
+    x, residual = base[:, 3:99], torch.randn(5, 96)  # row stride 200
+    x_before, residual_before = x.clone(), residual.clone()
+    with torch.inference_mode():
+        normed, summed = norm(x, residual)
+        ref_normed, ref_summed = norm.forward_native(x, residual)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # not in place
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **NORM_TOL)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 80])
+@pytest.mark.parametrize("rows,heads,kv_heads", [(1, 9, 3), (14, 9, 3), (33, 8, 8), (5, 32, 4)])
+def test_rotate_qkv_equals_reference_bit_for_bit(head_dim, rows, heads, kv_heads):
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=4096)
+    rot = RotaryEmbedding(config, head_dim)
+    gen = torch.Generator().manual_seed(rows + head_dim)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3
+    cos_sin = rot.cos_sin(positions, qkv.dtype)
+    # HF's formula over our tables, queries and keys separately.
+    cos, sin = rot.cos_cache[positions][:, None], rot.sin_cache[positions][:, None]
+    heads_view = qkv.view(rows, -1, head_dim)
+    q_ref, k_ref, v_ref = heads_view.split([heads, kv_heads, kv_heads], dim=1)
+    q_ref = q_ref * cos + rotate_half(q_ref) * sin
+    k_ref = k_ref * cos + rotate_half(k_ref) * sin
+    v_ref = v_ref.clone()
+    with torch.inference_mode():
+        q, k, v = rot.rotate_qkv(qkv, cos_sin, heads, kv_heads)
+    assert q.shape == (rows, heads, head_dim) and k.shape == v.shape == (rows, kv_heads, head_dim)
+    assert q.data_ptr() == qkv.data_ptr()  # in place, views of the projection
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_rotate_qkv_rejects_mismatched_tables():
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=64)
+    rot = RotaryEmbedding(config, 64)
+    cos, ssin = rot.cos_sin(torch.tensor([1, 2]), torch.float32)
+    with pytest.raises(RuntimeError, match="cos and signed_sin"):
+        torch.ops.pagedllm.rotary_qk_cpu(torch.randn(3, 6 * 64), cos, ssin, 4, 64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 14, 65])
+@pytest.mark.parametrize("d", [1536, 64, 13])
+def test_silu_and_mul_matches_reference(rows, d, monkeypatch):
+    gen = torch.Generator().manual_seed(rows * d)
+    x = torch.randn(rows, 2 * d, generator=gen) * 6
+    x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated exp and zero
+    act = SiluAndMul()
+    native = _counting(monkeypatch, SiluAndMul, "forward_native")
+    with torch.inference_mode():
+        out = act(x)
+        ref = act.forward_native(x)
+    assert len(native) == 1
+    torch.testing.assert_close(out, ref, rtol=4e-6, atol=1e-6)
+    assert out[0, 1] == 100.0 * x[0, d + 1] and out[0, 2] == 0.0
+
+
+def test_switched_off_layers_take_torch_path(monkeypatch):
+    monkeypatch.setenv(cpu_fused.DISABLE_ENV, "1")
+    cpu_fused.reset()
+    try:
+        assert cpu_fused.ops() is None
+        norm, act = _norm(64, 1), SiluAndMul()
+        x, residual = torch.randn(4, 64), torch.randn(4, 64)
+        with torch.inference_mode():
+            normed, summed = norm(x, residual)
+            ref_normed, ref_summed = norm.forward_native(x, residual)
+            assert torch.equal(normed, ref_normed) and torch.equal(summed, ref_summed)
+            assert torch.equal(act(x), act.forward_native(x))
+    finally:
+        monkeypatch.delenv(cpu_fused.DISABLE_ENV)
+        cpu_fused.reset()
+
+
+def test_other_dtypes_take_torch_path():
+    norm = _norm(64, 2).to(torch.bfloat16)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    assert cpu_fused.usable(x) is None
+    with torch.inference_mode():
+        assert torch.equal(norm(x), norm.forward_native(x))
+        assert torch.equal(SiluAndMul()(x), SiluAndMul().forward_native(x))
