@@ -12,10 +12,11 @@
 // their target with attributes (the file itself is built with the baseline flags, so loading the
 // library stays safe on any x86-64 CPU); the Python side calls them only where cpu_isa() >= 1.
 //
-// Rounding: the rotary and the products of the norm are the reference's operations in its order,
-// without contraction into FMAs (the functions doing them are compiled without "fma"), so rotary
-// is bit-exact with the torch reference. The norm's sum of squares and silu's exp are not in
-// torch's order or polynomial; they differ from it by a few ulps (tests/model/test_fused_ops.py).
+// Rounding: the rotary and the norm are the reference's operations in its order, without
+// contraction into FMAs (the functions doing them are compiled without "fma"), so they equal the
+// torch reference bit for bit (the norm's sum of squares follows ATen's summation order:
+// sum_squares_aten). SiLU's exp is not torch's polynomial: it differs by a few ulps
+// (tests/model/test_fused_ops.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -38,24 +39,49 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-D tensor with a dense last dim expected");
 }
 
-__attribute__((target("avx2,fma"))) float sum_squares(const float* x, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+// Sum of x[i]^2 in the order of ATen's vectorized inner-dim sum (cascade_sum in SumKernel.cpp,
+// which torch.rms_norm's mean reaches) over W-lane vectors, W = Vectorized<float>::size() of the
+// kernels torch dispatches to on this CPU: so the norm equals torch's bit for bit. Vectors go to
+// 4 interleaved chains; every 2^power vectors per chain carry into up to 4 cascade levels; leftover
+// vectors join chain 0, leftover scalars are summed first, then the lanes in order. Squares are
+// rounded before each add (no "fma" target here), as the reference's separate pow(2) rounds them.
+template <int W>
+__attribute__((target("avx2"))) float sum_squares_aten(const float* __restrict x, int64_t n) {
+  constexpr int64_t kIlp = 4, kLevels = 4;
+  const int64_t num_vecs = n / W, size = num_vecs / kIlp;
+  int64_t ceil_log2 = 1;  // ATen's CeilLog2 (1 for size <= 2)
+  while (size > 2 && (int64_t{1} << ceil_log2) < size) ++ceil_log2;
+  const int64_t power = std::max<int64_t>(4, ceil_log2 / kLevels), step = int64_t{1} << power, mask = step - 1;
+  alignas(64) float acc[kLevels][kIlp][W] = {};
+  auto add_vecs = [&](int64_t i) {
+    for (int64_t k = 0; k < kIlp; ++k) {
+      const float* v = x + (i * kIlp + k) * W;
+      for (int l = 0; l < W; ++l) acc[0][k][l] += v[l] * v[l];
+    }
+  };
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
-    a0 = _mm256_fmadd_ps(v0, v0, a0);
-    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_vecs(i);
+    for (int64_t lv = 1; lv < kLevels; ++lv) {
+      for (int64_t k = 0; k < kIlp; ++k)
+        for (int l = 0; l < W; ++l) {
+          acc[lv][k][l] += acc[lv - 1][k][l];
+          acc[lv - 1][k][l] = 0.f;
+        }
+      if ((i & (mask << (lv * power))) != 0) break;
+    }
   }
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    a0 = _mm256_fmadd_ps(v, v, a0);
-  }
-  a0 = _mm256_add_ps(a0, a1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float total = _mm_cvtss_f32(s);
-  for (; i < n; ++i) total += x[i] * x[i];
+  for (; i < size; ++i) add_vecs(i);
+  for (int64_t lv = 1; lv < kLevels; ++lv)
+    for (int64_t k = 0; k < kIlp; ++k)
+      for (int l = 0; l < W; ++l) acc[0][k][l] += acc[lv][k][l];
+  for (int64_t v = size * kIlp; v < num_vecs; ++v)
+    for (int l = 0; l < W; ++l) acc[0][0][l] += x[v * W + l] * x[v * W + l];
+  for (int64_t k = 1; k < kIlp; ++k)
+    for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.f;
+  for (int64_t e = num_vecs * W; e < n; ++e) total += x[e] * x[e];
+  for (int l = 0; l < W; ++l) total += acc[0][0][l];
   return total;
 }
 
@@ -70,20 +96,25 @@ __attribute__((target("avx2"))) void add_row(const float* __restrict x, const fl
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] + r[i];
 }
 
-float inv_rms(const float* x, int64_t n, float eps) {
-  const float var = sum_squares(x, n) / static_cast<float>(n);
+// lanes: 16 or 8, the Vectorized<float> width of torch's kernels here (see sum_squares_aten).
+float inv_rms(const float* x, int64_t n, float eps, int64_t lanes) {
+  // Rows narrower than a vector take ATen's scalar path: the same chains over single floats.
+  const float sum = n < lanes ? sum_squares_aten<1>(x, n)
+                    : lanes == 16 ? sum_squares_aten<16>(x, n) : sum_squares_aten<8>(x, n);
+  const float var = sum / static_cast<float>(n);
   return 1.f / std::sqrt(var + eps);
 }
 
-void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight, int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "rms_norm_cpu: lanes must be 8 or 16, got ", lanes);
   check_rows(x, "rms_norm_cpu: x");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
                   weight.is_contiguous() && weight.size(0) == x.size(1),
               "rms_norm_cpu: weight must be a contiguous float32 [hidden] tensor matching x");
 }
 
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
+  check_norm_args(x, weight, lanes);
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -91,14 +122,14 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      scale_row(xp + r * xs, wp, inv_rms(xp + r * xs, n, static_cast<float>(eps)), op + r * n, n);
+      scale_row(xp + r * xs, wp, inv_rms(xp + r * xs, n, static_cast<float>(eps), lanes), op + r * n, n);
   });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
-                                                    const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
+                                                    const at::Tensor& weight, double eps, int64_t lanes) {
+  check_norm_args(x, weight, lanes);
   check_rows(residual, "add_rms_norm_cpu: residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_cpu: x and residual shapes differ");
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
@@ -113,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
     for (int64_t r = begin; r < end; ++r) {
       float* s = sp + r * n;
       add_row(xp + r * xs, rp + r * rs, s, n);
-      scale_row(s, wp, inv_rms(s, n, static_cast<float>(eps)), op + r * n, n);
+      scale_row(s, wp, inv_rms(s, n, static_cast<float>(eps), lanes), op + r * n, n);
     }
   });
   return {out, sum};
@@ -203,8 +234,8 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("rms_norm_cpu(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm_cpu(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_cpu(Tensor x, Tensor weight, float eps, int lanes) -> Tensor");
+  m.def("add_rms_norm_cpu(Tensor x, Tensor residual, Tensor weight, float eps, int lanes) -> (Tensor, Tensor)");
   m.def("rotary_qk_cpu(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads, int head_dim) -> ()");
   m.def("silu_and_mul_cpu(Tensor x) -> Tensor");
 }

@@ -1,9 +1,13 @@
 """The compiled small CPU ops (csrc/fused_ops.cpp) against the layers' torch reference definitions.
 
-Rotary must equal the reference bit for bit; the norm (sum of squares in another order) and SiLU
-(another exp polynomial) within a few ulps. With the ops switched off, the layers take the torch
-path. The library is built here if this checkout's is missing (as in test_cpu_attention.py).
+The norms and rotary must equal the reference bit for bit (the norm sums squares in ATen's order,
+for the vector width torch uses on this CPU; a subprocess checks the other width); SiLU (another
+exp polynomial) within a few ulps. With the ops switched off, the layers take the torch path. The library is built here if this checkout's is missing (as in test_cpu_attention.py).
 """
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +20,6 @@ from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 
-NORM_TOL = dict(rtol=4e-6, atol=1e-6)  # a few ulps of float32
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,6 +34,7 @@ def compiled_ops():
             pytest.skip(f"CPU op library unavailable: {cpu_op.unavailable_reason()}")
     cpu_fused.reset()
     assert cpu_fused.ops() is not None
+    assert cpu_fused.ops().norm_lanes is not None, "the compiled norm rounds unlike torch's here"
     yield
     cpu_fused.reset()
 
@@ -54,20 +58,19 @@ def _counting(monkeypatch, module, name):
 
 
 @pytest.mark.parametrize("rows", [1, 7, 14, 64, 301])
-@pytest.mark.parametrize("hidden", [576, 64, 100])
-def test_rms_norm_matches_reference(rows, hidden, monkeypatch):
+@pytest.mark.parametrize("hidden", [576, 64, 100, 8, 13, 2048, 4096, 5000])
+def test_rms_norm_equals_reference_bit_for_bit(rows, hidden, monkeypatch):
     gen = torch.Generator().manual_seed(rows * hidden)
     norm = _norm(hidden, rows)
     x = torch.randn(rows, hidden, generator=gen) * 4
     residual = torch.randn(rows, hidden, generator=gen)
     native = _counting(monkeypatch, RMSNorm, "forward_native")
     with torch.inference_mode():
-        torch.testing.assert_close(norm(x), norm.forward_native(x), **NORM_TOL)
+        assert torch.equal(norm(x), norm.forward_native(x))
         normed, summed = norm(x, residual)
         ref_normed, ref_summed = norm.forward_native(x, residual)
     assert len(native) == 2  # the two reference calls above only: the module took the op
-    assert torch.equal(summed, ref_summed)  # the add is exact
-    torch.testing.assert_close(normed, ref_normed, **NORM_TOL)
+    assert torch.equal(summed, ref_summed) and torch.equal(normed, ref_normed)
     assert not torch.equal(normed, summed)
 
 
@@ -80,8 +83,36 @@ def test_rms_norm_strided_rows_and_inputs_kept():
         normed, summed = norm(x, residual)
         ref_normed, ref_summed = norm.forward_native(x, residual)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # not in place
-    assert torch.equal(summed, ref_summed)
-    torch.testing.assert_close(normed, ref_normed, **NORM_TOL)
+    assert torch.equal(summed, ref_summed) and torch.equal(normed, ref_normed)
+
+
+_OTHER_WIDTH = """
+import torch
+from pagedllm.model.layers import cpu_fused
+from pagedllm.model.layers.norm import RMSNorm
+assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+assert cpu_fused.ops() is not None and cpu_fused.ops().rms_norm is not None
+gen = torch.Generator().manual_seed(0)
+for hidden in (576, 100, 13, 4096):
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data.copy_(torch.randn(hidden, generator=gen) + 1.0)
+    x, r = torch.randn(37, hidden, generator=gen) * 4, torch.randn(37, hidden, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), norm.forward_native(x)), hidden
+        assert torch.equal(norm(x, r)[0], norm.forward_native(x, r)[0]), hidden
+print("ok")
+"""
+
+
+def test_rms_norm_bit_for_bit_with_avx2_aten_kernels():
+    """As on an AVX2-only CPU: torch's kernels forced to AVX2 with ATEN_CPU_CAPABILITY."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
+        pytest.skip("needs an x86 CPU with AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", _OTHER_WIDTH], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 32, 80])
@@ -156,3 +187,26 @@ def test_other_dtypes_take_torch_path():
     with torch.inference_mode():
         assert torch.equal(norm(x), norm.forward_native(x))
         assert torch.equal(SiluAndMul()(x), SiluAndMul().forward_native(x))
+
+
+def test_norm_that_rounds_differently_is_not_used(monkeypatch):
+    """A compiled norm off by one ulp anywhere fails calibration: the norms then keep the torch path."""
+    real = torch.ops.pagedllm.rms_norm_cpu.default
+
+    def off_by_an_ulp(x, weight, eps, lanes):
+        out = real(x, weight, eps, lanes)
+        out[-1, -1] = torch.nextafter(out[-1, -1], torch.tensor(float("inf")))
+        return out
+
+    assert cpu_fused.calibrate_norm_lanes(real) in (8, 16)
+    assert cpu_fused.calibrate_norm_lanes(off_by_an_ulp) is None
+    monkeypatch.setattr(cpu_fused, "calibrate_norm_lanes", lambda rms_norm: None)
+    cpu_fused.reset()
+    try:
+        norm = _norm(64, 3)
+        native = _counting(monkeypatch, RMSNorm, "forward_native")
+        with torch.inference_mode():
+            norm(torch.randn(3, 64))
+        assert len(native) == 1 and cpu_fused.ops().rotary_qk is not None
+    finally:
+        cpu_fused.reset()

@@ -8,26 +8,63 @@ reference definition and call these only when ``usable(tensor)``: the compiled l
 float32 one, and ``PAGEDLLM_DISABLE_FUSED_CPU_OPS`` is unset (an A/B switch for these ops alone,
 leaving the compiled attention on).
 
-Rounding: rotary is bit-exact with the torch reference; the norm's sum of squares and SiLU's exp
-differ from torch's by a few ulps (tests/model/test_fused_ops.py).
+Rounding: the norms and rotary equal the torch reference bit for bit (the norm sums squares in
+ATen's order, for the vector width found by ``calibrate_norm_lanes``); SiLU's exp differs from
+torch's by a few ulps (tests/model/test_fused_ops.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_FUSED_CPU_OPS"
 
 _ops: list = []  # [] until resolved; then [None] (unusable) or [namespace of the op overloads]
 
 
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm in float32 (torch.rms_norm rounds the same: tests/model/test_norm.py)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def calibrate_norm_lanes(rms_norm) -> int | None:
+    """The vector width (8 or 16 floats) whose ATen summation order makes ``rms_norm`` equal torch's
+    norm bit for bit on this torch build and CPU, or None (then the norms keep the torch path).
+
+    Which width torch's sum kernel uses is its internal choice (8 on AVX2 and, measured, on
+    AVX-512 CPUs with torch 2.13), so it is checked here once rather than assumed; the widths
+    tried cover a tail of scalars, leftover vectors and a cascade carry."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for hidden in (576, 1000, 4100, 13):
+        x = torch.randn(32, hidden, generator=gen) * 4
+        weight = torch.randn(hidden, generator=gen) + 1.0
+        cases.append((x, weight, _norm_reference(x, weight, 1e-5)))
+    for lanes in (8, 16):
+        if all(torch.equal(rms_norm(x, w, 1e-5, lanes), ref) for x, w, ref in cases):
+            return lanes
+    return None
+
+
 class _Ops:
     def __init__(self) -> None:
         ns = torch.ops.pagedllm
-        self.rms_norm = ns.rms_norm_cpu.default
-        self.add_rms_norm = ns.add_rms_norm_cpu.default
+        rms_norm, add_rms_norm = ns.rms_norm_cpu.default, ns.add_rms_norm_cpu.default
+        with torch.inference_mode():
+            lanes = calibrate_norm_lanes(rms_norm)
+        if lanes is None:
+            logger.warning("the compiled RMSNorm does not round like torch %s here; norms use torch",
+                           torch.__version__)
+            self.rms_norm = self.add_rms_norm = None
+        else:
+            self.rms_norm = lambda x, weight, eps: rms_norm(x, weight, eps, lanes)
+            self.add_rms_norm = lambda x, residual, weight, eps: add_rms_norm(x, residual, weight, eps, lanes)
+        self.norm_lanes = lanes
         self.rotary_qk = ns.rotary_qk_cpu.default
         self.silu_and_mul = ns.silu_and_mul_cpu.default
 
