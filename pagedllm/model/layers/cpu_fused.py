@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_FUSED_CPU_OPS"
 
-_ops: list = []  # [] until resolved; then [None] (unusable) or [namespace of the op overloads]
+_ops: list = []  # [] until resolved; then [None] (off or unusable) or [the op overloads]
 
 
 def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,20 +69,34 @@ class _Ops:
         self.silu_and_mul = ns.silu_and_mul_cpu.default
 
 
+_resolved: list = []  # the one _Ops instance (or None) resolved for this process
+
+
 def ops() -> _Ops | None:
     """The op overloads, or None where they are off or unavailable (resolved once per process)."""
     if not _ops:
-        from pagedllm.model.attention import cpu_op
+        if not _resolved:
+            from pagedllm.model.attention import cpu_op
 
-        usable = (os.environ.get(DISABLE_ENV, "") in ("", "0") and cpu_op.load()
-                  and hasattr(torch.ops.pagedllm, "rms_norm_cpu"))
-        _ops.append(_Ops() if usable else None)
+            usable = (os.environ.get(DISABLE_ENV, "") in ("", "0") and cpu_op.load()
+                      and hasattr(torch.ops.pagedllm, "rms_norm_cpu"))
+            _resolved.append(_Ops() if usable else None)
+        _ops.append(_resolved[0])
     return _ops[0]
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the ops off, or back on where they are available, in this process: an A/B switch for
+    step profiles (``bench profile --compare-fused-ops``) and tests."""
+    _ops.clear()
+    if not enabled:
+        _ops.append(None)
 
 
 def reset() -> None:
     """Resolve again at the next call (tests switching the environment)."""
     _ops.clear()
+    _resolved.clear()
 
 
 def usable(x: torch.Tensor) -> _Ops | None:
