@@ -12,11 +12,12 @@
 // their target with attributes (the file itself is built with the baseline flags, so loading the
 // library stays safe on any x86-64 CPU); the Python side calls them only where cpu_isa() >= 1.
 //
-// Rounding: the rotary and the norm are the reference's operations in its order, without
-// contraction into FMAs (the functions doing them are compiled without "fma"), so they equal the
-// torch reference bit for bit (the norm's sum of squares follows ATen's summation order:
-// sum_squares_aten). SiLU's exp is not torch's polynomial: it differs by a few ulps
-// (tests/model/test_fused_ops.py).
+// Rounding: each op is the reference's operations in its order, without contraction into FMAs
+// (the functions doing them are compiled without "fma", or fence it), so they equal the torch
+// reference bit for bit: the norm's sum of squares follows ATen's summation order
+// (sum_squares_aten), SiLU's exp is torch's vectorized exp (exp_like_torch) and std::exp where
+// torch's loop is scalar. Which vector width torch uses is found at run time by checking against
+// torch (model/layers/cpu_fused.py); tests/model/test_fused_ops.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -185,48 +186,62 @@ void rotary_qk_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
   });
 }
 
-// e^x for x in [-88.38, 88.38] (clamped outside), Cody-Waite reduction and a degree-5 polynomial
-// (the Cephes expf scheme, about 1-2 ulp).
-__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  // 2^fx: fx in [-127, 128]; -127 (x near the lower clamp) gives a zero exponent field, i.e. 0.
-  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-  e = _mm256_max_epi32(e, _mm256_setzero_si256());
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+// e^x as torch's Vectorized<float>::exp computes it (SLEEF's expf_u10 with FMA: Cody-Waite
+// reduction by ln 2 in two parts, a degree-5 polynomial, the scale split in two halves), so SiLU
+// equals torch's bit for bit. The empty asm keeps the caller's "1 + e" from being contracted
+// with the final product into an FMA.
+__attribute__((target("avx2,fma"))) inline __m256 exp_like_torch(__m256 d) {
+  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+  __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+  __m256 ss = _mm256_mul_ps(s, s);
+  asm("" : "+x"(ss));
+  u = _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(ss, u, s));
+  const __m256i half = _mm256_srai_epi32(q, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23)));
+  u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, half), bias), 23)));
+  u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.f), _CMP_LT_OQ), u);
+  u = _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(100.f), d, _CMP_LT_OQ));
+  asm("" : "+x"(u));
+  return u;
 }
 
+// silu(g) * u over one row: vectors over whole blocks of `block` floats, then the scalar formula
+// with std::exp, as torch's vectorized loop does (block = 2 x its vector width; its tail is scalar).
 __attribute__((target("avx2,fma"))) void silu_mul_row(const float* __restrict g, const float* __restrict u,
-                                                      float* __restrict out, int64_t n) {
+                                                      float* __restrict out, int64_t n, int64_t block) {
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  const int64_t vec_end = n / block * block;
+  for (int64_t i = 0; i < vec_end; i += 8) {
     const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
+    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp_like_torch(_mm256_sub_ps(zero, x))));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
   }
-  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  for (int64_t i = vec_end; i < n; ++i) {
+    float e = std::exp(-g[i]);
+    asm("" : "+x"(e));
+    out[i] = g[i] / (1.f + e) * u[i];
+  }
 }
 
-at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
+at::Tensor silu_and_mul_cpu(const at::Tensor& x, int64_t block) {
   check_rows(x, "silu_and_mul_cpu: x");
+  TORCH_CHECK(block == 16 || block == 32, "silu_and_mul_cpu: block must be 16 or 32, got ", block);
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul_cpu: the last dim must be even (gate, then up)");
   const int64_t rows = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
   at::Tensor out = at::empty({rows, d}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * xs, xp + r * xs + d, op + r * d, d);
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * xs, xp + r * xs + d, op + r * d, d, block);
   });
   return out;
 }
@@ -238,7 +253,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("rms_norm_cpu(Tensor x, Tensor weight, float eps, int lanes) -> Tensor");
   m.def("add_rms_norm_cpu(Tensor x, Tensor residual, Tensor weight, float eps, int lanes) -> (Tensor, Tensor)");
   m.def("rotary_qk_cpu(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads, int head_dim) -> ()");
-  m.def("silu_and_mul_cpu(Tensor x) -> Tensor");
+  m.def("silu_and_mul_cpu(Tensor x, int block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

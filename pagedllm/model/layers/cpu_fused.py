@@ -8,9 +8,10 @@ reference definition and call these only when ``usable(tensor)``: the compiled l
 float32 one, and ``PAGEDLLM_DISABLE_FUSED_CPU_OPS`` is unset (an A/B switch for these ops alone,
 leaving the compiled attention on).
 
-Rounding: the norms and rotary equal the torch reference bit for bit (the norm sums squares in
-ATen's order, for the vector width found by ``calibrate_norm_lanes``); SiLU's exp differs from
-torch's by a few ulps (tests/model/test_fused_ops.py).
+Rounding: every op equals the torch reference bit for bit (tests/model/test_fused_ops.py). The
+norm sums squares in ATen's order and SiLU uses torch's vectorized exp, both for a vector width
+that is torch's internal choice: ``calibrate_*`` find it once per process by checking against
+torch, and an op that matches no width keeps the torch path (logged).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,21 @@ def calibrate_norm_lanes(rms_norm) -> int | None:
     return None
 
 
+def calibrate_silu_block(silu_and_mul) -> int | None:
+    """Floats per step of torch's vectorized SiLU loop (2 vectors: 32 on AVX-512, 16 on AVX2), past
+    which a row's tail goes scalar, found by checking ``silu_and_mul`` against torch's SiLU bit for
+    bit (rows whose tails differ in the two widths included), or None (then SiLU keeps torch's)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for d in (48, 1536, 40, 13):
+        x = torch.randn(3, 2 * d, generator=gen) * 6
+        cases.append((x, F.silu(x[:, :d]) * x[:, d:]))
+    for block in (32, 16):
+        if all(torch.equal(silu_and_mul(x, block), ref) for x, ref in cases):
+            return block
+    return None
+
+
 class _Ops:
     def __init__(self) -> None:
         ns = torch.ops.pagedllm
@@ -65,8 +82,16 @@ class _Ops:
             self.rms_norm = lambda x, weight, eps: rms_norm(x, weight, eps, lanes)
             self.add_rms_norm = lambda x, residual, weight, eps: add_rms_norm(x, residual, weight, eps, lanes)
         self.norm_lanes = lanes
+        silu_and_mul = ns.silu_and_mul_cpu.default
+        with torch.inference_mode():
+            block = calibrate_silu_block(silu_and_mul)
+        if block is None:
+            logger.warning("the compiled SiLU does not round like torch %s here; SiLU uses torch", torch.__version__)
+            self.silu_and_mul = None
+        else:
+            self.silu_and_mul = lambda x: silu_and_mul(x, block)
+        self.silu_block = block
         self.rotary_qk = ns.rotary_qk_cpu.default
-        self.silu_and_mul = ns.silu_and_mul_cpu.default
 
 
 _resolved: list = []  # the one _Ops instance (or None) resolved for this process
