@@ -2,7 +2,8 @@
 
 Every op must equal the reference bit for bit (the norm sums squares in ATen's order and SiLU uses
 torch's vectorized exp, for the vector width torch uses on this CPU; a subprocess checks the AVX2
-width). With the ops switched off, the layers take the torch path. The library is built here if this checkout's is missing (as in test_cpu_attention.py).
+width). With the ops switched off, the layers take the torch path. The library is built here if
+this checkout's is missing (as in test_cpu_attention.py).
 """
 
 import os

@@ -31,7 +31,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
         ops = cpu_fused.usable(x)
-        if ops is not None and ops.rms_norm is not None and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
+        if (ops is not None and ops.rms_norm is not None and x.dim() == 2 and x.stride(-1) == 1
+                and self.weight.dtype == torch.float32):
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
             if residual.dtype == torch.float32 and residual.shape == x.shape and residual.stride(-1) == 1:
