@@ -185,6 +185,16 @@ def test_switched_off_layers_take_torch_path(monkeypatch):
             ref_normed, ref_summed = norm.forward_native(x, residual)
             assert torch.equal(normed, ref_normed) and torch.equal(summed, ref_summed)
             assert torch.equal(act(x), act.forward_native(x))
+            config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=64)
+            rot = RotaryEmbedding(config, 64)
+            qkv = torch.randn(4, 4 * 64)
+            before = qkv.clone()
+            q, k, v = rot.rotate_qkv(qkv, rot.cos_sin(torch.tensor([0, 3, 9, 63]), qkv.dtype), 2, 1)
+            assert torch.equal(qkv, before)  # the torch path does not rotate in place
+            heads = before.view(4, 4, 64)
+            expected = rot.rotate(heads[:, :3], rot.cos_sin(torch.tensor([0, 3, 9, 63]), qkv.dtype))
+            assert torch.equal(torch.cat([q, k], dim=1), expected) and torch.equal(v, heads[:, 3:])
     finally:
         monkeypatch.delenv(cpu_fused.DISABLE_ENV)
         cpu_fused.reset()
