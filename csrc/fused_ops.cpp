@@ -191,7 +191,8 @@ void rotary_qk_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
 // equals torch's bit for bit. The empty asm keeps the caller's "1 + e" from being contracted
 // with the final product into an FMA.
 __attribute__((target("avx2,fma"))) inline __m256 exp_like_torch(__m256 d) {
-  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+  const __m256 log2e = _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f);
+  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, log2e));  // to nearest, ties to even
   const __m256 qf = _mm256_cvtepi32_ps(q);
   __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
   s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
