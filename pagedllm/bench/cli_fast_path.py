@@ -24,6 +24,9 @@ def add_fast_path_parsers(bsub, common) -> None:
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=5, help="decode steps timed (without hooks, then with)")
     p.add_argument("--torch-profiler", action="store_true", help="also write torch.profiler's top ops")
+    p.add_argument("--compare-fused-ops", action="store_true",
+                   help="also time steps with the fused small CPU ops (norms, rotary, SiLU) off, alternating "
+                        "with the steps with them on, and report both")
 
 
 def bench_trace_efficiency(args, engine_args: dict) -> dict:
@@ -51,11 +54,11 @@ def print_efficiency(result: dict) -> None:
 
 def profile_engine_args(args, engine_args: dict) -> dict:
     """The engine for the profile: room for the whole batch in the KV cache and the running set."""
-    from pagedllm.bench.step_profile import profile_output_len
+    from pagedllm.bench.step_profile import profile_output_len, timed_decode_steps
 
     ea = dict(engine_args)
     ea["max_num_seqs"] = max(ea.get("max_num_seqs") or 1, args.batch_size)
-    output_len = profile_output_len(args.batch_size, args.context_len, args.decode_steps,
+    output_len = profile_output_len(args.batch_size, args.context_len, timed_decode_steps(args),
                                     ea.get("max_num_batched_tokens") or 2048)
     seq_len = args.context_len + output_len
     if (ea.get("max_model_len") or 0) < seq_len:
@@ -75,8 +78,11 @@ def bench_profile(args, engine_args: dict) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = run_step_profile(build_llm(**ea), args.batch_size, args.context_len, args.decode_steps,
-                              args.torch_profiler, out)
+                              args.torch_profiler, out, compare_fused_ops=getattr(args, "compare_fused_ops", False))
     result["engine_args"] = ea
     write_result(out, "profile", result)
     print(format_table(*profile_table(result)))
+    if "fused_ops_off" in result:
+        print("with the fused small CPU ops off (steps alternating with the ones above):")
+        print(format_table(*profile_table(result["fused_ops_off"])))
     return result

@@ -16,6 +16,8 @@ GPU the shares would need synchronization and are not meaningful. Steps alternat
 hooks (the median of those is the step time reported), one with them (the shares: medians per
 category), so both see the same load from whatever else runs on the machine. `--torch-profiler`
 also writes torch.profiler's top operators of one decode step without hooks (OUT/profile_ops.txt).
+`--compare-fused-ops` alternates each pair with a pair run with the fused small CPU ops (norms,
+rotary, SiLU: model/layers/cpu_fused.py) switched off, and reports both, side by side.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ def _decode_steps(engine, recorder: StepRecorder, batch_size: int, count: int, m
     return out
 
 
+def timed_decode_steps(args) -> int:
+    """Decode steps a profile times per mode: twice as many with --compare-fused-ops (on, then off)."""
+    return args.decode_steps * (2 if getattr(args, "compare_fused_ops", False) else 1)
+
+
 def profile_output_len(batch_size: int, context_len: int, decode_steps: int, max_num_batched_tokens: int) -> int:
     """Tokens each request generates: enough that none finishes before the last profiled step.
 
@@ -116,14 +123,47 @@ def profile_output_len(batch_size: int, context_len: int, decode_steps: int, max
     return prefill_steps + 2 * decode_steps + 6
 
 
+def _alternating_decode_steps(engine, recorder, batch_size: int, count: int, model):
+    """``count`` pairs of steps with the fused small CPU ops on, each followed by a pair with them off
+    (so both see the same load): (on steps, off steps), as ``_decode_steps`` returns them."""
+    from pagedllm.model.layers import cpu_fused
+
+    on, off = [], []
+    try:
+        for _ in range(count):
+            for enabled, sink in ((True, on), (False, off)):
+                cpu_fused.set_enabled(enabled)
+                sink += _decode_steps(engine, recorder, batch_size, 1, model)
+    finally:
+        cpu_fused.set_enabled(True)
+    return on, off
+
+
+def _summary(steps, model, batch_size: int) -> dict:
+    step_s = statistics.median(plain for plain, _, _ in steps)
+    hooked_s = statistics.median(hooked for _, hooked, _ in steps)
+    shares = {}
+    for category in ("matmuls", "attention"):
+        shares[category] = statistics.median(t.get(category, 0.0) / w for _, w, t in steps)
+    shares["other"] = 1.0 - shares["matmuls"] - shares["attention"]
+    lm_head = statistics.median(t.get("lm_head", 0.0) / w for _, w, t in steps)
+    num_attention_layers = sum(1 for m in model.modules() if type(m).__name__ == "Attention")
+    return {
+        "decode_steps_timed": len(steps), "step_ms": 1e3 * step_s, "hooked_step_ms": 1e3 * hooked_s,
+        "decode_tok_s": batch_size / step_s, "shares": shares, "lm_head_share": lm_head,
+        "ms": {k: v * hooked_s * 1e3 for k, v in shares.items()},
+        "attention_ms_per_layer": shares["attention"] * hooked_s * 1e3 / max(1, num_attention_layers),
+    }
+
+
 def run_step_profile(llm, batch_size: int, context_len: int, decode_steps: int = 5, torch_profiler: bool = False,
-                     out_dir=None) -> dict:
+                     out_dir=None, compare_fused_ops: bool = False) -> dict:
     engine = llm.engine
     core = engine.core
     model = core.executor.runner.model  # instrumentation: hooks on the model's own modules
     requests = make_workload(WorkloadSpec("fixed", batch_size, max_model_len=core.scheduler_config.max_model_len,
                                           input_len=context_len, output_len=profile_output_len(
-                                              batch_size, context_len, decode_steps,
+                                              batch_size, context_len, decode_steps * (1 + compare_fused_ops),
                                               core.scheduler_config.max_num_batched_tokens),
                                           vocab_size=core.model_info.hf_config.vocab_size, seed=batch_size))
     prefill_start = time.perf_counter()
@@ -145,32 +185,27 @@ def run_step_profile(llm, batch_size: int, context_len: int, decode_steps: int =
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 engine.step()
             ops_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        steps = _decode_steps(engine, recorder, batch_size, decode_steps, model)
+        if compare_fused_ops:
+            steps, off_steps = _alternating_decode_steps(engine, recorder, batch_size, decode_steps, model)
+        else:
+            steps, off_steps = _decode_steps(engine, recorder, batch_size, decode_steps, model), None
     engine.abort_request([f"profile-{i}" for i in range(batch_size)])
     while engine.has_unfinished_requests():
         engine.step()
-    if not steps:
+    if not steps or (off_steps is not None and not off_steps):
         raise RuntimeError("the batch stopped decoding together before the profile ended")
-    step_s = statistics.median(plain for plain, _, _ in steps)
-    hooked_s = statistics.median(hooked for _, hooked, _ in steps)
-    shares = {}
-    for category in ("matmuls", "attention"):
-        shares[category] = statistics.median(t.get(category, 0.0) / w for _, w, t in steps)
-    shares["other"] = 1.0 - shares["matmuls"] - shares["attention"]
-    lm_head = statistics.median(t.get("lm_head", 0.0) / w for _, w, t in steps)
-    num_attention_layers = sum(1 for m in model.modules() if type(m).__name__ == "Attention")
     if ops_table is not None and out_dir is not None:
         (out_dir / "profile_ops.txt").write_text(ops_table + "\n")
-    return {
-        "batch_size": batch_size, "context_len": context_len, "decode_steps_timed": len(steps),
-        "step_ms": 1e3 * step_s, "hooked_step_ms": 1e3 * hooked_s, "decode_tok_s": batch_size / step_s,
-        "shares": shares, "lm_head_share": lm_head,
-        "ms": {k: v * hooked_s * 1e3 for k, v in shares.items()},
-        "attention_ms_per_layer": shares["attention"] * hooked_s * 1e3 / max(1, num_attention_layers),
+    result = {
+        "batch_size": batch_size, "context_len": context_len, **_summary(steps, model, batch_size),
         "prefill_s": prefill_s, "num_preemptions": engine.stats().num_preemptions - preemptions_before,
         "prefix_cache_hit_tokens": engine.stats().prefix_cache_hits - hits_before,
         "torch_profiler_ops": ops_table is not None,
     }
+    if off_steps is not None:
+        result["fused_ops_off"] = {"batch_size": batch_size, "context_len": context_len,
+                                   **_summary(off_steps, model, batch_size)}
+    return result
 
 
 def profile_table(result: dict) -> tuple[list[str], list[list]]:

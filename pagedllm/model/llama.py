@@ -49,12 +49,8 @@ class LlamaAttention(nn.Module):
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-        # Queries and keys rotate together, [T, H + Hkv, D]: half the elementwise calls of two passes.
-        qk = self.rotary.rotate(qk.view(num_tokens, -1, self.head_dim), cos_sin)
-        q, k = qk.split([self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        v = v.view(num_tokens, -1, self.head_dim)  # [T, Hkv, D]
+        # [T, H, D], [T, Hkv, D], [T, Hkv, D]; queries and keys rotated
+        q, k, v = self.rotary.rotate_qkv(qkv, cos_sin, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)
         out = self.attn(q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -8,10 +8,12 @@ tensor-parallel workers would race to build it).
 
 The library holds two ops: ``paged_attention_cpu`` (one varlen call for decode rows, prompt chunks
 over a cached prefix and mixed steps: a per-key path for items of few rows, a tiled micro-GEMM path
-for long chunks) and ``kv_write_cpu`` (the slot-mapped K/V store). The query and output are
-float32; the cache may be float32, float16 or bfloat16 (``--kv-cache-dtype``): 16-bit K/V are
-widened to float32 in registers as they are read (F16C / AVX-512 conversions; bfloat16 is a shift),
-and ``kv_write_cpu`` rounds to nearest even on store, as ``Tensor.to`` does.
+for long chunks) and ``kv_write_cpu`` (the slot-mapped K/V store), plus the small fused per-layer
+ops of ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, rotary, SiLU-and-mul), which
+``pagedllm.model.layers.cpu_fused`` uses. The attention query and output are float32; the cache
+may be float32, float16 or bfloat16 (``--kv-cache-dtype``): 16-bit K/V are widened to float32 in
+registers as they are read (F16C / AVX-512 conversions; bfloat16 is a shift), and ``kv_write_cpu``
+rounds to nearest even on store, as ``Tensor.to`` does.
 
 ``load()`` loads the library and registers ``torch.ops.pagedllm.paged_attention_cpu``. If it is
 not built, fails to load, the CPU lacks AVX2 + FMA + F16C, or ``PAGEDLLM_DISABLE_CPU_OP=1`` is set, it
@@ -34,7 +36,7 @@ from pagedllm.model.attention.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
-SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp")
+SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp", "fused_ops.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile

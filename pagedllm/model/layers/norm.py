@@ -1,7 +1,13 @@
-"""RMSNorm, computed in float32 like the reference, with an optional fused residual add."""
+"""RMSNorm, computed in float32 like the reference, with an optional fused residual add.
+
+On CPU float32 with the compiled library, one call each (``cpu_fused``); ``forward_native`` is the
+reference definition and the path everywhere else.
+"""
 
 import torch
 from torch import nn
+
+from pagedllm.model.layers import cpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +30,18 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        ops = cpu_fused.usable(x)
+        if (ops is not None and ops.rms_norm is not None and x.dim() == 2 and x.stride(-1) == 1
+                and self.weight.dtype == torch.float32):
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if residual.dtype == torch.float32 and residual.shape == x.shape and residual.stride(-1) == 1:
+                return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.forward_native(x, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
         x = x + residual

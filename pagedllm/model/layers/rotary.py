@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedllm.model.layers import cpu_fused
+
 
 def rope_parameters(config) -> dict:
     params = getattr(config, "rope_parameters", None)
@@ -66,6 +68,24 @@ class RotaryEmbedding(nn.Module):
         as HF computes it. The heads may be queries and keys side by side (one pass instead of two)."""
         cos, signed_sin = cos_sin
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * signed_sin
+
+    def rotate_qkv(
+        self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split a fused projection ``qkv`` [T, (H + 2*Hkv) * D] into rotated queries [T, H, D], rotated
+        keys [T, Hkv, D] and values [T, Hkv, D]. On CPU float32 with the compiled library the rotation
+        is one call, in place on ``qkv`` (the caller's fresh projection output; the results are views
+        of it), with the reference's values bit for bit; elsewhere it is ``rotate``."""
+        num_tokens, D = qkv.shape[0], self.head_dim
+        ops = cpu_fused.usable(qkv)
+        if ops is not None and qkv.dim() == 2 and qkv.is_contiguous() and cos_sin[0].dtype == torch.float32:
+            ops.rotary_qk(qkv, cos_sin[0], cos_sin[1], num_heads + num_kv_heads, D)
+            return qkv.view(num_tokens, -1, D).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        qk, v = qkv.split([(num_heads + num_kv_heads) * D, num_kv_heads * D], dim=-1)
+        # Queries and keys rotate together, [T, H + Hkv, D]: half the elementwise calls of two passes.
+        qk = self.rotate(qk.view(num_tokens, -1, D), cos_sin)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        return q, k, v.view(num_tokens, -1, D)
 
     def forward(
         self,
