@@ -455,3 +455,32 @@ def test_random_sampling_frequencies_follow_top_k_over_a_large_vocabulary():
     assert set(drawn.tolist()) <= set(top.indices[:5].tolist())
     counts = torch.tensor([(drawn == t).sum().item() for t in top.indices[:5].tolist()], dtype=torch.float32)
     assert torch.allclose(counts / num_draws, expected, atol=0.03)
+
+
+def test_top_p_on_candidates_equals_the_full_sort():
+    """The top-1024 shortcut keeps exactly the tokens the full sort keeps: peaked rows (shortcut), flat rows
+    (fallback), rows with top_p off, with and without top_k, and a top_k above the candidates (fallback)."""
+    from pagedllm.model.sampler import _apply_top_k_top_p, _apply_top_p_on_candidates
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 4096
+    peaked = torch.randn(6, vocab, generator=g) * 6  # the nucleus fits in 1024 tokens
+    flat = torch.randn(2, vocab, generator=g) * 0.1  # it does not
+    top_p = torch.tensor([0.9, 0.5, 2.0, 0.99, 0.7, 2.0])
+    cases = [(peaked, None, top_p), (peaked, torch.tensor([5, 4096, 50, 4096, 700, 4096]), top_p),
+             (torch.cat([peaked[:2], flat]), None, torch.tensor([0.9, 0.8, 0.9, 2.0])),
+             (peaked[:2], torch.tensor([2000, 4096]), torch.tensor([0.9, 0.9]))]
+    for logits, top_k, p in cases:
+        expected = _apply_top_k_top_p(logits.clone(), top_k, p)
+        got = _apply_top_p_on_candidates(logits.clone(), top_k, p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
+        assert torch.equal(got[torch.isfinite(got)], expected[torch.isfinite(expected)])
+    # the shortcut really is taken for peaked rows: the full sort is never called
+    import pagedllm.model.sampler as sampler_module
+
+    original = sampler_module._apply_top_k_top_p
+    sampler_module._apply_top_k_top_p = None
+    try:
+        assert torch.isfinite(_apply_top_p_on_candidates(peaked.clone(), None, top_p)).any()
+    finally:
+        sampler_module._apply_top_k_top_p = original
