@@ -43,7 +43,11 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_e
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}],
                  request_params(BenchRequest([], 2)), use_tqdm=False)  # warm-up
     preemptions_before = llm.engine.stats().num_preemptions
-    with StepRecorder(llm.engine.core) as recorder:
+    runner = getattr(llm.engine.core.executor, "runner", None)
+    if trace_efficiency and runner is None:
+        raise ValueError("trace efficiency times the model in this process: use tensor_parallel_size 1")
+    model = runner.model if trace_efficiency else None  # instrumentation: the ideal times the model's own layers
+    with StepRecorder(llm.engine.core, model) as recorder:
         start = time.perf_counter()
         outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
         elapsed = time.perf_counter() - start
@@ -54,10 +58,6 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_e
     result = _rates("engine", requests, num_out, elapsed, num_preemptions=preemptions, num_steps=len(recorder.steps),
                     **engine_memory(llm))
     if trace_efficiency:
-        runner = getattr(llm.engine.core.executor, "runner", None)
-        if runner is None:
-            raise ValueError("trace efficiency times the model in this process: use tensor_parallel_size 1")
-        model = runner.model  # instrumentation: the ideal times the model's own layers
         result["trace_efficiency"] = efficiency_result(recorder.steps, start, elapsed, model, preemptions)
     return result
 

@@ -18,6 +18,11 @@ interpolated linearly in M. Then
 The layers are called through their modules (not F.linear on their weights), so a faster weight
 layout or GEMM call in model/layers is what the ideal measures too. Steps are also split by kind
 (pure decode, pure prefill, mixed) with their wall time and ideal, to show where the gap is.
+
+With the model given, the recorder also times each step's model forward and LM head (hooks around
+the model's own calls): a step's `forward_s`. The rest of its wall time, `host_s`, is what the
+engine loop spends outside the model: scheduling, input preparation, sampling, the scheduler's
+update, output processing and detokenization, Python between them.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class StepShape:
     """Sequences scheduled for one token (decodes)."""
     end_s: float
     """perf_counter() when the step's model run returned."""
+    forward_s: float | None = None
+    """Seconds in the model's forward and LM head during the step (None: not timed)."""
 
     @property
     def kind(self) -> str:
@@ -49,25 +56,70 @@ class StepShape:
         return "prefill" if self.num_single == 0 else "mixed"
 
 
-class StepRecorder:
-    """Records every step's shape through EngineCore's public step listeners (a context manager)."""
+class ForwardTimer:
+    """Sums wall time in a model's forward and its compute_logits (hooks; removed by `remove`)."""
 
-    def __init__(self, core) -> None:
+    def __init__(self, model) -> None:
+        self.total_s = 0.0
+        self._start = 0.0
+        self._model = model
+        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        compute_logits = model.compute_logits
+
+        def timed_logits(hidden_states):
+            start = time.perf_counter()
+            try:
+                return compute_logits(hidden_states)
+            finally:
+                self.total_s += time.perf_counter() - start
+
+        model.compute_logits = timed_logits  # an instance attribute, deleted again by remove()
+
+    def _pre(self, module, args) -> None:
+        self._start = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        self.total_s += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        del self._model.compute_logits
+
+
+class StepRecorder:
+    """Records every step's shape through EngineCore's public step listeners (a context manager).
+
+    `model`: also time each step's forward and LM head (StepShape.forward_s)."""
+
+    def __init__(self, core, model=None) -> None:
         self.core = core
+        self.model = model
         self.steps: list[StepShape] = []
+        self._timer: ForwardTimer | None = None
+        self._forward_before = 0.0
 
     def __call__(self, sched_output, runner_output) -> None:
         scheduled = sched_output.num_scheduled_tokens
+        forward_s = None
+        if self._timer is not None:
+            forward_s = self._timer.total_s - self._forward_before
+            self._forward_before = self._timer.total_s
         self.steps.append(StepShape(sched_output.total_num_scheduled_tokens, len(runner_output.sampled_token_ids),
                                     len(scheduled), sum(1 for n in scheduled.values() if n == 1),
-                                    time.perf_counter()))
+                                    time.perf_counter(), forward_s))
 
     def __enter__(self) -> StepRecorder:
+        if self.model is not None:
+            self._timer = ForwardTimer(self.model)
         self.core.step_listeners.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         self.core.step_listeners.remove(self)
+        if self._timer is not None:
+            self._timer.remove()
+            self._timer = None
 
 
 def linear_modules(model) -> list[tuple[torch.nn.Module, int]]:
@@ -150,6 +202,8 @@ def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, mod
     ideal = ideal_seconds(steps, grid)
     ends = np.array([s.end_s for s in steps])
     durations = np.diff(np.concatenate([[start_s], ends]))  # step i: end of step i-1 (or the start) to its end
+    timed = all(s.forward_s is not None for s in steps)
+    forward = np.array([s.forward_s for s in steps]) if timed else None
     by_kind = {}
     for kind in ("decode", "prefill", "mixed"):
         mask = np.array([s.kind == kind for s in steps])
@@ -157,21 +211,35 @@ def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, mod
             by_kind[kind] = {"steps": int(mask.sum()), "wall_s": float(durations[mask].sum()),
                              "ideal_s": float(ideal[mask].sum()),
                              "mean_tokens": float(np.mean([s.num_tokens for s, k in zip(steps, mask) if k]))}
+            if timed:
+                by_kind[kind]["forward_s"] = float(forward[mask].sum())
+    split = {}
+    if timed:
+        # The time before the first step and after the last (adding requests, collecting outputs) is host time too.
+        split = {"forward_s": float(forward.sum()), "host_s": wall_s - float(forward.sum()),
+                 "host_share": (wall_s - float(forward.sum())) / wall_s}
     return {
         "engine_wall_s": wall_s, "ideal_s": float(ideal.sum()), "efficiency": float(ideal.sum()) / wall_s,
         "num_preemptions": num_preemptions, "num_steps": len(steps),
         "num_scheduled_tokens": int(sum(s.num_tokens for s in steps)),
         "num_sampled": int(sum(s.num_sampled for s in steps)), "max_step_tokens": max_tokens,
         "max_step_sampled": max_sampled,
-        "by_kind": by_kind, "matmul_grid_s": {k: {str(m): t for m, t in v.items()} for k, v in grid.items()},
+        **split, "by_kind": by_kind, "matmul_grid_s": {k: {str(m): t for m, t in v.items()} for k, v in grid.items()},
     }
 
 
 def efficiency_table(result: dict) -> tuple[list[str], list[list]]:
+    """One row per step kind; with forward timing, also the share of wall time outside the model."""
+    timed = "forward_s" in result
     headers = ["steps", "count", "wall s", "matmul-only ideal s", "ideal / wall", "mean tokens / step"]
+    if timed:
+        headers.append("outside the model / wall")
     rows = [["all", result["num_steps"], result["engine_wall_s"], result["ideal_s"], result["efficiency"],
-             result["num_scheduled_tokens"] / result["num_steps"]]]
+             result["num_scheduled_tokens"] / result["num_steps"]] + ([result["host_share"]] if timed else [])]
     for kind, k in result["by_kind"].items():
-        rows.append([kind, k["steps"], k["wall_s"], k["ideal_s"], k["ideal_s"] / k["wall_s"] if k["wall_s"] else None,
-                     k["mean_tokens"]])
+        row = [kind, k["steps"], k["wall_s"], k["ideal_s"], k["ideal_s"] / k["wall_s"] if k["wall_s"] else None,
+               k["mean_tokens"]]
+        if timed:
+            row.append(1 - k["forward_s"] / k["wall_s"] if k["wall_s"] else None)
+        rows.append(row)
     return headers, rows

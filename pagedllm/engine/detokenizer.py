@@ -24,6 +24,8 @@ the first generated token's leading space exactly like `decode` does).
 
 from __future__ import annotations
 
+import functools
+
 from pagedllm.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -88,6 +90,7 @@ class IncrementalDetokenizer:
         self._prefix_text = ""
         self._num_sent_chars = 0
         self._stop = list(params.stop)
+        self._decode = _decoder(tokenizer, params.skip_special_tokens)
         # Streaming holds back this many characters: they might turn out to begin a stop string
         # that the caller must not see. Not needed when the stop string stays in the output.
         if self._stop and not params.include_stop_str_in_output:
@@ -170,5 +173,30 @@ class IncrementalDetokenizer:
         self.finished = True
         return stop
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=...)`, through the Rust tokenizer directly when
+    that is provably the same function: a transformers fast tokenizer whose decode is not overridden
+    and that cleans up no spaces. Every step decodes two short windows per request, and transformers'
+    Python wrapper around the Rust call costs more than the call itself (about 12 vs 5 us)."""
+    backend = _plain_fast_backend(tokenizer)
+    if backend is not None:
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _plain_fast_backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind `tokenizer` when its decode is exactly the backend's, else None."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep the wrapper
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (not isinstance(backend, Tokenizer) or not isinstance(tokenizer, TokenizersBackend)
+            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return backend

@@ -51,3 +51,51 @@ def test_hf_continuous_batching_under_a_time_cap_counts_streamed_tokens(tiny_mod
     assert 0 <= result["num_output_tokens"] < result["expected_output_tokens"] == 16 * 230
     assert result["num_finished_requests"] < 16
     assert result["output_tok_s"] == result["num_output_tokens"]
+
+
+def test_efficiency_table_with_forward_timing_shows_the_share_outside_the_model():
+    result = {"num_steps": 3, "engine_wall_s": 10.0, "ideal_s": 4.0, "efficiency": 0.4, "num_scheduled_tokens": 30,
+              "forward_s": 8.0, "host_s": 2.0, "host_share": 0.2,
+              "by_kind": {"decode": {"steps": 2, "wall_s": 4.0, "ideal_s": 2.0, "mean_tokens": 5.0, "forward_s": 3.0},
+                          "prefill": {"steps": 1, "wall_s": 6.0, "ideal_s": 2.0, "mean_tokens": 20.0,
+                                      "forward_s": 4.5}}}
+    headers, rows = efficiency_table(result)
+    assert headers[-1] == "outside the model / wall"
+    assert [row[-1] for row in rows] == pytest.approx([0.2, 0.25, 0.25])
+
+
+def test_step_recorder_times_each_steps_forward_and_lm_head(tiny_engine_args):
+    """On a real engine: forward_s is the model's share of each step, and the hooks leave with the recorder."""
+    import time
+
+    from pagedllm.bench.engine_utils import build_llm
+    from pagedllm.bench.trace_efficiency import StepRecorder, efficiency_result
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = build_llm(**tiny_engine_args)
+    core = llm.engine.core
+    model = core.executor.runner.model
+    calls = []
+    original_forward = model.forward
+
+    def slow_forward(*args, **kwargs):  # makes the model's share of a step large and known from below
+        time.sleep(0.02)
+        calls.append(1)
+        return original_forward(*args, **kwargs)
+
+    model.forward = slow_forward
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with StepRecorder(core, model) as recorder:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    assert "compute_logits" not in vars(model) and not model._forward_hooks and not model._forward_pre_hooks
+    assert len(recorder.steps) == len(calls) == 4
+    ends = [start] + [s.end_s for s in recorder.steps]
+    for step, begin, end in zip(recorder.steps, ends, ends[1:]):
+        assert 0.02 <= step.forward_s <= end - begin
+    result = efficiency_result(recorder.steps, start, wall, model, 0, repeats=1)
+    assert result["forward_s"] == pytest.approx(sum(s.forward_s for s in recorder.steps))
+    assert result["host_s"] == pytest.approx(wall - result["forward_s"])
+    assert 0 < result["host_share"] < 1
+    assert result["by_kind"]["decode"]["forward_s"] > 0

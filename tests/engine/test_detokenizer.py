@@ -311,3 +311,36 @@ def test_ids_after_a_stop_are_ignored():
     assert detok.update(ids) is None
     assert detok.token_ids == ids and detok.output_text == "Hello "
     assert detok.finish() == "world"
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_decodes_through_the_rust_tokenizer_when_equivalent(name):
+    from pagedllm.engine.detokenizer import _decoder
+
+    tokenizer = _tokenizer(name)
+    decode = _decoder(tokenizer, skip_special_tokens=True)
+    assert decode.func == tokenizer.backend_tokenizer.decode  # the fast path is taken for plain fast tokenizers
+    ids = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
+    for skip in (True, False):
+        assert _decoder(tokenizer, skip)(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_keeps_the_transformers_decode_when_it_differs():
+    """Space clean-up, or a subclass's own decode, must not be bypassed."""
+    from pagedllm.engine.detokenizer import _decoder
+
+    base = byte_level_bpe()
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|endoftext|>",
+                                       clean_up_tokenization_spaces=True)
+    assert _decoder(cleaning, True).func == cleaning.decode
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=base.backend_tokenizer, eos_token="<|endoftext|>")
+    ids = shouting.encode("hello world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(shouting, [], SamplingParams())
+    detok.update(ids)
+    detok.finish()
+    assert detok.output_text == shouting.decode(ids) == "HELLO WORLD"

@@ -367,3 +367,120 @@ def test_argmax_rows_equals_argmax_with_ties_nan_and_inf(num_rows, vocab):
         x[4] = 0.0  # all equal
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x.to(torch.bfloat16)), x.to(torch.bfloat16).argmax(dim=-1))
+
+
+def _reference_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The definition: the first token whose float64 cumulative mass exceeds u * total."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+
+
+@pytest.mark.parametrize("vocab", [256, 384, 300, 7])
+def test_inverse_cdf_draw_is_the_first_token_past_u_times_the_mass(vocab):
+    from pagedllm.model.sampler import _inverse_cdf_draw
+
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(64, vocab, generator=g) * 3, dim=-1)
+    probs[probs < probs.median(dim=-1, keepdim=True).values] = 0.0  # zeros, as top-k/top-p/min-p leave them
+    u = torch.rand(64, 1, generator=g, dtype=torch.float64)
+    u[:4, 0] = torch.tensor([0.0, 1e-12, 0.5, 1 - 2**-40], dtype=torch.float64)
+    drawn = _inverse_cdf_draw(probs, u)
+    assert torch.equal(drawn, _reference_draw(probs, u))
+    assert (probs.gather(1, drawn[:, None]) > 0).all()
+
+
+def test_inverse_cdf_draw_never_picks_zero_probability_tokens_at_the_edges():
+    from pagedllm.model.sampler import _inverse_cdf_draw
+
+    probs = torch.zeros(4, 256)
+    probs[0, 5] = 1.0  # one token
+    probs[1, [0, 255]] = 0.5  # the first and the last
+    probs[2, 127:129] = 0.5  # straddling a block boundary
+    probs[3, 200] = 3e-38  # a tiny total
+    for u in (0.0, 1 - 2**-53, 0.5):
+        drawn = _inverse_cdf_draw(probs, torch.full((4, 1), u, dtype=torch.float64))
+        assert (probs.gather(1, drawn[:, None]) > 0).all(), (u, drawn)
+
+
+def test_inverse_cdf_draw_keeps_the_mass_of_tiny_probabilities():
+    """Below the float32 resolution of a running sum over the vocabulary (~1e-7 here), a token still owns
+    an interval of u as wide as its probability: found by bisection on the monotone map u -> token."""
+    from pagedllm.model.sampler import _inverse_cdf_draw
+
+    probs = torch.full((1, 512), 1.0 / 511)
+    probs[0, 300] = 1e-10
+    total = probs.to(torch.float64).sum().item()
+
+    def token(u: float) -> int:
+        return _inverse_cdf_draw(probs, torch.tensor([[u]], dtype=torch.float64)).item()
+
+    def first_u_reaching(t: int) -> float:
+        lo, hi = 0.0, 1.0 - 2**-53
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if token(mid) < t else (lo, mid)
+        return hi
+
+    start, end = first_u_reaching(300), first_u_reaching(301)
+    assert token(start) == 300 == token((start + end) / 2)
+    assert (end - start) * total == pytest.approx(1e-10, rel=1e-3)
+
+
+def test_inverse_cdf_draw_survives_a_row_without_mass():
+    from pagedllm.model.sampler import _inverse_cdf_draw
+
+    probs = torch.softmax(torch.randn(3, 256), dim=-1)
+    probs[1] = float("nan")
+    probs[2] = 0.0
+    drawn = _inverse_cdf_draw(probs, torch.full((3, 1), 0.3, dtype=torch.float64))
+    assert ((drawn >= 0) & (drawn < 256)).all()
+    assert drawn[0] == _reference_draw(probs[:1], torch.full((1, 1), 0.3, dtype=torch.float64))[0]
+
+
+def test_random_sampling_frequencies_follow_top_k_over_a_large_vocabulary():
+    """The whole random path at a real vocabulary size (several 128-wide blocks), seeded, against the
+    renormalised top-k distribution."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(1, 1024, generator=g) - 10.0
+    chosen = torch.tensor([900, 3, 511, 128, 127, 640])  # spread over the 128-wide blocks, both sides of an edge
+    logits[0, chosen] = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.5])
+    top = logits[0].topk(6)
+    assert top.indices.tolist() == chosen.tolist()
+    expected = torch.softmax(torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0]), dim=-1)
+    params = SamplingParams(temperature=1.0, top_k=5, seed=11)
+    gen = _generator(11)
+    num_draws = 4000
+    rows = [_row(params, seed_generator=gen, eos=()) for _ in range(num_draws)]
+    drawn = _sample(logits.repeat(num_draws, 1), rows).sampled_token_ids
+    assert set(drawn.tolist()) <= set(top.indices[:5].tolist())
+    counts = torch.tensor([(drawn == t).sum().item() for t in top.indices[:5].tolist()], dtype=torch.float32)
+    assert torch.allclose(counts / num_draws, expected, atol=0.03)
+
+
+def test_top_p_on_candidates_equals_the_full_sort():
+    """The top-1024 shortcut keeps exactly the tokens the full sort keeps: peaked rows (shortcut), flat rows
+    (fallback), rows with top_p off, with and without top_k, and a top_k above the candidates (fallback)."""
+    from pagedllm.model.sampler import _apply_top_k_top_p, _apply_top_p_on_candidates
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 4096
+    peaked = torch.randn(6, vocab, generator=g) * 6  # the nucleus fits in 1024 tokens
+    flat = torch.randn(2, vocab, generator=g) * 0.1  # it does not
+    top_p = torch.tensor([0.9, 0.5, 2.0, 0.99, 0.7, 2.0])
+    cases = [(peaked, None, top_p), (peaked, torch.tensor([5, 4096, 50, 4096, 700, 4096]), top_p),
+             (torch.cat([peaked[:2], flat]), None, torch.tensor([0.9, 0.8, 0.9, 2.0])),
+             (peaked[:2], torch.tensor([2000, 4096]), torch.tensor([0.9, 0.9]))]
+    for logits, top_k, p in cases:
+        expected = _apply_top_k_top_p(logits.clone(), top_k, p)
+        got = _apply_top_p_on_candidates(logits.clone(), top_k, p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
+        assert torch.equal(got[torch.isfinite(got)], expected[torch.isfinite(expected)])
+    # the shortcut really is taken for peaked rows: the full sort is never called
+    import pagedllm.model.sampler as sampler_module
+
+    original = sampler_module._apply_top_k_top_p
+    sampler_module._apply_top_k_top_p = None
+    try:
+        assert torch.isfinite(_apply_top_p_on_candidates(peaked.clone(), None, top_p)).any()
+    finally:
+        sampler_module._apply_top_k_top_p = original
