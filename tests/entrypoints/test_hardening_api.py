@@ -288,14 +288,18 @@ def test_engine_death_exits_the_server(open_server):
 def test_sigterm_drains(model_dir, tmp_path_factory):
     """SIGTERM: /health and new requests get 503 at once, a short request in flight finishes, a long
     stream is ended at --shutdown-timeout with an error event and [DONE], and the server exits 0."""
-    srv = RemoteServer(model_dir, ["--num-kv-blocks", "128", "--max-model-len", str(MAX_MODEL_LEN),
-                                   "--shutdown-timeout", "3"], tmp_path_factory.mktemp("logs") / "drain.log")
+    # A long request that cannot finish within the 3 s drain on any machine: 16000 tokens (the tiny
+    # model ran 1000 within it once the engine got faster, so the test lost its in-flight stream).
+    long_dir = build_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama-long"), max_position_embeddings=16384)
+    srv = RemoteServer(long_dir, ["--num-kv-blocks", "1100", "--max-model-len", "16384",
+                                  "--shutdown-timeout", "3"], tmp_path_factory.mktemp("logs") / "drain.log")
+    very_long = {**LONG, "max_tokens": 16000}
     try:
         results: dict[str, object] = {}
         long_started = threading.Event()
 
         def stream_long() -> None:
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json={**LONG, "stream": True},
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json={**very_long, "stream": True},
                               timeout=30) as stream:
                 lines = []
                 for line in stream.iter_lines():
