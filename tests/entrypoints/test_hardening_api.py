@@ -30,12 +30,16 @@ from tests.entrypoints.server_helpers import RemoteServer
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024
-LONG = {"prompt": "Keep going", "max_tokens": 1000, "ignore_eos": True}
+LONG_MODEL_LEN = 8192
+"""The servers that run LONG (open_server, the drain test)."""
+# Seconds of work on any machine (about 2 ms a token here): the deadline, drain and death tests need
+# it still running when they act (1000 tokens once finished inside a 1-3 s window).
+LONG = {"prompt": "Keep going", "max_tokens": 8000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
+    return build_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=LONG_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def keyed(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def open_server(model_dir, tmp_path_factory):
     srv = RemoteServer(model_dir, [
-        "--num-kv-blocks", "128", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1",
+        "--num-kv-blocks", "640", "--max-model-len", str(LONG_MODEL_LEN), "--max-num-seqs", "1",
         "--max-num-waiting", "2", "--retry-after-s", "3", "--request-timeout", "2",
     ], tmp_path_factory.mktemp("logs") / "open.log")
     yield srv
@@ -259,7 +263,7 @@ def test_waiting_requests_are_bounded_with_429(open_server, model_dir):
 
 
 def test_the_deadline_aborts_and_says_why(open_server):
-    """--request-timeout 2: a 1000-token request is aborted (blocks freed); a plain request gets a
+    """--request-timeout 2: an 8000-token request is aborted (blocks freed); a plain request gets a
     504, a stream an error event, then [DONE]."""
     started = time.monotonic()
     r = post(open_server, "/v1/completions", LONG, headers={}, timeout=30)
@@ -288,18 +292,14 @@ def test_engine_death_exits_the_server(open_server):
 def test_sigterm_drains(model_dir, tmp_path_factory):
     """SIGTERM: /health and new requests get 503 at once, a short request in flight finishes, a long
     stream is ended at --shutdown-timeout with an error event and [DONE], and the server exits 0."""
-    # A long request that cannot finish within the 3 s drain on any machine: 16000 tokens (the tiny
-    # model ran 1000 within it once the engine got faster, so the test lost its in-flight stream).
-    long_dir = build_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama-long"), max_position_embeddings=16384)
-    srv = RemoteServer(long_dir, ["--num-kv-blocks", "1100", "--max-model-len", "16384",
-                                  "--shutdown-timeout", "3"], tmp_path_factory.mktemp("logs") / "drain.log")
-    very_long = {**LONG, "max_tokens": 16000}
+    srv = RemoteServer(model_dir, ["--num-kv-blocks", "640", "--max-model-len", str(LONG_MODEL_LEN),
+                                   "--shutdown-timeout", "3"], tmp_path_factory.mktemp("logs") / "drain.log")
     try:
         results: dict[str, object] = {}
         long_started = threading.Event()
 
         def stream_long() -> None:
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json={**very_long, "stream": True},
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json={**LONG, "stream": True},
                               timeout=30) as stream:
                 lines = []
                 for line in stream.iter_lines():
