@@ -170,6 +170,8 @@ class Scheduler:
             self._sort_running_by_rank()
         preempted: list[Request] = self._preempt_for_blocked_head()
         num_preempted_for_waiting = len(preempted)
+        if self.spec is not None:
+            self.spec.begin_step(len(self.running))
 
         i = 0
         while i < len(self.running) and token_budget > 0:

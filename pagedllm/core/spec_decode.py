@@ -91,6 +91,48 @@ PROBE_INTERVAL = 8
 MAX_BACKOFF_EXPONENT = 6
 
 
+
+MAX_GATE_INTERVAL = 64
+
+
+@dataclass(slots=True)
+class _DraftGate:
+    """Engine-wide backoff for a draft model, on top of the per-request one.
+
+    A draft pass costs a read of the draft's weights (its LM head alone is 28M parameters for the
+    default vocabulary) whether one request speculates or sixteen: with per-request backoff only,
+    some request probes at nearly every step, so a draft that is seldom right ran every step and
+    cost 13-21% at batch 4-16 (`pagedllm bench speculative --methods draft_model`). So when the
+    acceptance of recent proposals, engine-wide, falls below the bar, no request proposes for 8
+    steps, then 16, ... 64 while it stays below; one step that clears the bar resets the interval.
+    """
+
+    acceptance: float | None = None
+    """Recent acceptance over all requests (halved towards each scored request-step's rate)."""
+    fresh: bool = False
+    """A proposal was scored since the last decision."""
+    closed_steps: int = 0
+    interval: int = PROBE_INTERVAL
+
+    def observe(self, rate: float) -> None:
+        self.acceptance = rate if self.acceptance is None else 0.5 * self.acceptance + 0.5 * rate
+        self.fresh = True
+
+    def is_open(self, batch_size: int) -> bool:
+        """Decide this step (call once per step)."""
+        if self.closed_steps > 0:
+            self.closed_steps -= 1
+            return False
+        if self.fresh and self.acceptance is not None:
+            self.fresh = False
+            if self.acceptance < batch_size / (batch_size + FLAT_BATCH_SIZE):
+                self.closed_steps = self.interval - 1
+                self.interval = min(2 * self.interval, MAX_GATE_INTERVAL)
+                return False
+            self.interval = PROBE_INTERVAL
+        return True
+
+
 @dataclass
 class SpecDecodeStats:
     """Cumulative counters of speculative decoding (only grow)."""
@@ -125,6 +167,8 @@ class SpecDecoder:
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.method == "ngram" else None)
         self._backoff: dict[str, _Backoff] = {}
+        self._gate = _DraftGate() if self.proposer is None else None
+        self._step_open = True
         k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k, proposed_per_position=[0] * k)
 
@@ -132,6 +176,10 @@ class SpecDecoder:
     def proposes_in_worker(self) -> bool:
         """True when the runner (its draft model) makes the proposals, the scheduler only counts them."""
         return self.proposer is None
+
+    def begin_step(self, batch_size: int) -> None:
+        """Called once per scheduled step, before any `num_to_propose`: the draft model's gate."""
+        self._step_open = self._gate is None or self._gate.is_open(batch_size)
 
     def propose(self, req_id: str, token_ids: list[int], max_k: int, batch_size: int = 1) -> list[int]:
         """At most min(k, max_k) proposals for a request whose only uncomputed token is its last;
@@ -144,7 +192,7 @@ class SpecDecoder:
         """How many tokens the request should propose this step (0: none), after backoff; counts a
         skipped step, so call it once per request-step."""
         k = min(self.config.num_speculative_tokens, max_k)
-        if k <= 0:
+        if k <= 0 or not self._step_open:  # a closed gate leaves the per-request backoff as it was
             return 0
         backoff = self._backoff.get(req_id)
         if backoff is not None:
@@ -178,6 +226,8 @@ class SpecDecoder:
         kept = self.config.num_speculative_tokens if num_accepted == num_proposed else num_accepted
         backoff.mean_accepted = 0.5 * backoff.mean_accepted + 0.5 * kept
         rate = num_accepted / num_proposed if num_proposed else 0.0
+        if self._gate is not None and num_proposed:
+            self._gate.observe(rate)
         backoff.acceptance = rate if backoff.acceptance is None else 0.5 * backoff.acceptance + 0.5 * rate
         if num_accepted == 0:
             backoff.num_failures = min(backoff.num_failures + 1, MAX_BACKOFF_EXPONENT)

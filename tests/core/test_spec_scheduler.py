@@ -304,3 +304,31 @@ def test_draft_model_slots_are_counted_and_rolled_back_against_the_runners_propo
     assert out.num_draft_tokens == {"a": 4}
     sched.update_from_output(out, ModelRunnerOutput({"a": [9]}, spec_token_ids={"a": [1, 1, 1, 1]}))
     assert request.num_computed_tokens == 13 and len(kv.req_to_blocks["a"]) == 4
+
+
+def test_a_draft_model_that_is_seldom_right_stops_the_whole_batch_for_longer_each_time():
+    """The draft's cost is per pass, not per request: below the bar engine-wide, no request proposes
+    for 8, then 16, ... 64 steps; a step that clears the bar reopens it at once."""
+    from pagedllm.core.spec_decode import MAX_GATE_INTERVAL, PROBE_INTERVAL, SpecDecoder
+
+    spec = SpecDecoder(SpeculativeConfig(method="draft_model", model=DRAFT_DIR, num_speculative_tokens=4))
+    ids = [f"r{i}" for i in range(16)]
+    drafting_steps = []
+    for step in range(600):
+        spec.begin_step(batch_size=16)
+        proposing = [r for r in ids if spec.num_to_propose(r, 4, batch_size=16)]
+        if proposing:
+            drafting_steps.append(step)
+        for r in proposing:
+            spec.record(r, 1, 0, 1)  # every proposal fails
+    gaps = [b - a for a, b in zip(drafting_steps, drafting_steps[1:])]
+    assert gaps[0] >= PROBE_INTERVAL and all(b >= a for a, b in zip(gaps, gaps[1:5])), gaps
+    assert all(g >= MAX_GATE_INTERVAL for g in gaps[3:]), gaps
+    assert len(drafting_steps) <= 600 // MAX_GATE_INTERVAL + 4  # the draft ran on under 3% of steps
+    # once open, proposals that are kept reset the pause to its shortest
+    while spec._gate.closed_steps:
+        spec.begin_step(batch_size=16)
+    for r in ids:
+        spec.record(r, 2, 2, 3)
+    spec.begin_step(batch_size=16)
+    assert spec._step_open and spec._gate.interval == PROBE_INTERVAL
