@@ -93,6 +93,7 @@ MAX_BACKOFF_EXPONENT = 6
 
 
 MAX_GATE_INTERVAL = 64
+GATE_MAX_BAR = 0.5
 
 
 @dataclass(slots=True)
@@ -103,29 +104,36 @@ class _DraftGate:
     default vocabulary) whether one request speculates or sixteen: with per-request backoff only,
     some request probes at nearly every step, so a draft that is seldom right ran every step and
     cost 13-21% at batch 4-16 (`pagedllm bench speculative --methods draft_model`). So when the
-    acceptance of recent proposals, engine-wide, falls below the bar, no request proposes for 8
+    acceptance of recent proposals, engine-wide, falls below the bar (B/(B+4), at most one half),
+    no request proposes for 8
     steps, then 16, ... 64 while it stays below; one step that clears the bar resets the interval.
     """
 
     acceptance: float | None = None
-    """Recent acceptance over all requests (halved towards each scored request-step's rate)."""
-    fresh: bool = False
-    """A proposal was scored since the last decision."""
+    """Recent acceptance over all requests (halved towards each step's pooled rate: one request's
+    0-or-1 outcome alone is too noisy to stop a whole batch)."""
+    num_proposed: int = 0
+    num_accepted: int = 0
+    """Scored and kept since the last decision."""
     closed_steps: int = 0
     interval: int = PROBE_INTERVAL
 
-    def observe(self, rate: float) -> None:
-        self.acceptance = rate if self.acceptance is None else 0.5 * self.acceptance + 0.5 * rate
-        self.fresh = True
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
 
     def is_open(self, batch_size: int) -> bool:
         """Decide this step (call once per step)."""
         if self.closed_steps > 0:
             self.closed_steps -= 1
             return False
-        if self.fresh and self.acceptance is not None:
-            self.fresh = False
-            if self.acceptance < batch_size / (batch_size + FLAT_BATCH_SIZE):
+        if self.num_proposed:
+            rate = self.num_accepted / self.num_proposed
+            self.num_proposed = self.num_accepted = 0
+            self.acceptance = rate if self.acceptance is None else 0.5 * self.acceptance + 0.5 * rate
+            # The per-request bar (B/(B+4)) already prices each proposal's compute; the gate is for
+            # drafts that are mostly wrong, so it never asks for more than half kept.
+            if self.acceptance < min(GATE_MAX_BAR, batch_size / (batch_size + FLAT_BATCH_SIZE)):
                 self.closed_steps = self.interval - 1
                 self.interval = min(2 * self.interval, MAX_GATE_INTERVAL)
                 return False
@@ -226,8 +234,8 @@ class SpecDecoder:
         kept = self.config.num_speculative_tokens if num_accepted == num_proposed else num_accepted
         backoff.mean_accepted = 0.5 * backoff.mean_accepted + 0.5 * kept
         rate = num_accepted / num_proposed if num_proposed else 0.0
-        if self._gate is not None and num_proposed:
-            self._gate.observe(rate)
+        if self._gate is not None:
+            self._gate.observe(num_proposed, num_accepted)
         backoff.acceptance = rate if backoff.acceptance is None else 0.5 * backoff.acceptance + 0.5 * rate
         if num_accepted == 0:
             backoff.num_failures = min(backoff.num_failures + 1, MAX_BACKOFF_EXPONENT)
