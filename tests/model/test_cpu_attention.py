@@ -13,18 +13,12 @@ from pagedllm.model.attention import cpu_op
 from pagedllm.model.attention.backend import CpuAttentionBackend, make_attention_backend, resolve_backend_name
 from pagedllm.model.attention.paged import paged_attention, write_kv_cache
 from tests.model.paged_kv_helpers import build_metadata
+from tests.model.conftest import require_compiled_cpu_ops
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_op():
-    if not cpu_op.load():
-        try:
-            cpu_op.build()
-        except Exception as exc:  # no compiler / headers: genuinely unavailable here
-            pytest.skip(f"CPU attention op cannot be built here: {exc}")
-        cpu_op._state.clear()
-        if not cpu_op.load():
-            pytest.skip(f"CPU attention op unavailable: {cpu_op.unavailable_reason()}")
+    require_compiled_cpu_ops()
 
 
 

@@ -20,19 +20,13 @@ from pagedllm.model.layers import cpu_fused
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
+from tests.model.conftest import require_compiled_cpu_ops
 
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_ops():
-    if not cpu_op.load():
-        try:
-            cpu_op.build()
-        except Exception as exc:  # no compiler / headers: genuinely unavailable here
-            pytest.skip(f"CPU op library cannot be built here: {exc}")
-        cpu_op._state.clear()
-        if not cpu_op.load():
-            pytest.skip(f"CPU op library unavailable: {cpu_op.unavailable_reason()}")
+    require_compiled_cpu_ops()
     cpu_fused.reset()
     assert cpu_fused.ops() is not None
     assert cpu_fused.ops().norm_lanes is not None, "the compiled norm rounds unlike torch's here"
