@@ -185,6 +185,11 @@ class SpecDecoder:
         """True when the runner (its draft model) makes the proposals, the scheduler only counts them."""
         return self.proposer is None
 
+    @property
+    def step_open(self) -> bool:
+        """False while the draft model's gate stops every proposal this step (the runner then runs no draft pass)."""
+        return self._step_open
+
     def begin_step(self, batch_size: int) -> None:
         """Called once per scheduled step, before any `num_to_propose`: the draft model's gate."""
         self._step_open = self._gate is None or self._gate.is_open(batch_size)

@@ -12,14 +12,19 @@ One step, for a request the scheduler gave k draft slots (its last token t at po
     proposals:                   p1 | p2   p3  ... pk         argmax of each position (q = one-hot)
 
 `d` is the first position without valid draft KV. Normally d = L - 1 (one token); d = L - 2 after a
-step that kept all k proposals (pk's KV was never written); for prompt chunks the draft runs over
-the same tokens as the target in the same step, so the prompt's draft KV is always there. The KV of
-p1..p(k-1) is valid only where the target kept them: the next step extends `d` over the kept ones
-(the first rejected position always holds a different token, so the check is exact).
+step that kept all k proposals (pk's KV was never written). While the draft gate is open, the draft
+also runs over prompt chunks with the target, in the same step, so a prompt's draft KV is there
+when its request first proposes. The KV of p1..p(k-1) is valid only where the target kept them: the
+next step extends `d` over the kept ones (the first rejected position always holds a different
+token, so the check is exact).
 
-Draft KV that is stale (a prefix-cache hit on blocks whose draft KV was never computed, a request
-whose draft lagged while it did not speculate) only lowers acceptance: the target verifies every
-proposal, so outputs never depend on it.
+While the gate is closed (a draft that is seldom right), the draft runs no pass at all: nothing
+proposes, and prompt chunks and decode steps leave its KV behind. A request catches up when it next
+proposes, over at most MAX_CATCH_UP of the missing positions (the latest ones).
+
+Draft KV that is stale (a prefix-cache hit on blocks whose draft KV was never computed, a lag longer
+than MAX_CATCH_UP) only lowers acceptance: the target verifies every proposal, so outputs never
+depend on it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ from pagedllm.model.forward_context import set_forward_context
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
 logger = logging.getLogger(__name__)
+
+MAX_CATCH_UP = 16
+"""Most positions of missing draft KV one request recomputes in a step, before its own tokens. A
+request whose draft lagged longer (the draft gate or its backoff paused it) proposes over stale KV
+there: cheaper than a pass over the whole lag at each reopening, and it only lowers acceptance."""
 
 
 @dataclass(slots=True)
@@ -74,6 +84,9 @@ class DraftProposer:
         self._unverified: dict[str, list[int]] = {}
         """req_id -> proposals whose draft KV sits right after _num_computed, valid if the target kept them."""
         self.num_failures = 0
+        self.num_forward_passes = 0
+        self.num_forward_tokens = 0
+        """Draft passes run and tokens they computed (what the draft costs, for tests and benchmarks)."""
 
     def update(self, sched: SchedulerOutput) -> None:
         """Forget finished and preempted requests, and any that (re)start from the scheduler's data."""
@@ -102,11 +115,17 @@ class DraftProposer:
             state = runner.requests[req_id]
             if req_id in num_draft:
                 end = len(state.token_ids)  # its proposals are not attached yet
-            elif n > 1:
+            elif n > 1 and sched.draft_gate_open:
                 end = state.num_computed_tokens + n  # a prompt chunk (or a recomputed history)
             else:
-                continue  # a decode step without proposals: caught up when it next speculates
+                # No pass: a decode step without proposals, or any step while the gate is closed. What
+                # the target computes now is missing from the draft's KV until the request proposes.
+                self._num_computed.setdefault(req_id, state.num_computed_tokens)
+                continue
             start = min(self._valid_end(req_id, state), state.num_computed_tokens)
+            # A long lag (the gate or the request's backoff paused it) is cheaper left stale than
+            # recomputed: only the last MAX_CATCH_UP positions before this step's own tokens are.
+            start = max(start, state.num_computed_tokens - MAX_CATCH_UP)
             catch_up.append((req_id, _DraftRow(state.token_ids, start, state.block_ids), end - start))
             self._num_computed[req_id] = end
         if not catch_up:
@@ -148,6 +167,8 @@ class DraftProposer:
     def _forward(self, prepare, rows: list[_DraftRow], counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Run the draft over `counts[i]` tokens of rows[i] from its num_computed_tokens: (hidden states
         [num_tokens, hidden], each row's last index in them)."""
+        self.num_forward_passes += 1
+        self.num_forward_tokens += sum(counts)
         input_ids, positions, metadata = prepare(rows, counts)
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids, positions)
