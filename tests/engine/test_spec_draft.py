@@ -177,3 +177,92 @@ def test_draft_with_a_16_bit_kv_cache(copy_model_dir, drafts):  # noqa: F811
     llm = LLM(model=copy_model_dir, kv_cache_dtype="float16", speculative_config=_spec(drafts["same"], 3))
     assert _run(llm, GREEDY) == plain
     assert _acceptance(llm) > 0.95
+
+
+class _DraftLog:
+    """Per step of an engine with a draft model: whether the gate was open, who proposed, whether a
+    prompt chunk ran, and the token counts of every draft pass (rows of the first one: catch-ups)."""
+
+    def __init__(self, llm: LLM, monkeypatch, close_at: int | None = None, close_for: int = 0) -> None:
+        core = llm.engine.core
+        self.draft = draft = core.executor.runner.draft
+        self.steps: list[dict] = []
+        propose, forward, schedule = draft.propose, draft._forward, core.scheduler.schedule
+        calls = {"schedule": 0}
+
+        def closing_schedule():
+            if calls["schedule"] == close_at:  # as the gate does after failures: no proposal for a while
+                core.scheduler.spec._gate.closed_steps = close_for
+            calls["schedule"] += 1
+            return schedule()
+
+        def logged_propose(runner, sched):
+            self.steps.append(dict(open=sched.draft_gate_open, proposing=dict(sched.num_draft_tokens),
+                                   prompt=any(n > 1 and r not in sched.num_draft_tokens
+                                              for r, n in sched.num_scheduled_tokens.items()),
+                                   passes=[]))
+            return propose(runner, sched)
+
+        def logged_forward(prepare, rows, counts):
+            self.steps[-1]["passes"].append(list(counts))
+            return forward(prepare, rows, counts)
+
+        monkeypatch.setattr(core.scheduler, "schedule", closing_schedule)
+        monkeypatch.setattr(draft, "propose", logged_propose)
+        monkeypatch.setattr(draft, "_forward", logged_forward)
+
+
+def test_a_closed_gate_runs_no_draft_pass_not_even_over_prompts(copy_model_dir, drafts, baseline, monkeypatch):  # noqa: F811
+    # Two requests at a time: prompts keep arriving while the useless draft has the gate closed.
+    reference = _run(LLM(model=copy_model_dir, max_num_seqs=2), GREEDY)
+    llm = LLM(model=copy_model_dir, max_num_seqs=2, speculative_config=_spec(drafts["random"], 4))
+    log = _DraftLog(llm, monkeypatch)
+    assert _run(llm, GREEDY) == reference == baseline
+    closed = [s for s in log.steps if not s["open"]]
+    assert any(s["prompt"] for s in closed), "no prompt arrived while the gate was closed"
+    assert all(not s["passes"] and not s["proposing"] for s in closed)
+    assert len(closed) > 0.8 * len(log.steps)  # the gate closed for a draft this bad
+    assert log.draft.num_forward_passes == sum(len(s["passes"]) for s in log.steps)
+
+
+def test_forcing_the_gate_shut_silences_the_draft_entirely(copy_model_dir, drafts, baseline, monkeypatch):  # noqa: F811
+    llm = LLM(model=copy_model_dir, speculative_config=_spec(drafts["same"], 3))
+    _DraftLog(llm, monkeypatch, close_at=0, close_for=10**6)
+    assert _run(llm, GREEDY) == baseline
+    assert llm.engine.core.executor.runner.draft.num_forward_passes == 0
+    assert llm.engine.core.stats().spec_num_draft_tokens == 0
+
+
+@pytest.mark.parametrize("close_for", [10, 40])
+def test_after_the_gate_reopens_lagging_requests_catch_up_at_most_max_catch_up(
+        copy_model_dir, drafts, baseline, monkeypatch, close_for):  # noqa: F811
+    """Every request is past its prompt when the gate closes; when it reopens, each proposing request
+    computes its missing draft KV: all of it after 10 steps (the draft that is the target keeps
+    agreeing), only the last MAX_CATCH_UP positions after 40 (stale KV before them: outputs unchanged)."""
+    from pagedllm.worker.draft_proposer import MAX_CATCH_UP
+
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)  # still running when it reopens
+    reference = _run(LLM(model=copy_model_dir), params)
+    llm = LLM(model=copy_model_dir, speculative_config=_spec(drafts["same"], 3))
+    log = _DraftLog(llm, monkeypatch, close_at=4, close_for=close_for)
+    assert _run(llm, params) == reference
+    reopened = next(i for i, s in enumerate(log.steps) if i > 4 and s["open"])
+    assert reopened == 4 + close_for
+    assert not any(s["passes"] for s in log.steps[4:reopened])
+    catch_up = log.steps[reopened]["passes"][0]
+    assert len(catch_up) == len(log.steps[reopened]["proposing"]) > 0
+    # Each closed step left one token's draft KV behind; the step before the gate closed may have
+    # kept all its proposals (one more), and the last sampled token is this step's own.
+    assert all(min(close_for + 1, MAX_CATCH_UP + 1) <= n <= min(close_for + 2, MAX_CATCH_UP + 1) for n in catch_up)
+    if close_for < MAX_CATCH_UP:
+        assert _acceptance(llm) > 0.95  # caught up fully: the draft still agrees with the target
+
+
+def test_a_good_draft_speculates_on_nearly_every_step(copy_model_dir, drafts, baseline, monkeypatch):  # noqa: F811
+    llm = LLM(model=copy_model_dir, max_num_seqs=4, speculative_config=_spec(drafts["same"], 4))
+    log = _DraftLog(llm, monkeypatch)
+    assert _run(llm, GREEDY) == baseline
+    assert all(s["open"] for s in log.steps)
+    with_decodes = [s for s in log.steps if not s["prompt"] or s["proposing"]]
+    assert sum(bool(s["proposing"]) for s in with_decodes) >= 0.9 * len(with_decodes)
+    assert _acceptance(llm) > 0.97
