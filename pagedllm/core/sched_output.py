@@ -62,10 +62,11 @@ class SchedulerOutput:
     """req_id -> proposals the runner's draft model makes this step (method 'draft_model'): scheduled like
     `scheduled_spec_tokens` (1 + k slots in num_scheduled_tokens), their ids known only to the runner,
     which reports them in ModelRunnerOutput.spec_token_ids."""
-    draft_gate_open: bool = True
-    """Method 'draft_model': False while the engine-wide gate (core/spec_decode.py) stops every proposal.
-    The runner's draft model then runs no pass at all, not even over prompt chunks; a request catches
-    its draft KV up when it next proposes (worker/draft_proposer.py)."""
+    draft_keep_up: bool = True
+    """Method 'draft_model': the runner's draft also runs over this step's prompt chunks, so its KV keeps
+    up with the target's. False while the engine-wide gate (core/spec_decode.py) finds the draft seldom
+    right: the draft then runs only for the requests in num_draft_tokens (none while the gate is
+    closed), each catching its draft KV up when it proposes (worker/draft_proposer.py)."""
 
     @property
     def is_empty(self) -> bool:

@@ -283,7 +283,7 @@ class Scheduler:
             swap_in=self._swap_in,
             scheduled_spec_tokens=spec_tokens,
             num_draft_tokens=num_draft_tokens,
-            draft_gate_open=self.spec is None or self.spec.step_open,
+            draft_keep_up=self.spec is None or self.spec.keeps_draft_up,
         )
         self._swap_out, self._swap_in = [], []
         self._finished_req_ids = set()

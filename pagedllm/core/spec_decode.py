@@ -107,6 +107,8 @@ class _DraftGate:
     acceptance of recent proposals, engine-wide, falls below the bar (B/(B+4), at most one half),
     no request proposes for 8
     steps, then 16, ... 64 while it stays below; one step that clears the bar resets the interval.
+    While the last decision stands below the bar, the steps let through are probes: one proposal
+    per request, and the draft runs over nothing else (its KV lags; worker/draft_proposer.py).
     """
 
     acceptance: float | None = None
@@ -117,6 +119,9 @@ class _DraftGate:
     """Scored and kept since the last decision."""
     closed_steps: int = 0
     interval: int = PROBE_INTERVAL
+    below_bar: bool = False
+    """The last decision found the acceptance below the bar: while it stands, the steps the gate lets
+    through are probes (one proposal per request, no draft pass over prompts)."""
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         self.num_proposed += num_proposed
@@ -133,7 +138,8 @@ class _DraftGate:
             self.acceptance = rate if self.acceptance is None else 0.5 * self.acceptance + 0.5 * rate
             # The per-request bar (B/(B+4)) already prices each proposal's compute; the gate is for
             # drafts that are mostly wrong, so it never asks for more than half kept.
-            if self.acceptance < min(GATE_MAX_BAR, batch_size / (batch_size + FLAT_BATCH_SIZE)):
+            self.below_bar = self.acceptance < min(GATE_MAX_BAR, batch_size / (batch_size + FLAT_BATCH_SIZE))
+            if self.below_bar:
                 self.closed_steps = self.interval - 1
                 self.interval = min(2 * self.interval, MAX_GATE_INTERVAL)
                 return False
@@ -187,8 +193,14 @@ class SpecDecoder:
 
     @property
     def step_open(self) -> bool:
-        """False while the draft model's gate stops every proposal this step (the runner then runs no draft pass)."""
+        """False while the draft model's gate stops every proposal this step."""
         return self._step_open
+
+    @property
+    def keeps_draft_up(self) -> bool:
+        """Whether the runner's draft runs over this step's prompt chunks too (SchedulerOutput.draft_keep_up):
+        not while the gate finds it seldom right, whose KV then catches up only when a request proposes."""
+        return self._gate is None or (self._step_open and not self._gate.below_bar)
 
     def begin_step(self, batch_size: int) -> None:
         """Called once per scheduled step, before any `num_to_propose`: the draft model's gate."""
@@ -207,6 +219,8 @@ class SpecDecoder:
         k = min(self.config.num_speculative_tokens, max_k)
         if k <= 0 or not self._step_open:  # a closed gate leaves the per-request backoff as it was
             return 0
+        if self._gate is not None and self._gate.below_bar:
+            k = 1  # a probe of a draft seldom right: one proposal each tells the gate as much, for less
         backoff = self._backoff.get(req_id)
         if backoff is not None:
             if backoff.skip_steps > 0:

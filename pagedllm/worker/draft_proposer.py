@@ -18,9 +18,10 @@ when its request first proposes. The KV of p1..p(k-1) is valid only where the ta
 next step extends `d` over the kept ones (the first rejected position always holds a different
 token, so the check is exact).
 
-While the gate is closed (a draft that is seldom right), the draft runs no pass at all: nothing
-proposes, and prompt chunks and decode steps leave its KV behind. A request catches up when it next
-proposes, over at most MAX_CATCH_UP of the missing positions (the latest ones).
+While the gate finds the draft seldom right (SchedulerOutput.draft_keep_up is False), the draft runs
+only for the requests that propose: none while the gate is closed, one-token probes when it reopens.
+Prompt chunks and decode steps leave its KV behind; a request catches up when it next proposes,
+over at most MAX_CATCH_UP of the missing positions (the latest ones).
 
 Draft KV that is stale (a prefix-cache hit on blocks whose draft KV was never computed, a lag longer
 than MAX_CATCH_UP) only lowers acceptance: the target verifies every proposal, so outputs never
@@ -115,11 +116,11 @@ class DraftProposer:
             state = runner.requests[req_id]
             if req_id in num_draft:
                 end = len(state.token_ids)  # its proposals are not attached yet
-            elif n > 1 and sched.draft_gate_open:
+            elif n > 1 and sched.draft_keep_up:
                 end = state.num_computed_tokens + n  # a prompt chunk (or a recomputed history)
             else:
-                # No pass: a decode step without proposals, or any step while the gate is closed. What
-                # the target computes now is missing from the draft's KV until the request proposes.
+                # No pass: a decode step without proposals, or a prompt chunk while the gate finds the
+                # draft seldom right. The draft's KV misses these tokens until the request proposes.
                 self._num_computed.setdefault(req_id, state.num_computed_tokens)
                 continue
             start = min(self._valid_end(req_id, state), state.num_computed_tokens)

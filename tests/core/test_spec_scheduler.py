@@ -313,14 +313,18 @@ def test_a_draft_model_that_is_seldom_right_stops_the_whole_batch_for_longer_eac
 
     spec = SpecDecoder(SpeculativeConfig(method="draft_model", model=DRAFT_DIR, num_speculative_tokens=4))
     ids = [f"r{i}" for i in range(16)]
-    drafting_steps = []
+    drafting_steps, probe_sizes = [], set()
     for step in range(600):
         spec.begin_step(batch_size=16)
-        proposing = [r for r in ids if spec.num_to_propose(r, 4, batch_size=16)]
+        assert spec.keeps_draft_up == (step == 0)  # over prompts too only until the gate first finds it bad
+        proposing = {r: k for r in ids if (k := spec.num_to_propose(r, 4, batch_size=16))}
         if proposing:
             drafting_steps.append(step)
-        for r in proposing:
-            spec.record(r, 1, 0, 1)  # every proposal fails
+            if step > 0:
+                probe_sizes |= set(proposing.values())
+        for r, k in proposing.items():
+            spec.record(r, k, 0, 1)  # every proposal fails
+    assert probe_sizes == {1}  # after the first closing, each reopening is a probe of one proposal each
     gaps = [b - a for a, b in zip(drafting_steps, drafting_steps[1:])]
     assert gaps[0] >= PROBE_INTERVAL and all(b >= a for a, b in zip(gaps, gaps[1:5])), gaps
     assert all(g >= MAX_GATE_INTERVAL for g in gaps[3:]), gaps
@@ -332,3 +336,4 @@ def test_a_draft_model_that_is_seldom_right_stops_the_whole_batch_for_longer_eac
         spec.record(r, 2, 2, 3)
     spec.begin_step(batch_size=16)
     assert spec._step_open and spec._gate.interval == PROBE_INTERVAL
+    assert spec.keeps_draft_up and spec.num_to_propose("fresh", 4, batch_size=16) == 4

@@ -180,8 +180,9 @@ def test_draft_with_a_16_bit_kv_cache(copy_model_dir, drafts):  # noqa: F811
 
 
 class _DraftLog:
-    """Per step of an engine with a draft model: whether the gate was open, who proposed, whether a
-    prompt chunk ran, and the token counts of every draft pass (rows of the first one: catch-ups)."""
+    """Per step of an engine with a draft model: whether the gate was open, whether the draft kept up
+    with prompts, who proposed, whether a prompt chunk ran, and the token counts of every draft pass
+    (rows of the first one: catch-ups)."""
 
     def __init__(self, llm: LLM, monkeypatch, close_at: int | None = None, close_for: int = 0) -> None:
         core = llm.engine.core
@@ -197,7 +198,8 @@ class _DraftLog:
             return schedule()
 
         def logged_propose(runner, sched):
-            self.steps.append(dict(open=sched.draft_gate_open, proposing=dict(sched.num_draft_tokens),
+            self.steps.append(dict(open=core.scheduler.spec.step_open, keep_up=sched.draft_keep_up,
+                                   proposing=dict(sched.num_draft_tokens),
                                    prompt=any(n > 1 and r not in sched.num_draft_tokens
                                               for r, n in sched.num_scheduled_tokens.items()),
                                    passes=[]))
@@ -222,6 +224,13 @@ def test_a_closed_gate_runs_no_draft_pass_not_even_over_prompts(copy_model_dir, 
     assert any(s["prompt"] for s in closed), "no prompt arrived while the gate was closed"
     assert all(not s["passes"] and not s["proposing"] for s in closed)
     assert len(closed) > 0.8 * len(log.steps)  # the gate closed for a draft this bad
+    # Once it has closed, the steps it lets through are probes: the draft runs for their proposers
+    # alone (one proposal each), over no prompt.
+    probes = [s for s in log.steps if s["open"] and not s["keep_up"]]
+    assert any(s["prompt"] for s in probes) and any(s["proposing"] for s in probes)
+    for s in probes:
+        assert set(s["proposing"].values()) <= {1} and len(s["passes"]) == (1 if s["proposing"] else 0)
+        assert all(len(counts) == len(s["proposing"]) for counts in s["passes"])
     assert log.draft.num_forward_passes == sum(len(s["passes"]) for s in log.steps)
 
 
