@@ -42,15 +42,18 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias, **tp)
         self.rotary = rotary  # shared by all layers
-        # This rank's heads: [T, H/tp, D] queries over [T, Hkv/tp (at least 1), D] keys and values.
-        self.attn = Attention(layer_idx, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
+        # This rank's heads: [T, H/tp, D] queries over [T, Hkv/tp (at least 1), D] keys and values. Kept as
+        # plain ints: reading them off qkv_proj goes through nn.Module.__getattr__ at every step.
+        self.num_local_heads = self.qkv_proj.num_heads
+        self.num_local_kv_heads = self.qkv_proj.num_kv_heads
+        self.attn = Attention(layer_idx, self.num_local_heads, self.num_local_kv_heads, self.head_dim,
                               self.head_dim**-0.5)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
         # [T, H, D], [T, Hkv, D], [T, Hkv, D]; queries and keys rotated
-        q, k, v = self.rotary.rotate_qkv(qkv, cos_sin, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)
+        q, k, v = self.rotary.rotate_qkv(qkv, cos_sin, self.num_local_heads, self.num_local_kv_heads)
         out = self.attn(q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 

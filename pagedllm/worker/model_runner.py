@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -366,20 +367,21 @@ class ModelRunner:
         """
         bs = self.block_size
         max_blocks = max(len(s.block_ids) for s in states)
-        # One tensor from padded lists: a tensor and a copy per request cost ~0.5 ms a step at 64 requests.
-        block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states],
-                                    dtype=torch.int64)
+        # One array from padded lists (a tensor and a copy per request cost ~0.5 ms a step at 64 requests),
+        # built by numpy: torch.tensor reads nested lists ~3x slower (~250 vs ~90 us at 64 x 45 blocks).
+        block_tables = torch.from_numpy(
+            np.array([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states], dtype=np.int64))
         if max(num_scheduled) == 1:
             # Decode only (most steps of a trace): one token per request, read off in Python; the
             # tensor path below costs ~10 small ops (repeat_interleave, gathers) for the same result.
             position_list = [s.num_computed_tokens for s in states]
             input_id_list = [s.token_ids[p] for s, p in zip(states, position_list)]
             seq_lens_host = [p + 1 for p in position_list]
-            positions = torch.tensor(position_list, dtype=torch.int64)
-            slot_mapping = torch.tensor([s.block_ids[p // bs] * bs + p % bs for s, p in zip(states, position_list)],
-                                        dtype=torch.int64)
+            slot_list = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(states, position_list)]
+            # One host array whose rows are the step's vectors: one conversion instead of three.
+            positions, slot_mapping, seq_lens = torch.from_numpy(
+                np.array([position_list, slot_list, seq_lens_host], dtype=np.int64))
             query_start_loc = torch.arange(len(states) + 1, dtype=torch.int64)
-            seq_lens = torch.tensor(seq_lens_host, dtype=torch.int64)
         else:
             input_id_list = []
             for state, n in zip(states, num_scheduled):

@@ -126,6 +126,6 @@ def reset() -> None:
 
 def usable(x: torch.Tensor) -> _Ops | None:
     """The ops when they handle ``x`` (CPU float32), else None: the caller uses the torch reference."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != torch.float32 or not x.is_cpu:  # is_cpu: x.device builds a device object per call
         return None
     return ops()

@@ -61,7 +61,7 @@ class LMHead(VocabEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight
-        if packed is not None and hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32:
+        if packed is not None and hidden_states.is_cpu and hidden_states.dtype == torch.float32:
             # The op uses the packed copy only when the row count equals the batch size it is
             # given; the packed layout does not depend on it, so give it this call's row count.
             logits = torch.ops.mkl._mkl_linear(hidden_states, packed, self.weight, None, hidden_states.shape[0])

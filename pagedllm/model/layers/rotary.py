@@ -80,7 +80,8 @@ class RotaryEmbedding(nn.Module):
         ops = cpu_fused.usable(qkv)
         if ops is not None and qkv.dim() == 2 and qkv.is_contiguous() and cos_sin[0].dtype == torch.float32:
             ops.rotary_qk(qkv, cos_sin[0], cos_sin[1], num_heads + num_kv_heads, D)
-            return qkv.view(num_tokens, -1, D).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+            # split_with_sizes: the same views as Tensor.split, without its Python wrapper (~3 us a layer)
+            return qkv.view(num_tokens, -1, D).split_with_sizes([num_heads, num_kv_heads, num_kv_heads], dim=1)
         qk, v = qkv.split([(num_heads + num_kv_heads) * D, num_kv_heads * D], dim=-1)
         # Queries and keys rotate together, [T, H + Hkv, D]: half the elementwise calls of two passes.
         qk = self.rotate(qk.view(num_tokens, -1, D), cos_sin)
