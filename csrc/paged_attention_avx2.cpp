@@ -35,16 +35,21 @@ static inline float vreduce_add(vf v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-// out[j] = the sum of a[j]'s lanes, for VW vectors at once (a transpose-and-add tree: 21
-// shuffles and adds for 8 keys instead of about 5 dependent ones per key).
-static inline vf vsum_lanes(const vf* a) {
+// out[j] = the sum (Max: the max) of a[j]'s lanes, for VW vectors at once (a transpose-and-combine
+// tree: 21 shuffles and adds for 8 vectors instead of about 5 dependent ones per vector).
+template <bool Max>
+static inline vf vcomb(vf x, vf y) { return Max ? _mm256_max_ps(x, y) : _mm256_add_ps(x, y); }
+template <bool Max>
+static inline vf vlanes(const vf* a) {
   vf t[4], u[2];
   for (int i = 0; i < 4; ++i)
-    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    t[i] = vcomb<Max>(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
   for (int i = 0; i < 2; ++i)
-    u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+    u[i] = vcomb<Max>(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  return vcomb<Max>(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
+static inline vf vsum_lanes(const vf* a) { return vlanes<false>(a); }
+static inline vf vmax_lanes(const vf* a) { return vlanes<true>(a); }
 // exp(x - m) for x <= m (Cephes-style: 2^n * p(r), |r| <= ln2/2); -inf and anything below
 // -87 give exactly 0, so masked keys contribute nothing.
 static inline vf vexp(vf x, vf m) {
@@ -78,6 +83,7 @@ constexpr int NB = 2;
 // 64) 5% slower than 8 (the compiler folds the query loads into the FMAs).
 constexpr int PV_W = 2;
 constexpr int SCORE_QV = 8;
+constexpr int SCORE_KG = 2;
 
 #include "paged_attention_kernel.h"
 

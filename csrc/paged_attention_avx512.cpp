@@ -32,18 +32,23 @@ static inline float vreduce_add(vf v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-// out[j] = the sum of a[j]'s lanes, for VW vectors at once: a transpose-and-add tree (45 shuffles
-// and adds for 16 keys, against about 6 dependent ones per key reduced alone).
-static inline vf vsum_lanes(const vf* a) {
+// out[j] = the sum (Max: the max) of a[j]'s lanes, for VW vectors at once: a transpose-and-combine
+// tree (45 shuffles and adds for 16 vectors, against about 6 dependent ones per vector alone).
+template <bool Max>
+static inline vf vcomb(vf x, vf y) { return Max ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y); }
+template <bool Max>
+static inline vf vlanes(const vf* a) {
   vf t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: keys 4i..4i+3, that lane's partial sums
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  const vf w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const vf w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of vectors 2i, 2i+1
+    t[i] = vcomb<Max>(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: vectors 4i..4i+3, that lane's partial results
+    u[i] = vcomb<Max>(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  const vf w01 = vcomb<Max>(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const vf w23 = vcomb<Max>(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return vcomb<Max>(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
+static inline vf vsum_lanes(const vf* a) { return vlanes<false>(a); }
+static inline vf vmax_lanes(const vf* a) { return vlanes<true>(a); }
 // exp(x - m) for x <= m; see the AVX2 file. Below -87 (and -inf) gives exactly 0.
 static inline vf vexp(vf x, vf m) {
   x = _mm512_sub_ps(x, m);
@@ -73,6 +78,7 @@ constexpr int NB = 4;
 // loads and a broadcast); scores hold SCORE_QV query vectors beside the VW key accumulators.
 constexpr int PV_W = 4;
 constexpr int SCORE_QV = 8;
+constexpr int SCORE_KG = 4;
 
 #include "paged_attention_kernel.h"
 

@@ -1,6 +1,6 @@
 // The paged-attention kernel body, written once over a small vector vocabulary that each ISA file
 // defines before including it (vf, VW, vload, vstore, vset1, vzero, vfma, vmul, vmax, vexp,
-// vreduce_add, vreduce_max, vsum_lanes, and vload_kv: VW cache elements of type T = float, f16_t
+// vreduce_add, vreduce_max, vsum_lanes, vmax_lanes, and vload_kv: VW cache elements of type T = float, f16_t
 // or bf16_t widened to float32). Included inside an anonymous namespace, so each ISA gets its own
 // private copy. K/V elements are converted in registers as they are loaded; all arithmetic is
 // float32, so a 16-bit cache halves the bytes read and changes nothing else.
@@ -101,6 +101,81 @@ static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha
   for (; d0 < D; d0 += VW) pv_chunk<D, RB, 1, T>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
 }
 
+// Online softmax of one chunk's scores st[R, KC] (row r of a head sees keys below
+// row_end[r % Rh]; keys past n and past a row's limit are masked here), VW rows at a time: the
+// rows' maxima and sums come out of one transpose-and-combine tree each, and the rescale factors
+// of VW rows out of one vector exp, instead of two horizontal reductions and a scalar exp per row.
+// A row that has seen no key yet keeps max -inf and gets alpha 0 and probabilities 0 (vexp of
+// -inf - -inf, a NaN, is 0); a row that sees none of this chunk gets alpha exactly 1.
+static inline void softmax_chunk(float* st, int64_t R, int64_t Rh, const int64_t* row_end, int64_t c0,
+                                 int64_t n, float* mx, float* sm, float* alpha) {
+  constexpr int KC = kKeyChunk;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t nr = max64(0, min64(n, row_end[r % Rh] - c0));
+    for (int64_t j = nr; j < KC; ++j) st[r * KC + j] = -INFINITY;
+  }
+  for (int64_t rg = 0; rg < R; rg += VW) {
+    const int64_t rows = min64(VW, R - rg);
+    vf part[VW];
+    for (int i = 0; i < VW; ++i) {
+      if (i < rows) {
+        const float* s = st + (rg + i) * KC;
+        vf m = vload(s);
+        for (int b = VW; b < KC; b += VW) m = vmax(m, vload(s + b));
+        part[i] = m;
+      } else {
+        part[i] = vset1(-INFINITY);
+      }
+    }
+    const vf m_old = vload(mx + rg);
+    const vf m_new = vmax(m_old, vmax_lanes(part));
+    const vf al = vexp(m_old, m_new);
+    vstore(mx + rg, m_new);
+    vstore(alpha + rg, al);
+    for (int i = 0; i < VW; ++i) {
+      vf tot = vzero();
+      if (i < rows) {
+        float* s = st + (rg + i) * KC;
+        const vf vm = vset1(mx[rg + i]);
+        for (int b = 0; b < KC; b += VW) {
+          const vf e = vexp(vload(s + b), vm);
+          vstore(s + b, e);
+          tot = vfma(e, vset1(1.f), tot);
+        }
+      }
+      part[i] = tot;
+    }
+    vstore(sm + rg, vfma(vload(sm + rg), al, vsum_lanes(part)));
+  }
+}
+
+// s[r, 0:KC] = q[r, :] . k_j for RS rows of one KV head (row stride D in q, KC in s) over a
+// chunk's keys (keys past the chunk's n read key c0 again; masked later). Keys go SCORE_KG at a
+// time with RS x SCORE_KG accumulators (vertical FMAs over head_dim), so each K vector is loaded
+// once for the RS rows instead of once per row; each row's KC per-key partial vectors are then
+// reduced by one transpose-and-add tree per VW keys, so no key pays a horizontal sum alone.
+template <int D, int RS, typename T>
+static inline void score_rows(const float* q, const T* kb, const int64_t* offs, float* s) {
+  constexpr int NV = D / VW, KC = kKeyChunk, KG = SCORE_KG;
+  static_assert(KC % KG == 0, "a key chunk is whole key groups");
+  vf part[RS][KC];
+  for (int j0 = 0; j0 < KC; j0 += KG) {
+    const T* k[KG];
+    for (int j = 0; j < KG; ++j) k[j] = kb + offs[j0 + j];
+    vf a[RS][KG];
+    for (int v = 0; v < NV; ++v)
+      for (int j = 0; j < KG; ++j) {
+        const vf kv = vload_kv(k[j] + v * VW);
+        for (int r = 0; r < RS; ++r)
+          a[r][j] = v == 0 ? vmul(vload(q + r * D), kv) : vfma(vload(q + r * D + v * VW), kv, a[r][j]);
+      }
+    for (int r = 0; r < RS; ++r)
+      for (int j = 0; j < KG; ++j) part[r][j0 + j] = a[r][j];
+  }
+  for (int r = 0; r < RS; ++r)
+    for (int b = 0; b < KC; b += VW) vstore(s + r * KC + b, vsum_lanes(&part[r][b]));
+}
+
 template <int D, typename T>
 static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   constexpr int NV = D / VW;
@@ -110,11 +185,13 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   float* qb = scratch;        // [R, D] scaled queries
   float* acc = qb + R * D;    // [R, D] unnormalised outputs
   float* st = acc + R * D;    // [R, KC] this chunk's scores, then probabilities
-  float* mx = st + R * KC;    // [R] running max
-  float* sm = mx + R;         // [R] running sum
-  float* alpha = sm + R;      // [R] this chunk's rescale of acc
+  // The softmax state is padded to whole vectors (it is updated VW rows at a time).
+  const int64_t Rp = (R + VW - 1) / VW * VW;
+  float* mx = st + R * KC;    // [Rp] running max
+  float* sm = mx + Rp;        // [Rp] running sum
+  float* alpha = sm + Rp;     // [Rp] this chunk's rescale of acc
   // [Rh] exclusive key limit per row of a head (the same for every head), 8-byte aligned
-  int64_t* row_end = (int64_t*)(((uintptr_t)(alpha + R) + 7) & ~(uintptr_t)7);
+  int64_t* row_end = (int64_t*)(((uintptr_t)(alpha + Rp) + 7) & ~(uintptr_t)7);
 
   const int64_t seq_len = p.seq_lens[w.seq];
   const int64_t q0 = p.query_start_loc[w.seq];
@@ -133,6 +210,8 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       vstore(qb + r * D + v * VW, vmul(vload(src + v * VW), vscale));
       vstore(acc + r * D + v * VW, vzero());
     }
+  }
+  for (int64_t r = 0; r < Rp; ++r) {
     mx[r] = -INFINITY;
     sm[r] = 0.f;
   }
@@ -148,18 +227,18 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KC) {
     const int64_t n = min64(KC, key_stop - c0);
     const int64_t c1 = c0 + KC;
-    // Look the next chunk up now and start its loads early. (Measured, 1 thread, AVX-512, decode
-    // 32x512 and 64x512, op / SDPA: no prefetch 0.85-0.96, this 0.71-0.77; 2 chunks ahead with
-    // a second table walk per chunk, and the item's second chunk prefetched at its start,
-    // 0.86-0.97; prefetching into L2 only (T1/T2 hints) 5-10% slower than into L1.)
+    // Look the next chunk up now and start its loads early, into L2 (T1 hint). (Measured, 1
+    // thread, AVX-512, decode 9 rows x 3 KV heads, against prefetching into L1: K/V in L2 1.13x,
+    // 25 MB of K/V 1.07x, 200 MB about even; no prefetch was faster still in L2 but 0.9x from
+    // memory. Into L1, the next chunk's 24 KB evicted the current chunk's V before P.V read it.)
     if (c1 < key_stop) {
       const int64_t n1 = min64(KC, key_stop - c1);
       chunk_offsets(p, table, c1, n1, next_offs);
       for (int64_t j = 0; j < n1; ++j)
         for (int64_t h = 0; h < w.kv_heads; ++h)
           for (int d = 0; d < D; d += 64 / (int)sizeof(T)) {  // one 64-byte line each
-            __builtin_prefetch(kbase + h * p.kv_stride_head + next_offs[j] + d);
-            __builtin_prefetch(vbase0 + h * p.kv_stride_head + next_offs[j] + d);
+            __builtin_prefetch(kbase + h * p.kv_stride_head + next_offs[j] + d, 0, 2);
+            __builtin_prefetch(vbase0 + h * p.kv_stride_head + next_offs[j] + d, 0, 2);
           }
     }
     // A head's rows are in query order, so their key limits only grow: skip the leading rows
@@ -169,50 +248,16 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
 
     for (int64_t h = 0; h < w.kv_heads; ++h) {
       const T* kb = kbase + h * p.kv_stride_head;
+      const int64_t rb = h * Rh + r_first, re = (h + 1) * Rh;
+      int64_t r0 = rb;
+      for (; r0 + PV_RB <= re; r0 += PV_RB) score_rows<D, PV_RB, T>(qb + r0 * D, kb, offs, st + r0 * KC);
+      if (re - r0 == 2) score_rows<D, 2, T>(qb + r0 * D, kb, offs, st + r0 * KC);
+      if (re - r0 == 1) score_rows<D, 1, T>(qb + r0 * D, kb, offs, st + r0 * KC);
+    }
+    softmax_chunk(st, R, Rh, row_end, c0, n, mx, sm, alpha);
+    for (int64_t h = 0; h < w.kv_heads; ++h) {
       const T* vb = vbase0 + h * p.kv_stride_head;
       const int64_t rb = h * Rh + r_first, re = (h + 1) * Rh;
-      // Scores, VW keys at a time: one accumulator per key (vertical FMAs over head_dim), then
-      // one transpose-and-add for the VW keys, so no key pays a horizontal reduction alone.
-      // Keys past n read key c0 again (a valid row) and are masked.
-      // The query is held SCORE_QV vectors at a time, so VW accumulators plus the query fit
-      // the register file (AVX2: 8 + 4 of 16).
-      for (int64_t r = rb; r < re; ++r) {
-        float* s = st + r * KC;
-        for (int b = 0; b < KC; b += VW) {
-          vf a[VW];
-          for (int v0 = 0; v0 < NV; v0 += SCORE_QV) {
-            vf q[SCORE_QV];
-            for (int i = 0; i < SCORE_QV && v0 + i < NV; ++i) q[i] = vload(qb + r * D + (v0 + i) * VW);
-            for (int j = 0; j < VW; ++j) {
-              const T* k = kb + offs[b + j] + v0 * VW;
-              vf x = v0 == 0 ? vmul(q[0], vload_kv(k)) : vfma(q[0], vload_kv(k), a[j]);
-              for (int i = 1; i < SCORE_QV && v0 + i < NV; ++i) x = vfma(q[i], vload_kv(k + i * VW), x);
-              a[j] = x;
-            }
-          }
-          vstore(s + b, vsum_lanes(a));
-        }
-      }
-      // Online softmax per row; the rows are independent, so their reductions overlap.
-      for (int64_t r = rb; r < re; ++r) {
-        float* s = st + r * KC;
-        const int64_t nr = min64(n, row_end[r - h * Rh] - c0);
-        for (int64_t j = nr; j < KC; ++j) s[j] = -INFINITY;
-        vf vmx = vload(s);
-        for (int b = VW; b < KC; b += VW) vmx = vmax(vmx, vload(s + b));
-        const float chunk_max = vreduce_max(vmx);
-        const float m_new = chunk_max > mx[r] ? chunk_max : mx[r];
-        alpha[r] = expf(mx[r] - m_new);  // 0 on the row's first chunk (mx = -inf)
-        const vf vm = vset1(m_new);
-        vf tot = vzero();
-        for (int b = 0; b < KC; b += VW) {
-          const vf e = vexp(vload(s + b), vm);  // masked keys give exactly 0
-          vstore(s + b, e);
-          tot = vfma(e, vset1(1.f), tot);
-        }
-        sm[r] = sm[r] * alpha[r] + vreduce_add(tot);
-        mx[r] = m_new;
-      }
       // P.V: each V row loaded once per block of PV_RB rows. Every key up to n is applied to
       // every row: a row's masked keys have probability 0.
       int64_t r0 = rb;

@@ -164,6 +164,19 @@ def test_backend_falls_back_for_other_dtypes():
     torch.testing.assert_close(out, expected.double(), atol=1e-5, rtol=1e-5)
 
 
+# The per-key path scores a head's rows in register blocks of 3 (remainders of 2 and 1) and runs
+# the online softmax a vector of rows at a time (8 on AVX2, 16 on AVX-512): groups of 2 and 4,
+# rows past one vector (5 query rows x 4 = 20), causal rows that see none of a chunk's keys while
+# other rows of the same vector do, and contexts of 1 and of a partial chunk.
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 2), (5, 1)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_per_key_path_row_blocks_and_row_vectors(num_heads, num_kv_heads, block_size):
+    check([1, 21, 90, 37], [1, 5, 4, 20], paths=("per_key",), num_heads=num_heads, num_kv_heads=num_kv_heads,
+          block_size=block_size, seed=21)
+    check([1, 21, 90, 37], [1, 5, 4, 20], num_splits=2, paths=("per_key",), num_heads=num_heads,
+          num_kv_heads=num_kv_heads, block_size=block_size, head_dim=128, seed=22)
+
+
 # The tiled path (long chunks): key tiles of 64 gathered through the table, register tiles of
 # MR rows, causal limits inside a tile. Every case runs on both paths and every ISA.
 BOTH = ("default", "tiled", "per_key")
