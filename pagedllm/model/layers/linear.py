@@ -35,12 +35,16 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_reduce
 from pagedllm.distributed.shapes import tp_shape
+from pagedllm.model.layers import cpu_gemm
 
 logger = logging.getLogger(__name__)
 
 PACKED_ROWS = (2, 256)
-"""Calls with a row count in this range (inclusive) use the packed copy; others F.linear on the
-column-major weight (see the module docstring)."""
+"""Calls with a row count in this range (inclusive) use the MKL packed copy (when the compiled
+GEMM is off); others F.linear on the column-major weight (see the module docstring)."""
+
+GEMM_ROWS = (1, 256)
+"""Calls with a row count in this range (inclusive) use the compiled packed GEMM, when it is on."""
 
 
 def materialize(loaded) -> torch.Tensor:
@@ -73,21 +77,16 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         raise NotImplementedError
 
+    gemm_weight: torch.Tensor | None = None  # ``weight`` packed for the compiled GEMM, or None
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
 
     def process_weights_after_loading(self) -> None:
         to_column_major_on_cpu(self.weight)
-        self.packed_weight = mkl_pack(self.weight.detach())
+        self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the fastest call for ``x``'s row count."""
-        packed = self.packed_weight
-        if (packed is not None and x.dim() == 2 and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]
-                and x.dtype == torch.float32):
-            # The op uses the packed copy only when the row count equals the batch size it is
-            # given; the packed layout does not depend on it, so give it this call's row count.
-            return torch.ops.mkl._mkl_linear(x, packed, self.weight, bias, x.shape[0])
-        return F.linear(x, self.weight, bias)
+        return packed_linear(x, self.weight, bias, self.gemm_weight, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -182,6 +181,27 @@ def to_column_major_on_cpu(weight: nn.Parameter) -> None:
     """Give a float32 CPU ``[out, in]`` weight ``[in, out]`` storage, in place (same values and shape)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
         weight.data = weight.data.t().contiguous().t()
+
+
+def pack_for_cpu(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(gemm_weight, mkl_weight)``: the compiled GEMM's packed copy of a float32 CPU ``weight``
+    where that GEMM is on, else MKL's (one copy, never both; both None elsewhere)."""
+    gemm_weight = cpu_gemm.pack(weight)
+    return gemm_weight, (mkl_pack(weight) if gemm_weight is None else None)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  gemm_weight: torch.Tensor | None, mkl_weight: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ bias)`` through the packed copy that suits ``x``'s row count, else F.linear."""
+    if x.dim() == 2 and x.dtype == torch.float32:
+        rows = x.shape[0]
+        if gemm_weight is not None and GEMM_ROWS[0] <= rows <= GEMM_ROWS[1] and x.stride(1) == 1:
+            return cpu_gemm.gemm(x, gemm_weight, bias, weight.shape[0])
+        if mkl_weight is not None and PACKED_ROWS[0] <= rows <= PACKED_ROWS[1]:
+            # The op uses the packed copy only when the row count equals the batch size it is
+            # given; the packed layout does not depend on it, so give it this call's row count.
+            return torch.ops.mkl._mkl_linear(x, mkl_weight, weight, bias, rows)
+    return F.linear(x, weight, bias)
 
 
 def mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:
