@@ -17,8 +17,18 @@ qkv, o_proj, gate_up and down, even at 512 (1 thread, scripts/gemm_layouts.py, o
 alone). The values, the shapes and the sharding are unchanged,
 so tensor parallelism and the weight loaders need nothing new. CUDA weights are left alone.
 
-Then it adds an MKL-packed copy of the weight (``cblas_sgemm_pack`` once; ``mkl_pack``) that
-calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
+Then it adds one packed copy of the weight (``pack_for_cpu``). Where the compiled GEMM is on
+(``pagedllm.model.layers.cpu_gemm``: the library is built, the CPU has AVX2 + FMA, and
+``PAGEDLLM_DISABLE_CPU_GEMM`` is unset), that copy is its panel layout (the weight's size), used
+for ``GEMM_ROWS`` rows (1-256); no MKL copy is made. Over the 120 linears as below, interleaved
+call by call with the MKL / F.linear path on a busy machine (scripts/cpu_gemm_sweep.py, 1 thread,
+median of 5): 0.94x at 1 row, 0.98x at 2, 0.70x at 4, 0.63x at 8, 0.62x at 14, 0.79x at 16,
+1.00x at 24, 0.96x at 32, 1.06x at 48, 1.01x at 64, 0.95x at 128 (see PERF_NOTES below for 2
+threads and the engine step). It reads the weight once per call as a linear stream per thread;
+MKL's packed GEMM at 4-16 rows did not reach the memory's rate.
+
+Otherwise (no library, no AVX2, switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once;
+``mkl_pack``) that calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
 distinct weight per layer (so nothing stays in cache, as in a real step), the packed GEMM took 0.53-0.73x the
 column-major F.linear at 8-64 rows (the decode batches a trace runs: ~14 on average), 0.9x at
 128, 1.02x at 1 row (1.16x at 1 thread) and 1.06x at 512 (prefill chunks keep F.linear).
