@@ -19,13 +19,25 @@ so tensor parallelism and the weight loaders need nothing new. CUDA weights are 
 
 Then it adds one packed copy of the weight (``pack_for_cpu``). Where the compiled GEMM is on
 (``pagedllm.model.layers.cpu_gemm``: the library is built, the CPU has AVX2 + FMA, and
-``PAGEDLLM_DISABLE_CPU_GEMM`` is unset), that copy is its panel layout (the weight's size), used
-for ``GEMM_ROWS`` rows (1-256); no MKL copy is made. Over the 120 linears as below, interleaved
-call by call with the MKL / F.linear path on a busy machine (scripts/cpu_gemm_sweep.py, 1 thread,
-median of 5): 0.94x at 1 row, 0.98x at 2, 0.70x at 4, 0.63x at 8, 0.62x at 14, 0.79x at 16,
-1.00x at 24, 0.96x at 32, 1.06x at 48, 1.01x at 64, 0.95x at 128 (see PERF_NOTES below for 2
-threads and the engine step). It reads the weight once per call as a linear stream per thread;
-MKL's packed GEMM at 4-16 rows did not reach the memory's rate.
+``PAGEDLLM_DISABLE_CPU_GEMM`` is unset), that copy is its panel layout (the weight's size, where
+MKL's copy was ~1.3x), used for ``GEMM_ROWS`` rows (1-256); no MKL copy is made. It reads the
+weight once per call, one linear stream per thread, where MKL's packed GEMM at 4-32 rows did not
+keep up with the memory. Old path vs it over the 120 linears of the default model (distinct
+weights, interleaved call by call; scripts/cpu_gemm_sweep.py on a 2-vCPU AVX-512 Xeon shared with
+other jobs, so 1 thread timed by process CPU time, median of 5, ``--threads 1 --cpu-time``):
+
+    rows      1     2     4     8    14    16    24    32    48    64   128
+    new/old 1.13  0.91  0.79  0.74  0.73  0.82  0.82  0.89  0.92  1.00  0.95
+    new ms  33.4  32.5  34.2  37.1  39.3  47.2  57.1  68.2  86.9 115.4 218.2
+
+(old: F.linear at 1 row, MKL packed at 2+). At 2 threads (wall time, far noisier there) 1 row
+measured 0.6-0.8x, the rest 0.8-1.05x. The LM head (49152 x 576): 1.04x at 1 row, 0.76x at 14,
+1.09x at 64 (1 thread). Per engine decode step, ``bench profile --batch-size 14 --context-len
+700``, 3 alternating pairs on the busy machine: the matmuls' time (step x matmul share) 124-160
+ms on vs 164-166 ms off (~0.75x at the median); whole steps too noisy to rank (230-317 vs
+261-400 ms). The AVX2 kernel (forced, ``PAGEDLLM_CPU_GEMM_ISA=avx2``) vs MKL's AVX-512 code here:
+0.78x at 1 row, ~1.0x at 4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on
+an AVX2-only CPU, where MKL would be AVX2 too).
 
 Otherwise (no library, no AVX2, switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once;
 ``mkl_pack``) that calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
