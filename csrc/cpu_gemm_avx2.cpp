@@ -10,7 +10,6 @@ namespace gemm {
 namespace {
 typedef __m256 vf;
 constexpr int VW = 8;
-constexpr int kMaxRows = 6;
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vset1(float x) { return _mm256_set1_ps(x); }
@@ -21,12 +20,13 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 }  // namespace gemm
 }  // namespace pagedllm
 
-#define MicroFnsTable MicroTable<1, 2, 3, 4, 5, 6>
 #include "cpu_gemm_kernel.h"
 
 namespace pagedllm {
 namespace gemm {
 static_assert(NR == kNrAvx2, "panel width");
-void gemm_panels_avx2(const Args& args, int64_t p_begin, int64_t p_end) { panels(args, p_begin, p_end); }
+void gemm_panels_avx2(const Args& args, int64_t p_begin, int64_t p_end) {
+  panels<1, 2, 3, 4, 5, 6>(args, p_begin, p_end);
+}
 }  // namespace gemm
 }  // namespace pagedllm

@@ -11,7 +11,6 @@ namespace gemm {
 namespace {
 typedef __m512 vf;
 constexpr int VW = 16;
-constexpr int kMaxRows = 14;
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vset1(float x) { return _mm512_set1_ps(x); }
@@ -22,12 +21,13 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 }  // namespace gemm
 }  // namespace pagedllm
 
-#define MicroFnsTable MicroTable<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>
 #include "cpu_gemm_kernel.h"
 
 namespace pagedllm {
 namespace gemm {
 static_assert(NR == kNrAvx512, "panel width");
-void gemm_panels_avx512(const Args& args, int64_t p_begin, int64_t p_end) { panels(args, p_begin, p_end); }
+void gemm_panels_avx512(const Args& args, int64_t p_begin, int64_t p_end) {
+  panels<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>(args, p_begin, p_end);
+}
 }  // namespace gemm
 }  // namespace pagedllm

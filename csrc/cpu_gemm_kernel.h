@@ -1,10 +1,11 @@
 // The microkernel and the row blocking shared by the ISA files, written against a small vector
-// interface (vf, VW, vload, vstore, vset1, vzero, vadd, vfma) that each file defines before including it.
+// interface (vf, VW, vload, vstore, vset1, vzero, vadd, vfma) that each file defines before
+// including it; each instantiates panels<1, 2, ..., the most rows its registers hold>.
 //
-// Per panel, rows go in blocks of at most kMaxRows, split evenly (16 rows -> 8 + 8, not 14 + 2) so
-// every block keeps enough independent FMAs in flight; the panel (K x NR floats: 72 KB for K = 576)
-// stays in L2 between blocks. Blocks of few rows also split K over kSplit accumulator sets: one
-// row has only 2 sums, and an FMA's 4-cycle latency would cap it at half a vector per cycle.
+// Per panel, rows go in blocks of at most that many, split evenly (16 rows -> 8 + 8, not 14 + 2)
+// so every block keeps enough independent FMAs in flight; the panel (K x NR floats: 72 KB for
+// K = 576) stays in L2 between blocks. Blocks of few rows also split K over k_split() accumulator
+// sets: one row has only 2 sums, and an FMA's 4-cycle latency would cap it at half a vector per cycle.
 #include <cstring>
 
 namespace pagedllm {
@@ -97,14 +98,12 @@ inline void micro(const float* __restrict x, int64_t lda, const float* __restric
 
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int);
 
+// Panels [p_begin, p_end), all rows; R... = 1, 2, ..., the most rows a block keeps in registers.
 template <int... R>
-struct MicroTable {
-  static constexpr MicroFn fns[] = {nullptr, &micro<R>...};
-};
-
 void panels(const Args& a, int64_t p_begin, int64_t p_end) {
+  static constexpr MicroFn fns[] = {nullptr, &micro<R>...};
+  constexpr int64_t kMaxRows = sizeof...(R);
   static_assert(kMaxRows <= 16, "micro unrolls rows 16 at a time");
-  const MicroFn* fns = MicroFnsTable::fns;
   const int64_t num_blocks = (a.m + kMaxRows - 1) / kMaxRows;
   const int64_t base = a.m / num_blocks, extra = a.m % num_blocks;  // first `extra` blocks get base + 1
   for (int64_t p = p_begin; p < p_end; ++p) {
