@@ -32,12 +32,15 @@ other jobs, so 1 thread timed by process CPU time, median of 5, ``--threads 1 --
 
 (old: F.linear at 1 row, MKL packed at 2+). At 2 threads (wall time, far noisier there) 1 row
 measured 0.6-0.8x, the rest 0.8-1.05x. The LM head (49152 x 576): 1.04x at 1 row, 0.76x at 14,
-1.09x at 64 (1 thread). Per engine decode step, ``bench profile --batch-size 14 --context-len
-700``, 3 alternating pairs on the busy machine: the matmuls' time (step x matmul share) 124-160
-ms on vs 164-166 ms off (~0.75x at the median); whole steps too noisy to rank (230-317 vs
-261-400 ms). The AVX2 kernel (forced, ``PAGEDLLM_CPU_GEMM_ISA=avx2``) vs MKL's AVX-512 code here:
-0.78x at 1 row, ~1.0x at 4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on
-an AVX2-only CPU, where MKL would be AVX2 too).
+1.09x at 64 (1 thread). Per engine decode step (``bench profile --batch-size 14 --context-len
+700``, on/off alternated, 7 pairs): the matmuls' time (step x matmul share) was 0.75-0.8x off's
+in the 6 pairs run at load 5-7 (e.g. 124 vs 164 ms), but 1.4x (55 vs 39 ms) in the one pair run
+at load ~2, where attention, which this does not touch, was also 1.9x slower in the "on" runs:
+unresolved, so re-measure on a quiet machine before relying on it (PAGEDLLM_DISABLE_CPU_GEMM=1
+restores the MKL path; scripts/cpu_gemm_step.py times both in one process). The AVX2 kernel
+(forced, ``PAGEDLLM_CPU_GEMM_ISA=avx2``) vs MKL's AVX-512 code here: 0.78x at 1 row, ~1.0x at
+4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on an AVX2-only CPU, where
+MKL would be AVX2 too).
 
 Otherwise (no library, no AVX2, switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once;
 ``mkl_pack``) that calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
