@@ -37,7 +37,10 @@ measured 0.6-0.8x, the rest 0.8-1.05x. The LM head (49152 x 576): 1.04x at 1 row
 in the 6 pairs run at load 5-7 (e.g. 124 vs 164 ms), but 1.4x (55 vs 39 ms) in the one pair run
 at load ~2, where attention, which this does not touch, was also 1.9x slower in the "on" runs:
 unresolved, so re-measure on a quiet machine before relying on it (PAGEDLLM_DISABLE_CPU_GEMM=1
-restores the MKL path; scripts/cpu_gemm_step.py times both in one process). The AVX2 kernel
+restores the MKL path). In one process, two model copies, steps interleaved (scripts/cpu_gemm_step.py,
+2 threads, load 2.6-4, 15 rounds), the whole decode step on/off: 0.87-0.92x at 14 sequences x 700
+(3 runs, e.g. 81 vs 92 ms), ~1.0x at 32, 0.95x at 64 (batches 1 and 4 ran ~1.6 s per step either
+way there: OpenMP waits on the oversubscribed cores, not comparable). The AVX2 kernel
 (forced, ``PAGEDLLM_CPU_GEMM_ISA=avx2``) vs MKL's AVX-512 code here: 0.78x at 1 row, ~1.0x at
 4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on an AVX2-only CPU, where
 MKL would be AVX2 too).
