@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model import load_model
-from pagedllm.model.layers import embedding
+from pagedllm.model.layers import cpu_gemm
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.model.layers.linear import (
     PACKED_ROWS,
@@ -17,6 +17,7 @@ from pagedllm.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    mkl_pack,
 )
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
@@ -24,6 +25,13 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 96, 4, 2, 16, 250  # odd v
 ROWS = [1, 7, 64, PACKED_ROWS[1] + 1]  # the packed GEMM at 7 and 64, F.linear outside its range
 ATOL = 1e-5
 HAS_MKL_PACK = hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+@pytest.fixture(autouse=True)
+def mkl_layout(monkeypatch):
+    """These tests are about the MKL packed copy, which the compiled GEMM replaces where it is on
+    (tests/model/test_cpu_gemm.py covers that one)."""
+    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")
 
 
 def rand(*shape, seed: int) -> torch.Tensor:
@@ -186,7 +194,7 @@ def test_only_float32_cpu_weights_change():
     layer.weight.data = rand(48, HIDDEN, seed=16).to(torch.bfloat16)
     layer.process_weights_after_loading()
     assert layer.weight.is_contiguous()
-    assert embedding.mkl_pack(layer.weight) is None
+    assert mkl_pack(layer.weight) is None
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied_scaled"])
@@ -211,7 +219,7 @@ def test_packed_copy_serves_exactly_its_row_range():
     layer = ColumnParallelLinear(HIDDEN, 48)
     layer.weight.weight_loader(layer.weight, w)
     layer.process_weights_after_loading()
-    layer.packed_weight = embedding.mkl_pack(other)
+    layer.packed_weight = mkl_pack(other)
     low, high = PACKED_ROWS
     for m, expected in [(low - 1, w), (low, other), (high, other), (high + 1, w)]:
         x = rand(m, HIDDEN, seed=21)

@@ -11,7 +11,9 @@ The table stays ``[vocab, hidden]`` row-major (a lookup reads whole rows). On th
 (packed once, so no call repacks 49152 x 576 floats): 1.25-2.2x F.linear at 8-128 rows, 1 thread,
 scripts/gemm_layouts.py; within noise at 1 row, 0.84x at 512, rare here. It costs about twice the
 slice's size, kept even when the head is tied to the embedding, whose table it then leaves as it is.
-Without the MKL op (a build without MKL, another architecture) the head uses ``F.linear``.
+Where the compiled GEMM is on (``pagedllm.model.layers.cpu_gemm``), the head packs for it instead
+(one copy the size of the slice, no MKL copy) and uses it for 1-256 rows, as the linears do.
+Without either (a build without MKL, another architecture) the head uses ``F.linear``.
 """
 
 import torch
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
-from pagedllm.model.layers.linear import mkl_pack
+from pagedllm.model.layers.linear import pack_for_cpu, packed_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -54,14 +56,17 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
+    gemm_weight: torch.Tensor | None = None  # ``weight`` packed for the compiled GEMM, or None
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = mkl_pack(self.weight.detach())
+        self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight
-        if packed is not None and hidden_states.is_cpu and hidden_states.dtype == torch.float32:
+        if self.gemm_weight is not None:
+            logits = packed_linear(hidden_states, self.weight, None, self.gemm_weight, None)
+        elif packed is not None and hidden_states.is_cpu and hidden_states.dtype == torch.float32:
             # The op uses the packed copy only when the row count equals the batch size it is
             # given; the packed layout does not depend on it, so give it this call's row count.
             logits = torch.ops.mkl._mkl_linear(hidden_states, packed, self.weight, None, hidden_states.shape[0])

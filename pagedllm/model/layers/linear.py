@@ -17,8 +17,36 @@ qkv, o_proj, gate_up and down, even at 512 (1 thread, scripts/gemm_layouts.py, o
 alone). The values, the shapes and the sharding are unchanged,
 so tensor parallelism and the weight loaders need nothing new. CUDA weights are left alone.
 
-Then it adds an MKL-packed copy of the weight (``cblas_sgemm_pack`` once; ``mkl_pack``) that
-calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
+Then it adds one packed copy of the weight (``pack_for_cpu``). Where the compiled GEMM is on
+(``pagedllm.model.layers.cpu_gemm``: the library is built, the CPU has AVX2 + FMA, and
+``PAGEDLLM_DISABLE_CPU_GEMM`` is unset), that copy is its panel layout (the weight's size, where
+MKL's copy was ~1.3x), used for ``GEMM_ROWS`` rows (1-256); no MKL copy is made. It reads the
+weight once per call, one linear stream per thread, where MKL's packed GEMM at 4-32 rows did not
+keep up with the memory. Old path vs it over the 120 linears of the default model (distinct
+weights, interleaved call by call; scripts/cpu_gemm_sweep.py on a 2-vCPU AVX-512 Xeon shared with
+other jobs, so 1 thread timed by process CPU time, median of 5, ``--threads 1 --cpu-time``):
+
+    rows      1     2     4     8    14    16    24    32    48    64   128
+    new/old 1.13  0.91  0.79  0.74  0.73  0.82  0.82  0.89  0.92  1.00  0.95
+    new ms  33.4  32.5  34.2  37.1  39.3  47.2  57.1  68.2  86.9 115.4 218.2
+
+(old: F.linear at 1 row, MKL packed at 2+). At 2 threads (wall time, far noisier there) 1 row
+measured 0.6-0.8x, the rest 0.8-1.05x. The LM head (49152 x 576): 1.04x at 1 row, 0.76x at 14,
+1.09x at 64 (1 thread). Per engine decode step (``bench profile --batch-size 14 --context-len
+700``, on/off alternated, 7 pairs): the matmuls' time (step x matmul share) was 0.75-0.8x off's
+in the 6 pairs run at load 5-7 (e.g. 124 vs 164 ms), but 1.4x (55 vs 39 ms) in the one pair run
+at load ~2, where attention, which this does not touch, was also 1.9x slower in the "on" runs:
+unresolved, so re-measure on a quiet machine before relying on it (PAGEDLLM_DISABLE_CPU_GEMM=1
+restores the MKL path). In one process, two model copies, steps interleaved (scripts/cpu_gemm_step.py,
+2 threads, load 2.6-4, 15 rounds), the whole decode step on/off: 0.87-0.92x at 14 sequences x 700
+(3 runs, e.g. 81 vs 92 ms), ~1.0x at 32, 0.95x at 64 (batches 1 and 4 ran ~1.6 s per step either
+way there: OpenMP waits on the oversubscribed cores, not comparable). The AVX2 kernel
+(forced, ``PAGEDLLM_CPU_GEMM_ISA=avx2``) vs MKL's AVX-512 code here: 0.78x at 1 row, ~1.0x at
+4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on an AVX2-only CPU, where
+MKL would be AVX2 too).
+
+Otherwise (no library, no AVX2, switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once;
+``mkl_pack``) that calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
 distinct weight per layer (so nothing stays in cache, as in a real step), the packed GEMM took 0.53-0.73x the
 column-major F.linear at 8-64 rows (the decode batches a trace runs: ~14 on average), 0.9x at
 128, 1.02x at 1 row (1.16x at 1 thread) and 1.06x at 512 (prefill chunks keep F.linear).
@@ -35,12 +63,16 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_reduce
 from pagedllm.distributed.shapes import tp_shape
+from pagedllm.model.layers import cpu_gemm
 
 logger = logging.getLogger(__name__)
 
 PACKED_ROWS = (2, 256)
-"""Calls with a row count in this range (inclusive) use the packed copy; others F.linear on the
-column-major weight (see the module docstring)."""
+"""Calls with a row count in this range (inclusive) use the MKL packed copy (when the compiled
+GEMM is off); others F.linear on the column-major weight (see the module docstring)."""
+
+GEMM_ROWS = (1, 256)
+"""Calls with a row count in this range (inclusive) use the compiled packed GEMM, when it is on."""
 
 
 def materialize(loaded) -> torch.Tensor:
@@ -73,21 +105,16 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         raise NotImplementedError
 
+    gemm_weight: torch.Tensor | None = None  # ``weight`` packed for the compiled GEMM, or None
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
 
     def process_weights_after_loading(self) -> None:
         to_column_major_on_cpu(self.weight)
-        self.packed_weight = mkl_pack(self.weight.detach())
+        self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the fastest call for ``x``'s row count."""
-        packed = self.packed_weight
-        if (packed is not None and x.dim() == 2 and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]
-                and x.dtype == torch.float32):
-            # The op uses the packed copy only when the row count equals the batch size it is
-            # given; the packed layout does not depend on it, so give it this call's row count.
-            return torch.ops.mkl._mkl_linear(x, packed, self.weight, bias, x.shape[0])
-        return F.linear(x, self.weight, bias)
+        return packed_linear(x, self.weight, bias, self.gemm_weight, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -182,6 +209,27 @@ def to_column_major_on_cpu(weight: nn.Parameter) -> None:
     """Give a float32 CPU ``[out, in]`` weight ``[in, out]`` storage, in place (same values and shape)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
         weight.data = weight.data.t().contiguous().t()
+
+
+def pack_for_cpu(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(gemm_weight, mkl_weight)``: the compiled GEMM's packed copy of a float32 CPU ``weight``
+    where that GEMM is on, else MKL's (one copy, never both; both None elsewhere)."""
+    gemm_weight = cpu_gemm.pack(weight)
+    return gemm_weight, (mkl_pack(weight) if gemm_weight is None else None)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  gemm_weight: torch.Tensor | None, mkl_weight: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ bias)`` through the packed copy that suits ``x``'s row count, else F.linear."""
+    if x.dim() == 2 and x.dtype == torch.float32:
+        rows = x.shape[0]
+        if gemm_weight is not None and GEMM_ROWS[0] <= rows <= GEMM_ROWS[1] and x.stride(1) == 1:
+            return cpu_gemm.gemm(x, gemm_weight, bias, weight.shape[0])
+        if mkl_weight is not None and PACKED_ROWS[0] <= rows <= PACKED_ROWS[1]:
+            # The op uses the packed copy only when the row count equals the batch size it is
+            # given; the packed layout does not depend on it, so give it this call's row count.
+            return torch.ops.mkl._mkl_linear(x, mkl_weight, weight, bias, rows)
+    return F.linear(x, weight, bias)
 
 
 def mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:

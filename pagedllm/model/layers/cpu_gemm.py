@@ -1,0 +1,83 @@
+"""The compiled small-row-count GEMM (``csrc/cpu_gemm*.cpp``) for CPU float32 linears.
+
+``pack(weight)`` copies an ``[out, in]`` weight once into panels of NR output columns, each
+K-major and contiguous (``[panels, in, NR]``, the last panel zero-padded): NR = 32 for the
+AVX-512 kernel, 16 for the AVX2 + FMA one. ``gemm(x, packed, bias, n)`` is then ``x W^T + bias``
+(float32; only the summation order differs from MKL's). The op infers the kernel from the panel
+width, so a weight packed for AVX2 runs the AVX2 kernel even on an AVX-512 CPU
+(``PAGEDLLM_CPU_GEMM_ISA=avx2`` packs that way: a test and benchmark hook).
+
+Used only when the compiled library loads (``cpu_op.load()``; ``PAGEDLLM_DISABLE_CPU_OP=1``
+turns it off too), the CPU has AVX2 + FMA, and ``PAGEDLLM_DISABLE_CPU_GEMM`` is unset (an A/B
+switch for this GEMM alone); otherwise ``pack`` returns None and the linears keep MKL / F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_GEMM"
+ISA_ENV = "PAGEDLLM_CPU_GEMM_ISA"
+ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
+
+_state: dict[str, object] = {}
+
+
+def _log_once(reason: str) -> None:
+    if _state.get("logged") != reason:
+        logger.info("compiled CPU GEMM off (%s); the linears use MKL / F.linear", reason)
+        _state["logged"] = reason
+
+
+def panel_width(isa: str | None = None) -> int:
+    """Columns per panel to pack for (``isa``: None = ``PAGEDLLM_CPU_GEMM_ISA`` or the best the
+    CPU runs, else 'avx512' / 'avx2'); 0 when the GEMM is off or unusable here."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        _log_once(f"{DISABLE_ENV} is set")
+        return 0
+    from pagedllm.model.attention import cpu_op
+
+    if not cpu_op.load():
+        _log_once(f"compiled library unavailable: {cpu_op.unavailable_reason()}")
+        return 0
+    if not hasattr(torch.ops.pagedllm, "gemm_panel_width"):
+        _log_once("the loaded library predates it")
+        return 0
+    name = (os.environ.get(ISA_ENV, "") if isa is None else isa).lower()
+    if name not in ISA_CODES:
+        raise ValueError(f"{ISA_ENV}={name!r}: expected one of avx512, avx2, best")
+    width = int(torch.ops.pagedllm.gemm_panel_width(ISA_CODES[name]))
+    if width == 0:
+        _log_once(f"this CPU has no {name or 'AVX2 + FMA'}")
+    return width
+
+
+def pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor | None:
+    """``weight [out, in]`` (any strides) packed as ``[panels, in, NR]``, or None where the GEMM
+    is off or the weight is not a 2-D float32 CPU tensor."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    nr = panel_width(isa)
+    if nr == 0:
+        return None
+    n, k = weight.shape
+    num_panels = -(-n // nr)
+    # Panel by panel, so the transient copy is one panel, not the whole (padded) weight.
+    packed = torch.empty(num_panels, k, nr)
+    for p in range(num_panels):
+        cols = weight[p * nr : (p + 1) * nr]  # [<= nr, in]
+        packed[p, :, : cols.shape[0]].copy_(cols.t())
+        if cols.shape[0] < nr:
+            packed[p, :, cols.shape[0] :].zero_()
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x [M, in] @ W^T (+ bias)`` -> ``[M, n]`` with W packed by ``pack``; ``x`` 2-D float32
+    with dense rows (``stride(1) == 1``), else the op raises."""
+    return torch.ops.pagedllm.gemm_packed_cpu(x, packed, bias, n)
