@@ -22,6 +22,7 @@ import torch
 
 from pagedllm.config import CacheConfig
 from pagedllm.distributed.shapes import config_tp_shape, head_dim_of
+from pagedllm.model import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -105,4 +106,6 @@ def num_kv_blocks(spec: KVCacheSpec, cache_config: CacheConfig, profiled: int | 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if torch.device(device).type == "cpu":  # every step streams these: 2 MB pages where the kernel allows
+        return [huge_pages.zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
