@@ -72,15 +72,20 @@ def assert_matches_reference(ours_ids: list[int], ours_logprobs: list[float] | N
     return "exact"
 
 
-def engine_greedy(llm, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True):
-    """Our engine, all prompts in one batch, greedy: [(token ids, logprob of each chosen token)]."""
+def engine_greedy(llm, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
+                  with_logprobs: bool = True):
+    """Our engine, all prompts in one batch, greedy: [(token ids, logprob of each chosen token)]
+    (logprobs None without ``with_logprobs``: then steps may take the greedy-only LM head)."""
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, logprobs=0, ignore_eos=ignore_eos)
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, logprobs=0 if with_logprobs else None,
+                            ignore_eos=ignore_eos)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     results = []
     for out in outputs:
         completion = out.outputs[0]
-        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
+        logprobs = None
+        if with_logprobs:
+            logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
         results.append((completion.token_ids, logprobs))
     return results

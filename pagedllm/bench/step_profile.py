@@ -33,6 +33,9 @@ from pagedllm.bench.trace_efficiency import StepRecorder
 from pagedllm.bench.workloads import BenchRequest, WorkloadSpec, make_workload
 
 
+HEAD_METHODS = ("compute_logits", "greedy_token_ids")
+
+
 class ModuleTimer:
     """Sums host wall time per category over module calls (forward hooks), step by step."""
 
@@ -49,16 +52,19 @@ class ModuleTimer:
                 self._handles.append(module.register_forward_pre_hook(self._pre))
                 self._handles.append(module.register_forward_hook(self._post(category)))
         self._model = model
-        self._compute_logits = model.compute_logits
+        # The LM head runs as compute_logits, or as greedy_token_ids where only argmaxes are wanted.
+        self._head_methods = [name for name in HEAD_METHODS if hasattr(model, name)]
+        for name in self._head_methods:
+            setattr(model, name, self._timed_head(getattr(model, name)))  # removed again in remove()
 
-        def timed_logits(hidden_states):
+    def _timed_head(self, method):
+        def timed(hidden_states):
             start = time.perf_counter()
-            out = self._compute_logits(hidden_states)
+            out = method(hidden_states)
             self.totals["matmuls"] += time.perf_counter() - start
             self.totals["lm_head"] += time.perf_counter() - start
             return out
-
-        model.compute_logits = timed_logits  # instance attribute: removed again in remove()
+        return timed
 
     def _pre(self, module, args) -> None:
         self._starts[id(module)] = time.perf_counter()
@@ -75,7 +81,8 @@ class ModuleTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        del self._model.compute_logits
+        for name in self._head_methods:
+            delattr(self._model, name)
 
 
 def _step_until(engine, recorder: StepRecorder, batch_size: int, limit: int) -> None:

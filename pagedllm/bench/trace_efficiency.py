@@ -6,7 +6,9 @@ sequences it sampled (rows through the LM head). Afterwards, in the same process
 same threads, the model's own layers are timed alone on random inputs at a grid of row counts:
 
     linear(M)  one pass of every linear layer of the model (QKV, O, gate/up, down; all layers) at M rows
-    head(M)    the LM head (model.compute_logits) at M rows
+    head(M)    the LM head at M rows, as a greedy step runs it: model.greedy_token_ids where it
+               applies (the exact bfloat16-candidates head, model/layers/greedy_head.py), else
+               model.compute_logits (float32 logits)
 
 each the best of at least 3 repeats (more for cheap shapes); between grid points the time is
 interpolated linearly in M. Then
@@ -64,16 +66,19 @@ class ForwardTimer:
         self._start = 0.0
         self._model = model
         self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
-        compute_logits = model.compute_logits
+        # The LM head runs as compute_logits, or as greedy_token_ids where only argmaxes are wanted.
+        self._head_methods = [name for name in ("compute_logits", "greedy_token_ids") if hasattr(model, name)]
+        for name in self._head_methods:
+            setattr(model, name, self._timed(getattr(model, name)))  # instance attributes, deleted by remove()
 
-        def timed_logits(hidden_states):
+    def _timed(self, method):
+        def timed(hidden_states):
             start = time.perf_counter()
             try:
-                return compute_logits(hidden_states)
+                return method(hidden_states)
             finally:
                 self.total_s += time.perf_counter() - start
-
-        model.compute_logits = timed_logits  # an instance attribute, deleted again by remove()
+        return timed
 
     def _pre(self, module, args) -> None:
         self._start = time.perf_counter()
@@ -84,7 +89,8 @@ class ForwardTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        del self._model.compute_logits
+        for name in self._head_methods:
+            delattr(self._model, name)
 
 
 class StepRecorder:
@@ -175,7 +181,11 @@ def time_matmul_grid(model, max_tokens: int, max_sampled: int, repeats: int = 3)
         out["linear"][m] = _best_of(run_linears, repeats)
     for m in _grid(max(1, max_sampled)):
         x = torch.randn(m, hidden, dtype=param.dtype, device=param.device)
-        out["head"][m] = _best_of(lambda: model.compute_logits(x), repeats)
+        # As a greedy step runs the head (the benchmarks' traces are greedy): the exact greedy
+        # head where the model has one for m rows (layers/greedy_head.py), else the logits.
+        greedy = getattr(model, "greedy_token_ids", None)
+        head = greedy if greedy is not None and greedy(x) is not None else model.compute_logits
+        out["head"][m] = _best_of(lambda: head(x), repeats)
     return out
 
 

@@ -154,6 +154,11 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head.compute_logits(hidden_states)
 
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N] int64, each row's argmax of compute_logits computed without the float32
+        logits (layers/greedy_head.py), or None where that does not apply: call compute_logits."""
+        return self.lm_head.greedy_token_ids(hidden_states)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names of our parameters that were set."""
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -20,6 +20,7 @@ from pagedllm.model.forward_context import set_forward_context
 from pagedllm.model.sampler import (
     RequestTensors,
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     SamplingRow,
     compute_prompt_logprobs,
@@ -313,7 +314,6 @@ class ModelRunner:
             sampled_hidden = hidden_states
         else:
             sampled_hidden = hidden_states[torch.tensor(rows_taken, device=hidden_states.device)]
-        logits = self.model.compute_logits(sampled_hidden)  # [num_rows, vocab]
         rows = [
             SamplingRow(
                 params=params,
@@ -331,7 +331,15 @@ class ModelRunner:
         if self.structured_output is not None:  # grammar masks for the constrained rows
             sampling_metadata.token_bitmask = self.structured_output.fill_bitmask(
                 [(req_id, row.output_token_ids) for (_, req_id, _), row in zip(row_owner, rows)])
-        sampler_output = self.sampler(logits, sampling_metadata)
+        greedy_ids = None
+        if (sampling_metadata.all_greedy and not sampling_metadata.has_logits_processors
+                and sampling_metadata.max_num_logprobs is None):  # only each row's argmax is wanted
+            greedy_ids = self.model.greedy_token_ids(sampled_hidden)
+        if greedy_ids is not None:
+            sampler_output = SamplerOutput(greedy_ids, None, None, None)
+        else:
+            logits = self.model.compute_logits(sampled_hidden)  # [num_rows, vocab]
+            sampler_output = self.sampler(logits, sampling_metadata)
 
         sampled = sampler_output.sampled_token_ids.tolist()  # the step's one host sync
         if sampling_metadata.token_bitmask is not None:

@@ -28,8 +28,8 @@ def _random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in _prompt_lengths()]
 
 
-def _check_all(llm, prompts, references, label, ignore_eos=False):
-    results = engine_greedy(llm, prompts, MAX_NEW_TOKENS, ignore_eos)
+def _check_all(llm, prompts, references, label, ignore_eos=False, with_logprobs=True):
+    results = engine_greedy(llm, prompts, MAX_NEW_TOKENS, ignore_eos, with_logprobs)
     verdicts = []
     for prompt, ref, (ids, logprobs) in zip(prompts, references, results):
         verdicts.append(assert_matches_reference(ids, logprobs, ref, f"{label}, prompt of {len(prompt)} tokens"))
@@ -106,6 +106,21 @@ def default_setup():
 def test_default_model_matches_hf_in_one_batch(default_setup):
     llm, prompts, references = default_setup
     _check_all(llm, prompts, references, "default model")
+
+
+def test_default_model_matches_hf_through_the_greedy_head(default_setup, monkeypatch):
+    """No logprobs asked: steps of 4+ rows take the exact bfloat16-candidates LM head
+    (model/layers/greedy_head.py) where the CPU has AMX-BF16, and must still match HF."""
+    from pagedllm.model.layers.greedy_head import cpu_has_fast_bf16
+
+    llm, prompts, references = default_setup
+    model = llm.engine.core.executor.runner.model
+    used = []
+    greedy_token_ids = model.greedy_token_ids
+    monkeypatch.setattr(model, "greedy_token_ids", lambda h: used.append(greedy_token_ids(h)) or used[-1])
+    _check_all(llm, prompts, references, "default model, greedy head", with_logprobs=False)
+    if cpu_has_fast_bf16():
+        assert any(ids is not None for ids in used), "no step took the greedy head"
 
 
 @pytest.mark.parametrize(

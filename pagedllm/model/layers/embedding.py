@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
+from pagedllm.model.layers.greedy_head import GreedyHead
 from pagedllm.model.layers.linear import pack_for_cpu, packed_linear
 
 
@@ -58,9 +59,18 @@ class LMHead(VocabEmbedding):
 
     gemm_weight: torch.Tensor | None = None  # ``weight`` packed for the compiled GEMM, or None
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
+    greedy_head: GreedyHead | None = None  # bfloat16 copy for exact greedy tokens (greedy_head.py), or None
 
     def process_weights_after_loading(self) -> None:
         self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
+        self.greedy_head = GreedyHead.build(self.weight) if self.tp_size == 1 else None
+
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``compute_logits`` without the float32 logits, or None where that
+        path does not apply (then call compute_logits)."""
+        if self.greedy_head is None:
+            return None
+        return self.greedy_head.argmax(hidden_states, self.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight

@@ -1,0 +1,108 @@
+"""Exact greedy tokens from a bfloat16 pass over the LM head, where the CPU multiplies bfloat16 fast.
+
+A greedy step needs only each row's argmax of ``hidden @ W^T``; the float32 head is 49152 x 576
+for the default model, ~20% of a step's arithmetic at 64 rows. On CPUs with AMX-BF16 torch's
+bfloat16 matmul (oneDNN) ran the head 2-4x faster than float32 at 4-128 rows (session 6, 2-vCPU
+Xeon). Its logits are approximate, so they only choose candidates; the answer is exact:
+
+1. ``y~ = bf16(h) @ bf16(W)^T`` (bfloat16 out). Against the exact ``z = h . w_v``, each element is
+   off by at most ``B = g * |h| * max_v |w_v| + u / (1 - u) * max_v |y~_v|``: ``g`` covers rounding
+   h and W to bfloat16 (unit roundoff u = 2^-8 each) and float32 accumulation over K; the second
+   term the bfloat16 rounding of the output.
+2. Every v with ``z_v >= max_u z_u`` then has ``y~_v >= max y~ - 2B``: those are the candidates
+   (typically a handful; the margin also covers float32 ties, ``K * 2^-24`` of the same scale).
+3. The candidates' logits are recomputed in float32 and the first maximum wins, as argmax does.
+
+Steps 2-3 are one compiled op (``greedy_select_cpu``, csrc/greedy_select.cpp: two passes over each
+row's bfloat16 logits, AVX-512 where the CPU has it), since torch's bfloat16 reductions and
+``nonzero`` over [N, V] cost as much as the float32 head saved. Measured (session 6, 1 thread,
+loaded machine, default model): 0.24-0.47x the float32 head + argmax at 4-128 rows.
+
+So the token is the float32 argmax up to float32 summation order, as with any GEMM. Used only for
+rows that want nothing but the argmax (greedy, no logprobs, nothing rewriting logits; the model
+runner checks), at ``MIN_ROWS`` rows and up (fewer rows read the weight at the same rate either
+way), on CPUs with AMX tiles and AVX-512-BF16 (elsewhere bfloat16 matmuls ran ~100x slower than
+float32). ``PAGEDLLM_DISABLE_BF16_GREEDY_HEAD=1`` turns it off (A/B switch). A row whose
+candidates cannot be bounded (NaN/inf logits) or too many candidates send the step back to the
+float32 logits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+DISABLE_ENV = "PAGEDLLM_DISABLE_BF16_GREEDY_HEAD"
+MIN_ROWS = 4
+MAX_CANDIDATES_PER_ROW = 256
+_UNIT_ROUNDOFF_BF16 = 2.0**-8
+_UNIT_ROUNDOFF_F32 = 2.0**-24
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX tiles and AVX-512-BF16: where oneDNN's bfloat16 matmul beats float32."""
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+                and getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def _bf16_linear(weight_bf16: torch.Tensor):
+    """``x -> x @ weight^T`` in bfloat16: oneDNN's prepacked weight where torch has it (measured
+    ~1.1-3x faster than F.linear at 4-64 rows, which reorders the weight at every call)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, None)
+        linear = torch.ops.mkldnn._linear_pointwise
+        probe = torch.zeros(MIN_ROWS, weight_bf16.shape[1], dtype=torch.bfloat16)
+        if torch.equal(linear(probe, packed, None, "none", [], ""), F.linear(probe, weight_bf16)):
+            return lambda x: linear(x, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        pass
+    return lambda x: F.linear(x, weight_bf16)
+
+
+def _select_available() -> bool:
+    from pagedllm.model.attention import cpu_op
+
+    return cpu_op.load() and hasattr(torch.ops.pagedllm, "greedy_select_cpu")
+
+
+class GreedyHead:
+    """A bfloat16 copy of an LM head's ``[vocab, hidden]`` weight and the bound that makes its
+    argmax exact. ``build`` returns None where it would not pay (see the module doc)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight_bf16 = weight.detach().to(torch.bfloat16).contiguous()
+        self._linear = _bf16_linear(self.weight_bf16)
+        self.max_row_norm = float(weight.detach().double().norm(dim=1).max())
+        hidden = weight.shape[1]
+        u = _UNIT_ROUNDOFF_BF16
+        # Rounding h and W (each up to u relative), float32 accumulation over K products, then the
+        # float32 result's own order (the ties margin): a safe multiple of each.
+        self.gamma = 2 * u + u * u + 2 * (hidden + 2) * _UNIT_ROUNDOFF_F32 * (1 + u) ** 2
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, force: bool = False) -> GreedyHead | None:
+        """``force`` (tests) builds it on any CPU with the compiled library: still exact, perhaps slow."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        if not force and (os.environ.get(DISABLE_ENV, "") not in ("", "0") or not cpu_has_fast_bf16()):
+            return None
+        if not _select_available():
+            return None
+        return cls(weight)
+
+    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """``F.linear(hidden, weight).argmax(-1)`` (``weight`` the float32 head this was built from),
+        or None when this call should use the float32 logits instead."""
+        if hidden.shape[0] < MIN_ROWS or hidden.dtype != torch.float32:
+            return None
+        approx = self._linear(hidden.to(torch.bfloat16)).contiguous()  # [N, V] bfloat16
+        # The per-row part of the bound that does not depend on the logits (see the module doc).
+        bound = (self.gamma * self.max_row_norm) * torch.linalg.vector_norm(hidden, dim=1)
+        u = _UNIT_ROUNDOFF_BF16
+        ids = torch.ops.pagedllm.greedy_select_cpu(approx, hidden, weight, bound, u / (1 - u), MAX_CANDIDATES_PER_ROW)
+        if bool((ids < 0).any()):
+            return None
+        return ids
