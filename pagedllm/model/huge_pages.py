@@ -88,13 +88,3 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
     """``empty`` filled with zeros (the fill is what first touches, hence places, the pages)."""
     return empty(shape, dtype).zero_()
 
-
-def huge_page_bytes() -> int:
-    """This process's anonymous memory on transparent huge pages (bytes; 0 where unknown)."""
-    try:
-        for line in open("/proc/self/smaps_rollup"):
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
