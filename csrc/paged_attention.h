@@ -33,17 +33,17 @@ struct AttnParams {
   int64_t block_size, num_heads, group, head_dim, max_rows;
   int64_t tile_min_rows;  // items with at least this many rows (query rows x group) take the tiled path
   float scale;
-  // Per-key path software prefetch (see run_item): whole chunks this many chunks ahead (0 = none),
-  // how they are issued (PfMode), the cache level hint (__builtin_prefetch locality 0-3), and a
-  // distance in chunks for page-start triggers (0 = none).
-  int32_t pf_dist, pf_mode, pf_hint, pf_trig, pf_step;
+  // Per-key path software prefetch (see run_item): the chunk this many chunks ahead (0 = none),
+  // how its lines are requested (PfMode), and the hint (__builtin_prefetch locality: 3 = L1).
+  int32_t pf_dist, pf_mode, pf_hint;
 };
 
 // One unit of work: a tile of one sequence's query rows for KV heads [kv_head, kv_head + kv_heads)
 // (each with its whole query group), over keys [key_begin, key_end). part < 0: write the final
 // output; else write partials there. Rows are ordered head, then query row, then group member.
 // Only per-key path items (few rows per head) hold more than one KV head.
-enum PfMode : int32_t { kPfBurst = 1, kPfBurstKThenV = 2, kPfSpread = 3, kPfInPv = 20 };
+// kPfBurst: all at the start of a chunk (the old default); kPfInPv: spread through the P.V pass.
+enum PfMode : int32_t { kPfBurst = 1, kPfInPv = 2 };
 
 struct WorkItem {
   int64_t seq, kv_head, kv_heads, q_begin, q_count, key_begin, key_end, part, cost;
