@@ -16,6 +16,9 @@ struct f16_t { uint16_t bits; };
 struct bf16_t { uint16_t bits; };
 enum KvType : int32_t { kKvFloat32 = 0, kKvFloat16 = 1, kKvBFloat16 = 2 };
 
+// kPfBurst: all at the start of a chunk (the old default); kPfInPv: spread through the P.V pass.
+enum PfMode : int32_t { kPfBurst = 1, kPfInPv = 2 };
+
 struct AttnParams {
   const float* query;  // [num_tokens, num_heads, head_dim]
   int64_t q_stride_tok, q_stride_head;
@@ -42,9 +45,6 @@ struct AttnParams {
 // (each with its whole query group), over keys [key_begin, key_end). part < 0: write the final
 // output; else write partials there. Rows are ordered head, then query row, then group member.
 // Only per-key path items (few rows per head) hold more than one KV head.
-// kPfBurst: all at the start of a chunk (the old default); kPfInPv: spread through the P.V pass.
-enum PfMode : int32_t { kPfBurst = 1, kPfInPv = 2 };
-
 struct WorkItem {
   int64_t seq, kv_head, kv_heads, q_begin, q_count, key_begin, key_end, part, cost;
 };
