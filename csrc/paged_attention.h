@@ -16,6 +16,9 @@ struct f16_t { uint16_t bits; };
 struct bf16_t { uint16_t bits; };
 enum KvType : int32_t { kKvFloat32 = 0, kKvFloat16 = 1, kKvBFloat16 = 2 };
 
+// kPfBurst: all at the start of a chunk (the old default); kPfInPv: spread through the P.V pass.
+enum PfMode : int32_t { kPfBurst = 1, kPfInPv = 2 };
+
 struct AttnParams {
   const float* query;  // [num_tokens, num_heads, head_dim]
   int64_t q_stride_tok, q_stride_head;
@@ -33,6 +36,9 @@ struct AttnParams {
   int64_t block_size, num_heads, group, head_dim, max_rows;
   int64_t tile_min_rows;  // items with at least this many rows (query rows x group) take the tiled path
   float scale;
+  // Per-key path software prefetch (see run_item): the chunk this many chunks ahead (0 = none),
+  // how its lines are requested (PfMode), and the hint (__builtin_prefetch locality: 3 = L1).
+  int32_t pf_dist, pf_mode, pf_hint;
 };
 
 // One unit of work: a tile of one sequence's query rows for KV heads [kv_head, kv_head + kv_heads)

@@ -29,6 +29,25 @@ static inline void key_offsets(const AttnParams& p, const int64_t* table, int64_
   }
 }
 
+// One 64-byte line into the cache level `hint` names (__builtin_prefetch wants a constant).
+static inline void prefetch_line(const void* a, int32_t hint) {
+  switch (hint) {
+    case 0: __builtin_prefetch(a, 0, 0); break;
+    case 1: __builtin_prefetch(a, 0, 1); break;
+    case 3: __builtin_prefetch(a, 0, 3); break;
+    default: __builtin_prefetch(a, 0, 2); break;
+  }
+}
+
+// Every line of heads [0, heads) of the rows at offs[0, n) from base.
+template <int D, typename T>
+static inline void prefetch_rows(const AttnParams& p, const T* base, const int64_t* offs, int64_t n, int64_t heads) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < D; d += 64 / (int64_t)sizeof(T))
+        prefetch_line(base + h * p.kv_stride_head + offs[j] + d, p.pf_hint);
+}
+
 // key_offsets for a chunk of kKeyChunk, the slots past n filled with key c0's (a valid row, read
 // and then masked) so the chunk is always scored whole.
 static inline void chunk_offsets(const AttnParams& p, const int64_t* table, int64_t c0, int64_t n, int64_t* offs) {
@@ -67,9 +86,20 @@ static inline void store_item_rows(const AttnParams& p, const WorkItem& w, int64
 constexpr int PV_RB = 3;
 static_assert(PV_RB == 3, "run_item's P.V handles a remainder of at most 2 rows");
 
+// Rows a P.V pass prefetches as it goes (one key's K and V rows of one head per key applied):
+// spread through the compute, the prefetches never stall it the way a burst does.
+template <typename T>
+struct PfRows {
+  const T* k;
+  const T* v;
+  const int64_t* offs;
+  int64_t n;
+  int32_t hint;
+};
+
 template <int D, int RB, int W, typename T>
 static inline void pv_chunk(float* o, const float* pk, const float* alpha, const T* vbase,
-                            const int64_t* offs, int64_t n, int d0) {
+                            const int64_t* offs, int64_t n, int d0, const PfRows<T>* pf) {
   constexpr int KC = kKeyChunk;
   vf acc[RB][W];
   for (int r = 0; r < RB; ++r) {
@@ -77,6 +107,11 @@ static inline void pv_chunk(float* o, const float* pk, const float* alpha, const
     for (int b = 0; b < W; ++b) acc[r][b] = vmul(vload(o + r * D + d0 + b * VW), a);
   }
   for (int64_t j = 0; j < n; ++j) {
+    if (pf != nullptr && j < pf->n)
+      for (int d = 0; d < D; d += 64 / (int)sizeof(T)) {
+        prefetch_line(pf->k + pf->offs[j] + d, pf->hint);
+        prefetch_line(pf->v + pf->offs[j] + d, pf->hint);
+      }
     const T* v = vbase + offs[j] + d0;
     vf vv[W];
     for (int b = 0; b < W; ++b) vv[b] = vload_kv(v + b * VW);
@@ -92,13 +127,14 @@ static inline void pv_chunk(float* o, const float* pk, const float* alpha, const
 // P.V of rows [r0, r0 + RB) over D in register tiles of up to PV_W vectors.
 template <int D, int RB, typename T>
 static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha, const T* vbase,
-                                 const int64_t* offs, int64_t n, int64_t r0) {
+                                 const int64_t* offs, int64_t n, int64_t r0, const PfRows<T>* pf = nullptr) {
   constexpr int NV = D / VW;
   constexpr int W = NV < PV_W ? NV : PV_W;
   int d0 = 0;
-  for (; d0 + W * VW <= D; d0 += W * VW)
-    pv_chunk<D, RB, W, T>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
-  for (; d0 < D; d0 += VW) pv_chunk<D, RB, 1, T>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0);
+  for (; d0 + W * VW <= D; d0 += W * VW, pf = nullptr)
+    pv_chunk<D, RB, W, T>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0, pf);
+  for (; d0 < D; d0 += VW, pf = nullptr)
+    pv_chunk<D, RB, 1, T>(acc + r0 * D, st + r0 * kKeyChunk, alpha + r0, vbase, offs, n, d0, pf);
 }
 
 // Online softmax of one chunk's scores st[R, KC] (row r of a head sees keys below
@@ -222,25 +258,42 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   const int64_t* table = p.block_tables + w.seq * p.bt_stride;
   const T* kbase = static_cast<const T*>(p.kv) + w.kv_head * p.kv_stride_head;
   const T* vbase0 = kbase + p.kv_stride_kv;
-  int64_t offs[KC], next_offs[KC];
-  if (w.key_begin < key_stop) chunk_offsets(p, table, w.key_begin, min64(KC, key_stop - w.key_begin), offs);
+  int64_t offs[KC], pf_offs[KC];
+  // The chunks before the first one the loop prefetches pf_dist ahead (chunk 0 is read at once).
+  for (int64_t c = w.key_begin + KC; c < min64(key_stop, w.key_begin + p.pf_dist * KC); c += KC) {
+    const int64_t nc = min64(KC, key_stop - c);
+    key_offsets(p, table, c, nc, pf_offs);
+    prefetch_rows<D>(p, kbase, pf_offs, nc, w.kv_heads);
+    prefetch_rows<D>(p, vbase0, pf_offs, nc, w.kv_heads);
+  }
   for (int64_t c0 = w.key_begin; c0 < key_stop; c0 += KC) {
     const int64_t n = min64(KC, key_stop - c0);
-    const int64_t c1 = c0 + KC;
-    // Look the next chunk up now and start its loads early, into L2 (T1 hint). (Measured, 1
-    // thread, AVX-512, decode 9 rows x 3 KV heads, against prefetching into L1: K/V in L2 1.13x,
-    // 25 MB of K/V 1.07x, 200 MB about even; no prefetch was faster still in L2 but 0.9x from
-    // memory. Into L1, the next chunk's 24 KB evicted the current chunk's V before P.V read it.)
-    if (c1 < key_stop) {
-      const int64_t n1 = min64(KC, key_stop - c1);
-      chunk_offsets(p, table, c1, n1, next_offs);
-      for (int64_t j = 0; j < n1; ++j)
-        for (int64_t h = 0; h < w.kv_heads; ++h)
-          for (int d = 0; d < D; d += 64 / (int)sizeof(T)) {  // one 64-byte line each
-            __builtin_prefetch(kbase + h * p.kv_stride_head + next_offs[j] + d, 0, 2);
-            __builtin_prefetch(vbase0 + h * p.kv_stride_head + next_offs[j] + d, 0, 2);
-          }
+    chunk_offsets(p, table, c0, n, offs);
+    // Software prefetch of the chunk pf_dist chunks ahead, its block looked up now: the blocks
+    // are scattered, so the hardware prefetchers restart at every block (and every 4 KB page).
+    // By default (kPfInPv, T0, 1 chunk ahead) its lines are requested during this chunk's P.V,
+    // one key's K and V rows per key applied, instead of in one burst here: a burst of 24 KB of
+    // prefetches fills the line-fill buffers and stalls the core until they drain, while spread
+    // through the FMAs they overlap it. Measured with scripts/attention_scattered.py (1 thread,
+    // AVX-512, 9 query / 3 KV heads, block 16, shared 2-vCPU Xeon): blocks scattered over 4 GB
+    // 1.13-1.19x faster than the burst into L2 (the previous default), hot contiguous KV
+    // 1.19-1.22x; a burst into L1 was 1.1x on scattered, even on hot; bursts ordered K then V,
+    // 2+ chunks ahead, or every other line were slower. K spread through the scores and V
+    // through P.V, into L2, was 1.05-1.08x faster again on hot KV but up to 0.9x on scattered.
+    const int64_t cp = c0 + p.pf_dist * KC;
+    int64_t np = 0;
+    if (p.pf_dist > 0 && cp < key_stop) {
+      np = min64(KC, key_stop - cp);
+      key_offsets(p, table, cp, np, pf_offs);
+      if (p.pf_mode == kPfBurst)
+        for (int64_t j = 0; j < np; ++j)
+          for (int64_t h = 0; h < w.kv_heads; ++h)
+            for (int64_t d = 0; d < D; d += 64 / (int64_t)sizeof(T)) {
+              prefetch_line(kbase + h * p.kv_stride_head + pf_offs[j] + d, p.pf_hint);
+              prefetch_line(vbase0 + h * p.kv_stride_head + pf_offs[j] + d, p.pf_hint);
+            }
     }
+    const bool in_pv = np > 0 && p.pf_mode == kPfInPv;
     // A head's rows are in query order, so their key limits only grow: skip the leading rows
     // that see none of this chunk (causal rows of a short chunk).
     int64_t r_first = 0;
@@ -260,12 +313,13 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       const int64_t rb = h * Rh + r_first, re = (h + 1) * Rh;
       // P.V: each V row loaded once per block of PV_RB rows. Every key up to n is applied to
       // every row: a row's masked keys have probability 0.
+      const PfRows<T> pfr{kbase + h * p.kv_stride_head, vb, pf_offs, in_pv ? np : 0, p.pf_hint};
+      const PfRows<T>* pf = in_pv ? &pfr : nullptr;
       int64_t r0 = rb;
-      for (; r0 + PV_RB <= re; r0 += PV_RB) pv_rows_chunk<D, PV_RB, T>(acc, st, alpha, vb, offs, n, r0);
-      if (re - r0 == 2) pv_rows_chunk<D, 2, T>(acc, st, alpha, vb, offs, n, r0);
-      if (re - r0 == 1) pv_rows_chunk<D, 1, T>(acc, st, alpha, vb, offs, n, r0);
+      for (; r0 + PV_RB <= re; r0 += PV_RB, pf = nullptr) pv_rows_chunk<D, PV_RB, T>(acc, st, alpha, vb, offs, n, r0, pf);
+      if (re - r0 == 2) pv_rows_chunk<D, 2, T>(acc, st, alpha, vb, offs, n, r0, pf);
+      if (re - r0 == 1) pv_rows_chunk<D, 1, T>(acc, st, alpha, vb, offs, n, r0, pf);
     }
-    for (int64_t j = 0; j < KC; ++j) offs[j] = next_offs[j];
   }
 
   store_item_rows<D>(p, w, q0, acc, mx, sm);

@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "paged_attention.h"
@@ -238,6 +240,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   p.max_rows = max_rows;
   p.tile_min_rows = tile_min_rows;
   p.scale = static_cast<float>(scale);
+  // PAGEDLLM_ATTN_PF=dist[,mode[,hint]] overrides the per-key path's prefetch (0 = none), for
+  // A/B runs of scripts/attention_scattered.py; values are clamped, the output never changes.
+  p.pf_dist = 1;
+  p.pf_mode = kPfInPv;
+  p.pf_hint = 3;
+  if (const char* pf = std::getenv("PAGEDLLM_ATTN_PF")) {
+    int d = p.pf_dist, m = p.pf_mode, h = p.pf_hint;
+    std::sscanf(pf, "%d,%d,%d", &d, &m, &h);
+    p.pf_dist = std::max(0, std::min(d, 8));
+    p.pf_mode = m == kPfBurst ? kPfBurst : kPfInPv;
+    p.pf_hint = std::max(0, std::min(h, 3));
+  }
 
   const auto run = isa == kIsaAvx512 ? run_items_avx512 : run_items_avx2;
   const int64_t num_items = static_cast<int64_t>(items.size());

@@ -16,16 +16,24 @@ shared); torch uses one thread per core.
 With ``kv_cache_dtype`` (``--kv-cache-dtype float16`` or ``bfloat16``) each shape also times the op
 and the reference on a 16-bit copy of the same cache, in the same rounds, beside the floor for
 the 16-bit cache's bytes (half the float32 floor).
+
+With ``scattered_gb`` (``--scattered``) each shape also times the op as the engine's decode steps
+see it: the sequences' blocks are placed at random through one cache of that size on huge pages
+(``pagedllm.model.huge_pages``, as the engine allocates its caches), with a different random block
+set per layer for ``SCATTERED_LAYERS`` layers called in turn, so no layer finds its K/V in any
+cache level. The bench's own case reads one small cache again and again, hot in L3.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model import huge_pages
 from pagedllm.model.attention import cpu_op
 from pagedllm.model.attention.backend import CpuAttentionBackend
 from pagedllm.model.attention.metadata import AttentionMetadata
@@ -34,6 +42,7 @@ from pagedllm.model.attention.paged import paged_attention
 DEFAULT_SHAPES = [("decode", 32, 512), ("decode", 64, 256), ("decode", 64, 512), ("decode", 32, 1024),
                   ("prefill", 1, 512), ("prefill", 4, 256)]
 MIXED = (63, 512, 512)  # decodes, their context, prompt chunk length
+SCATTERED_LAYERS = 30  # the default model's layer count
 
 
 def _min_times(fns: dict, rounds: int) -> dict[str, float]:
@@ -115,11 +124,30 @@ def _contiguous_sdpa(case: _Case, phase: str):
                                                   enable_gqa=True)
 
 
+def _scattered_op(case: _Case, cache: torch.Tensor, layers: int, expected: torch.Tensor):
+    """A callable running the op over ``layers`` random block sets of ``cache`` in turn (layer 0's
+    blocks hold the case's K/V; its output is checked against ``expected``)."""
+    num_blocks = case.kv_cache.shape[1]
+    sets = [torch.randperm(cache.shape[1])[:num_blocks] for _ in range(layers)]
+    cache[:, sets[0]] = case.kv_cache
+    metas = [dataclasses.replace(case.metadata, block_tables=s[case.metadata.block_tables]) for s in sets]
+    torch.testing.assert_close(cpu_op.paged_attention_cpu(case.query, cache, metas[0], case.scale), expected,
+                               rtol=1e-4, atol=1e-4)
+
+    def run():
+        for meta in metas:
+            cpu_op.paged_attention_cpu(case.query, cache, meta, case.scale)
+
+    return run
+
+
 def compare(phase: str, num_seqs: int, seq_len: int, bandwidth: float, rounds: int = 10, num_heads: int = 9,
             num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16, seed: int = 0,
-            kv_cache_dtype: torch.dtype | None = None) -> dict:
+            kv_cache_dtype: torch.dtype | None = None, scattered_cache: torch.Tensor | None = None) -> dict:
     """One shape: `decode` (1 query per sequence over seq_len keys) or `prefill` (seq_len causal queries);
-    with kv_cache_dtype, also the op and the reference over that narrower copy of the cache."""
+    with kv_cache_dtype, also the op and the reference over that narrower copy of the cache; with
+    scattered_cache (a large float32 cache of this shape's block layout), also the op over blocks
+    scattered through it, a different set per layer."""
     num_q = 1 if phase == "decode" else seq_len
     case = _Case([seq_len] * num_seqs, [num_q] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, seed)
     fns = {"reference": case.reference, "contiguous": _contiguous_sdpa(case, phase)}
@@ -143,17 +171,23 @@ def compare(phase: str, num_seqs: int, seq_len: int, bandwidth: float, rounds: i
                 if name == "contiguous":
                     out = out.reshape(num_seqs, num_heads, num_q, head_dim).transpose(1, 2).reshape(expected.shape)
                 torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        if scattered_cache is not None and "op" in fns:
+            fns["scattered"] = _scattered_op(case, scattered_cache, SCATTERED_LAYERS, expected)
         t = _min_times(fns, rounds)
     if kv_cache_dtype is not None:
         kv_bytes = case.kv_bytes * kv_cache_dtype.itemsize // 4
         narrow = {"kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
                   "op_ms": 1e3 * t["op16"] if "op16" in t else None, "reference_ms": 1e3 * t["reference16"],
                   "kv_mb": kv_bytes / 1e6, "floor_ms": 1e3 * kv_bytes / bandwidth}
+    scattered = None
+    if "scattered" in t:
+        scattered = {"op_ms": 1e3 * t["scattered"] / SCATTERED_LAYERS, "layers": SCATTERED_LAYERS,
+                     "cache_gb": scattered_cache.numel() * 4 / 2**30}
     return {"phase": phase, "num_seqs": num_seqs, "seq_len": seq_len, "num_heads": num_heads,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
             "op_ms": 1e3 * t["op"] if "op" in t else None, "reference_ms": 1e3 * t["reference"],
             "contiguous_ms": 1e3 * t["contiguous"], "kv_mb": case.kv_bytes / 1e6,
-            "floor_ms": 1e3 * case.kv_bytes / bandwidth, "narrow_kv": narrow}
+            "floor_ms": 1e3 * case.kv_bytes / bandwidth, "narrow_kv": narrow, "scattered": scattered}
 
 
 def compare_mixed(num_decodes: int = 63, context: int = 512, chunk: int = 512, rounds: int = 10,
@@ -178,9 +212,10 @@ def compare_mixed(num_decodes: int = 63, context: int = 512, chunk: int = 512, r
 
 
 def run_attention(shapes=DEFAULT_SHAPES, repeats: int = 10, progress: bool = True, mixed=MIXED,
-                  kv_cache_dtype: str | None = None, **model_shape) -> dict:
+                  kv_cache_dtype: str | None = None, scattered_gb: float | None = None, **model_shape) -> dict:
     """Every shape, the mixed step and the bandwidth; ``repeats`` = interleaved rounds per shape.
-    ``kv_cache_dtype`` ('float16' or 'bfloat16'): each shape also over a cache of that type."""
+    ``kv_cache_dtype`` ('float16' or 'bfloat16'): each shape also over a cache of that type.
+    ``scattered_gb``: each shape also over blocks scattered through a cache of that many GiB."""
     narrow = None
     if kv_cache_dtype not in (None, "", "auto", "float32"):
         if kv_cache_dtype not in ("float16", "bfloat16"):
@@ -192,8 +227,16 @@ def run_attention(shapes=DEFAULT_SHAPES, repeats: int = 10, progress: bool = Tru
     torch.set_num_threads(os.cpu_count() or threads)
     try:
         bandwidth = read_bandwidth()
-        rows = [compare(phase, s, l, bandwidth, rounds=repeats, kv_cache_dtype=narrow, **model_shape)
+        cache = None
+        if scattered_gb:
+            block = (model_shape.get("block_size", 16), model_shape.get("num_kv_heads", 3),
+                     model_shape.get("head_dim", 64))
+            num_blocks = max(1, int(scattered_gb * 2**30) // (2 * 4 * block[0] * block[1] * block[2]))
+            cache = huge_pages.zeros((2, num_blocks, *block))
+        rows = [compare(phase, s, l, bandwidth, rounds=repeats, kv_cache_dtype=narrow, scattered_cache=cache,
+                        **model_shape)
                 for phase, s, l in tqdm(shapes, desc="attention", disable=not progress)]
+        del cache
         mixed_row = compare_mixed(*mixed, rounds=repeats) if mixed else None
     finally:
         torch.set_num_threads(threads)
@@ -219,6 +262,12 @@ def attention_table(result: dict) -> tuple[list[str], list[list]]:
                          r["num_seqs"], r["seq_len"], n["op_ms"] if n["op_ms"] is not None else "-",
                          n["reference_ms"], r["contiguous_ms"], n["floor_ms"],
                          _ratio(n["op_ms"], r["contiguous_ms"]), _ratio(n["op_ms"], n["floor_ms"])])
+        sc = r.get("scattered")
+        if sc:  # the engine's case: every layer's blocks elsewhere in a large cache, none of them hot
+            rows.append([f"  scattered: {sc['layers']} layers' blocks in {sc['cache_gb']:.3g} GiB (op / hot op "
+                         f"{_ratio(sc['op_ms'], r.get('op_ms'))})", r["num_seqs"], r["seq_len"], sc["op_ms"], "-",
+                         r["contiguous_ms"], r["floor_ms"], _ratio(sc["op_ms"], r["contiguous_ms"]),
+                         _ratio(sc["op_ms"], r["floor_ms"])])
     m = result.get("mixed")
     if m:
         label = f"{m['num_decodes']} decodes @{m['context']} + {m['chunk']} chunk"

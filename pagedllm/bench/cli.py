@@ -104,6 +104,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--shapes", default=None, help="phase:seqs:len,... e.g. decode:64:512,prefill:4:256")
     p.add_argument("--kv-cache-dtype", default=None, choices=("float16", "bfloat16"),
                    help="also time each shape over a cache of this type (rows beside float32)")
+    p.add_argument("--scattered", nargs="?", type=float, const=2.0, default=None, metavar="GB",
+                   help="also time the op over blocks scattered through a cache of GB GiB (default 2), "
+                        "a different block set per layer, as the engine reads them")
 
     p = bsub.add_parser("sharing", help="KV blocks saved by sharing: parallel sampling (n) and beam search (width)")
     _common(p)
@@ -325,7 +328,8 @@ def bench_attention(args, engine_args: dict | None = None) -> dict:
     if getattr(args, "shapes", None):
         shapes = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2])) for s in args.shapes.split(",")]
     result = run_attention(shapes, repeats=args.repeats, progress=args.progress,
-                           kv_cache_dtype=getattr(args, "kv_cache_dtype", None))
+                           kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+                           scattered_gb=getattr(args, "scattered", None))
     write_result(Path(args.out), "attention", result)
     headers, table = attention_table(result)
     print(format_table(headers, table))

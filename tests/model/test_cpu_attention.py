@@ -101,6 +101,25 @@ def test_per_key_path_other_head_dims(head_dim):
     check([140, 70, 17], [1, 2, 1], paths=("per_key",), head_dim=head_dim, seed=head_dim)
 
 
+# PAGEDLLM_ATTN_PF (dist,mode,hint) only moves the per-key path's prefetches: none, a burst at
+# each chunk's start, spread through P.V (the default), 1-3 chunks ahead, into L1 or L2; the
+# output must not change. Block 8: a prefetched chunk spans two blocks; splits: items that start
+# mid-context; a 16-bit cache: rows of 128 bytes.
+@pytest.mark.parametrize("setting", ["0", "1,1,2", "1,2,3", "3,2,2", "2,1,3"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefetch_settings_do_not_change_the_output(monkeypatch, setting, block_size):
+    monkeypatch.setenv("PAGEDLLM_ATTN_PF", setting)
+    seq_lens, query_lens = [1, 17, 40, 129, 300], [1, 1, 3, 1, 2]
+    check(seq_lens, query_lens, paths=("per_key",), block_size=block_size, seed=21)
+    check(seq_lens, query_lens, num_splits=3, paths=("per_key",), block_size=block_size, seed=22)
+    query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, block_size=block_size, seed=23)
+    kv16 = kv_cache.to(torch.float16)
+    expected = paged_attention(query, kv16, metadata, scale)
+    for isa in available_isas():
+        out = cpu_op.paged_attention_cpu(query, kv16, metadata, scale, isa=isa, tile_min_rows=PATHS["per_key"])
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_short_chunks_per_key_path_grouped_heads():
     # 2 and 3 query rows x 3 heads: 6 / 9 rows per head, so items of 2 + 1 and of 1 KV head;
     # causal rows inside a chunk see different numbers of its keys.
