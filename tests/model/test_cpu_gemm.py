@@ -153,3 +153,32 @@ def test_forced_avx2_packs_16_wide(monkeypatch):
     assert layer.gemm_weight.shape[2] == 16
     x = rand(20, 96, seed=14)
     check(x, w, layer.bias, layer(x))
+
+
+def test_packed_weights_share_huge_page_chunks_in_order():
+    from pagedllm.model import huge_pages
+
+    cpu_gemm._arena.update(last=None, end=0, limit=0)  # start a fresh chunk
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (100, 33)]
+    ws = [rand(n, k, seed=n + k) for n, k in shapes]
+    packs = [cpu_gemm.pack(w) for w in ws]
+    width = packs[0].shape[2]
+    first = packs[0].data_ptr()
+    if huge_pages.available():
+        assert first % huge_pages.HUGE_PAGE_BYTES == 0, "a new chunk starts on a huge page"
+    for prev, cur in zip(packs, packs[1:]):
+        assert cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr(), "one chunk"
+        gap = cur.data_ptr() - (prev.data_ptr() + prev.numel() * 4)
+        assert cur.data_ptr() % 64 == 0 and 0 <= gap < 64, "adjacent, in packing order, line-aligned"
+    for (n, k), w, p in zip(shapes, ws, packs):
+        assert p.is_contiguous() and p.shape == (-(-n // width), k, width)
+        x = rand(16, k, seed=k)
+        check(x, w, None, cpu_gemm.gemm(x, p, None, n))
+    # A weight over a quarter chunk gets its own buffer; the chunk goes on after it.
+    big = cpu_gemm.pack(rand(cpu_gemm.ARENA_CHUNK_FLOATS // 4 // 64 + 64, 64, seed=1))
+    assert big.untyped_storage().data_ptr() != first
+    after = cpu_gemm.pack(ws[1])
+    assert after.data_ptr() == -(-(packs[-1].data_ptr() + packs[-1].numel() * 4) // 64) * 64
+    # The arena holds no strong reference: once every slice is gone, so is the chunk.
+    del packs, after, p
+    assert cpu_gemm._arena["last"]() is None
