@@ -44,11 +44,28 @@ def check(x, w, b, y) -> None:
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-6 * max(k, 16))
 
 
+@pytest.fixture(params=[0, 1, 8], ids=["chunks-default", "chunks-never", "chunks-to-8-blocks"])
+def schedule(request):
+    """Each row blocking under the default chunked sweeps, the whole-panel one, and chunks up to
+    8 blocks (every row count below 70 on AVX2, to 56+ on AVX-512)."""
+    previous = cpu_gemm.chunk_max_blocks(request.param)
+    yield request.param
+    cpu_gemm.chunk_max_blocks(previous)
+
+
+def test_chunk_setting_round_trips():
+    default = cpu_gemm.chunk_max_blocks(-1)
+    assert default >= 2
+    assert cpu_gemm.chunk_max_blocks(1) == default and cpu_gemm.chunk_max_blocks(-1) == 1
+    assert cpu_gemm.chunk_max_blocks(0) == 1 and cpu_gemm.chunk_max_blocks(-1) == default
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_row_count_ragged_panels(isa, bias):
+@pytest.mark.parametrize("k", [67, 300])  # odd K (the split-K tail); 300: two full chunks and a tail of 44
+def test_every_row_count_ragged_panels(isa, bias, k, schedule):
     width = need(isa)
-    n, k = 3 * width + 5, 67  # a ragged last panel; odd K (the split-K tail)
+    n = 3 * width + 5  # a ragged last panel
     w, b = rand(n, k, seed=1), (rand(n, seed=2) if bias else None)
     packed = cpu_gemm.pack(w, isa)
     assert packed.shape == (4, k, width)
@@ -64,7 +81,7 @@ def test_shapes(isa, n, k):
     need(isa)
     w, b = rand(n, k, seed=n), rand(n, seed=k)
     packed = cpu_gemm.pack(w.t().contiguous().t(), isa)  # column-major storage, as linear.py keeps it
-    for m in (1, 2, 3, 5, 14, 15, 29, 64):
+    for m in (1, 2, 3, 5, 14, 15, 16, 24, 29, 32, 48, 56, 57, 64):
         x = rand(m, k, seed=m + n)
         check(x, w, b, cpu_gemm.gemm(x, packed, b, n))
         check(x, w, None, cpu_gemm.gemm(x, packed, None, n))
@@ -73,9 +90,10 @@ def test_shapes(isa, n, k):
 def test_strided_rows_zero_rows_and_refusals():
     w = rand(100, 64, seed=3)
     packed = cpu_gemm.pack(w)
-    wide = rand(9, 80, seed=4)
-    x = wide[:, 8:72]  # row stride 80, dense rows: used in place
-    check(x, w, None, cpu_gemm.gemm(x, packed, None, 100))
+    for rows in (9, 20):  # one row block; two (x packed per chunk from the strided rows)
+        wide = rand(rows, 80, seed=4)
+        x = wide[:, 8:72]  # row stride 80, dense rows: used in place
+        check(x, w, None, cpu_gemm.gemm(x, packed, None, 100))
     assert cpu_gemm.gemm(torch.empty(0, 64), packed, None, 100).shape == (0, 100)
     with pytest.raises(RuntimeError, match="rows must be dense"):
         cpu_gemm.gemm(rand(64, 9, seed=5).t(), packed, None, 100)

@@ -100,6 +100,13 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
     return torch.ops.pagedllm.gemm_packed_cpu(x, packed, bias, n)
 
 
+def chunk_max_blocks(value: int = -1) -> int:
+    """The kernel sweeps a panel in K-chunks, all row blocks per chunk, for 2..this many blocks of
+    rows (``csrc/cpu_gemm_kernel.h``). ``value``: 1 = never (the whole-panel schedule, for A/B
+    runs), 0 = the default (4), negative = only read; returns the previous setting."""
+    return int(torch.ops.pagedllm.gemm_chunk_max_blocks(value))
+
+
 def _arena_empty(*shape: int) -> torch.Tensor:
     """An uninitialised contiguous float32 tensor: the next slice of the current chunk (a view
     sharing the chunk's storage), a new chunk's first slice, or its own buffer if large."""
