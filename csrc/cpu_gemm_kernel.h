@@ -178,20 +178,24 @@ void panels(const Args& a, int64_t p_begin, int64_t p_end) {
       for (int64_t k = 0; k < K; ++k) dst[k * rows + i] = a.x[(row + i) * a.lda + k];
     row += rows;
   }
+  // Equal chunks of at most kChunk steps (K = 576: 5 x 116 - 4, not 4 x 128 + 64), so every
+  // chunk's prefetch covers the next chunk whole.
+  const int64_t num_chunks = (K + kChunk - 1) / kChunk, kc = (K + num_chunks - 1) / num_chunks;
   for (int64_t p = p_begin; p < p_end; ++p) {
     const float* b = a.packed + p * K * NR;
     const int64_t col = p * NR;
     const int cols = static_cast<int>(a.n - col < NR ? a.n - col : NR);
     const float* bias = a.bias != nullptr ? a.bias + col : nullptr;
-    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-      const int64_t kn = K - k0 < kChunk ? K - k0 : kChunk;
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t kn = K - k0 < kc ? K - k0 : kc;
       const bool last = k0 + kn == K;
-      // The chunk ahead (next panel's first after the last), a share of it per block.
-      const float* ahead = b + (k0 + kChunk) * NR;
+      // The kc steps ahead (into the next panel, which follows in memory, from the last), a share
+      // of them per block, spread over this chunk's steps.
+      const float* ahead = b + (k0 + kc) * NR;
       for (int64_t blk = 0, row = 0; blk < num_blocks; ++blk) {
         const int64_t rows = base + (blk < extra ? 1 : 0);
         float* acc = accbuf.data() + row * NR;
-        const Chunk ch{ahead + blk * kChunk * NR / num_blocks, NR * 256 / num_blocks, NR / num_blocks > 16,
+        const Chunk ch{ahead + blk * kc * NR / num_blocks, NR * 256 / num_blocks, NR / num_blocks > 16,
                        k0 == 0 ? nullptr : acc, last ? nullptr : acc};
         chunked[rows](xbuf.data() + row * K + k0 * rows, 0, b + k0 * NR, kn, ch, bias, a.y + row * a.ldy + col,
                       a.ldy, cols);

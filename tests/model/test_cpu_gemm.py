@@ -62,7 +62,7 @@ def test_chunk_setting_round_trips():
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("k", [67, 300])  # odd K (the split-K tail); 300: two full chunks and a tail of 44
+@pytest.mark.parametrize("k", [67, 301])  # odd K (the split-K tail); 301: chunks of 101, 101, 99
 def test_every_row_count_ragged_panels(isa, bias, k, schedule):
     width = need(isa)
     n = 3 * width + 5  # a ragged last panel
