@@ -25,6 +25,12 @@ constexpr int NR = 2 * VW;
 // 120 linears, 1 thread, interleaved: 0.5x the time without it at 1-14 rows, 0.75x at 32; 512,
 // 2048 and 4096 floats and the T1 / T2 hints did no better.
 constexpr int64_t kPrefetchFloats = 1024;
+// FAR: a second software prefetch, to L2 (T1), further ahead: 16 KB past the current step for
+// whole panels, 32 KB past the chunk-ahead share for chunks. On its own (T1 instead of T0) it did
+// nothing; with the near T0 prefetch, 1 thread over the 120 linears: 0.84-0.94x the time at 4-14
+// rows, 0.95-0.97x at 16-24, 0.97-0.98x at 64 (8192 floats for whole panels did no better).
+constexpr int64_t kFarFloats = 4096;
+constexpr int64_t kChunkFarFloats = 8192;
 // Several blocks: k-steps per chunk (16 KB of panel at 32 columns: this chunk and the next fit L1;
 // 32, 64 and 256 did worse).
 constexpr int64_t kChunk = 128;
@@ -42,10 +48,10 @@ struct Chunk {
 };
 
 // Rows [0, MR) of x times kn k-steps of one panel b [kn][NR]. Whole panels (!CHUNKED): x is the
-// caller's rows (row stride lda), prefetch kPrefetchFloats ahead. Chunks: x is packed [kn][MR]
+// caller's rows (row stride lda), prefetch kPrefetchFloats ahead (and kFarFloats if FAR). Chunks: x is packed [kn][MR]
 // (lda unused), and `ch` says where to prefetch and where the sums come from and go. Finishing,
 // only the first `cols` columns are stored to y (row stride ldy; the ragged last panel).
-template <int MR, bool CHUNKED>
+template <int MR, bool CHUNKED, bool FAR>
 inline void micro(const float* __restrict x, int64_t lda, const float* __restrict b, int64_t kn,
                   const Chunk& ch, const float* bias, float* __restrict y, int64_t ldy, int cols) {
   constexpr int S = k_split<MR>();
@@ -69,9 +75,16 @@ inline void micro(const float* __restrict x, int64_t lda, const float* __restric
         const char* p = reinterpret_cast<const char*>(ch.pf + (((k + s) * ch.pf_q8) >> 8));
         _mm_prefetch(p, _MM_HINT_T0);
         if (ch.pf_two) _mm_prefetch(p + 64, _MM_HINT_T0);
+        if (FAR) {
+          _mm_prefetch(p + 4 * kChunkFarFloats, _MM_HINT_T1);
+          if (ch.pf_two) _mm_prefetch(p + 4 * kChunkFarFloats + 64, _MM_HINT_T1);
+        }
       } else {  // NR floats are 1 (AVX2) or 2 (AVX-512) cache lines
         for (int line = 0; line < NR; line += 16)
           _mm_prefetch(reinterpret_cast<const char*>(b + (k + s) * NR + kPrefetchFloats + line), _MM_HINT_T0);
+        if (FAR)
+          for (int line = 0; line < NR; line += 16)
+            _mm_prefetch(reinterpret_cast<const char*>(b + (k + s) * NR + kFarFloats + line), _MM_HINT_T1);
       }
     }
 #pragma GCC unroll 4
@@ -145,8 +158,12 @@ using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, const Chu
 // Panels [p_begin, p_end), all rows; R... = 1, 2, ..., the most rows a block keeps in registers.
 template <int... R>
 void panels(const Args& a, int64_t p_begin, int64_t p_end) {
-  static constexpr MicroFn whole[] = {nullptr, &micro<R, false>...};
-  static constexpr MicroFn chunked[] = {nullptr, &micro<R, true>...};
+  static constexpr MicroFn whole_near[] = {nullptr, &micro<R, false, false>...};
+  static constexpr MicroFn whole_far[] = {nullptr, &micro<R, false, true>...};
+  static constexpr MicroFn chunked_near[] = {nullptr, &micro<R, true, false>...};
+  static constexpr MicroFn chunked_far[] = {nullptr, &micro<R, true, true>...};
+  const MicroFn* whole = a.far_prefetch ? whole_far : whole_near;
+  const MicroFn* chunked = a.far_prefetch ? chunked_far : chunked_near;
   constexpr int64_t kMaxRows = sizeof...(R);
   static_assert(kMaxRows <= 16, "micro unrolls rows 16 at a time");
   const int64_t num_blocks = (a.m + kMaxRows - 1) / kMaxRows;

@@ -50,6 +50,14 @@ int64_t gemm_chunk_max_blocks(int64_t value) {
   return chunk_max_blocks.exchange(value == 0 ? kDefaultChunkMaxBlocks : value);
 }
 
+std::atomic<bool> far_prefetch{true};
+
+// Turns the far L2 prefetch on (1) or off (0: as before it, an A/B switch) and returns the
+// previous setting; a negative value only reads it.
+int64_t gemm_far_prefetch(int64_t value) {
+  return value < 0 ? far_prefetch.load() : far_prefetch.exchange(value != 0);
+}
+
 at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
@@ -79,7 +87,8 @@ at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const 
     return bias_p != nullptr ? y.copy_(bias->unsqueeze(0).expand({m, n})) : y.zero_();
   }
   const gemm::Args args{x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bias_p,
-                        y.data_ptr<float>(), n, m, n, k, chunk_max_blocks.load(std::memory_order_relaxed)};
+                        y.data_ptr<float>(), n, m, n, k, chunk_max_blocks.load(std::memory_order_relaxed),
+                        far_prefetch.load(std::memory_order_relaxed)};
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   return y;
 }
@@ -91,6 +100,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   // The panel width to pack a weight in for an ISA (2 = AVX-512, 1 = AVX2, 0 = best); 0 = none.
   m.def("gemm_panel_width(int isa) -> int", &pagedllm::gemm_panel_width);
   m.def("gemm_chunk_max_blocks(int value) -> int", &pagedllm::gemm_chunk_max_blocks);
+  m.def("gemm_far_prefetch(int value) -> int", &pagedllm::gemm_far_prefetch);
   m.def("gemm_packed_cpu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 

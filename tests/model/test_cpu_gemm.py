@@ -44,20 +44,26 @@ def check(x, w, b, y) -> None:
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-6 * max(k, 16))
 
 
-@pytest.fixture(params=[0, 1, 8], ids=["chunks-default", "chunks-never", "chunks-to-8-blocks"])
+@pytest.fixture(params=[(0, 1), (1, 0), (8, 0)], ids=["default", "legacy", "chunks-to-8-blocks-near-only"])
 def schedule(request):
-    """Each row blocking under the default chunked sweeps, the whole-panel one, and chunks up to
-    8 blocks (every row count below 70 on AVX2, to 56+ on AVX-512)."""
-    previous = cpu_gemm.chunk_max_blocks(request.param)
+    """Each row blocking under the default (chunked sweeps for 2-4 blocks, far prefetch), the
+    previous whole-panel schedule without the far prefetch, and chunks up to 8 blocks (every row
+    count below 70 on AVX2, to 56+ on AVX-512) without it."""
+    chunks, far = request.param
+    previous = cpu_gemm.chunk_max_blocks(chunks), cpu_gemm.far_prefetch(far)
     yield request.param
-    cpu_gemm.chunk_max_blocks(previous)
+    cpu_gemm.chunk_max_blocks(previous[0])
+    cpu_gemm.far_prefetch(previous[1])
 
 
-def test_chunk_setting_round_trips():
+def test_tuning_settings_round_trip():
     default = cpu_gemm.chunk_max_blocks(-1)
     assert default >= 2
     assert cpu_gemm.chunk_max_blocks(1) == default and cpu_gemm.chunk_max_blocks(-1) == 1
     assert cpu_gemm.chunk_max_blocks(0) == 1 and cpu_gemm.chunk_max_blocks(-1) == default
+    assert cpu_gemm.far_prefetch(-1) == 1
+    assert cpu_gemm.far_prefetch(0) == 1 and cpu_gemm.far_prefetch(-1) == 0
+    assert cpu_gemm.far_prefetch(1) == 0 and cpu_gemm.far_prefetch(-1) == 1
 
 
 @pytest.mark.parametrize("isa", ISAS)

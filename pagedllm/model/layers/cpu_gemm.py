@@ -107,6 +107,12 @@ def chunk_max_blocks(value: int = -1) -> int:
     return int(torch.ops.pagedllm.gemm_chunk_max_blocks(value))
 
 
+def far_prefetch(value: int = -1) -> int:
+    """The kernel's second, far software prefetch (to L2): 1 = on (the default), 0 = off (as
+    before it, for A/B runs), negative = only read; returns the previous setting."""
+    return int(torch.ops.pagedllm.gemm_far_prefetch(value))
+
+
 def _arena_empty(*shape: int) -> torch.Tensor:
     """An uninitialised contiguous float32 tensor: the next slice of the current chunk (a view
     sharing the chunk's storage), a new chunk's first slice, or its own buffer if large."""
