@@ -11,7 +11,8 @@
 // chunk before the next chunk (the sums parked in a small buffer between chunks), and each block
 // prefetches its share of the chunk ahead. Sweeping the whole panel block after block read it from
 // memory during the first block only and left memory idle while the others re-read it from L2: at
-// 16-32 rows time was about the memory time plus the later blocks' compute (1 thread, 120 linears).
+// 16-32 rows time was about the memory time plus the later blocks' compute. Chunks took 0.89-0.93x
+// the time at 16-48 rows (1 thread, 120 linears, scripts/cpu_gemm_sweep.py --vs whole).
 #include <cstring>
 #include <vector>
 
@@ -48,9 +49,10 @@ struct Chunk {
 };
 
 // Rows [0, MR) of x times kn k-steps of one panel b [kn][NR]. Whole panels (!CHUNKED): x is the
-// caller's rows (row stride lda), prefetch kPrefetchFloats ahead (and kFarFloats if FAR). Chunks: x is packed [kn][MR]
-// (lda unused), and `ch` says where to prefetch and where the sums come from and go. Finishing,
-// only the first `cols` columns are stored to y (row stride ldy; the ragged last panel).
+// caller's rows (row stride lda), prefetch kPrefetchFloats ahead (and kFarFloats if FAR). Chunks:
+// x is packed [kn][MR] (lda unused), and `ch` says where to prefetch and where the sums come from
+// and go. Finishing, only the first `cols` columns are stored to y (row stride ldy; the ragged
+// last panel).
 template <int MR, bool CHUNKED, bool FAR>
 inline void micro(const float* __restrict x, int64_t lda, const float* __restrict b, int64_t kn,
                   const Chunk& ch, const float* bias, float* __restrict y, int64_t ldy, int cols) {
@@ -195,7 +197,7 @@ void panels(const Args& a, int64_t p_begin, int64_t p_end) {
       for (int64_t k = 0; k < K; ++k) dst[k * rows + i] = a.x[(row + i) * a.lda + k];
     row += rows;
   }
-  // Equal chunks of at most kChunk steps (K = 576: 5 x 116 - 4, not 4 x 128 + 64), so every
+  // Equal chunks of at most kChunk steps (K = 576: 4 x 116 + 112, not 4 x 128 + 64), so every
   // chunk's prefetch covers the next chunk whole.
   const int64_t num_chunks = (K + kChunk - 1) / kChunk, kc = (K + num_chunks - 1) / num_chunks;
   for (int64_t p = p_begin; p < p_end; ++p) {

@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isa", default=None, help="avx512 / avx2 (default: the best this CPU runs)")
     parser.add_argument("--head", action="store_true", help="the LM head (49152 x 576, row-major) instead")
-    parser.add_argument("--vs", choices=["mkl", "legacy", "whole", "4k"], default="mkl", help="the baseline (module doc)")
+    parser.add_argument("--vs", choices=["mkl", "legacy", "whole", "4k"], default="mkl",
+                        help="the baseline (module doc)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by process CPU time, not wall time: with --threads 1 on a busy machine, "
                              "the time this process was descheduled no longer counts")
