@@ -26,6 +26,8 @@ struct Args {
   float* y;             // [M, N], row stride ldy
   int64_t ldy;
   int64_t m, n, k;
+  int64_t chunk_max_blocks;  // sweep the panel in chunks for 2..this many row blocks (1: never)
+  bool far_prefetch;         // also prefetch to L2 further ahead (cpu_gemm_kernel.h)
 };
 
 // Panels [p_begin, p_end) of the product, every row. One per ISA, each its own translation unit

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+
 #include "cpu_gemm.h"
 
 namespace pagedllm {
@@ -33,6 +35,27 @@ int64_t gemm_panel_width(int64_t isa) {
   if ((isa == 0 || isa == 2) && cpu_has_avx512()) return gemm::kNrAvx512;
   if ((isa == 0 || isa == 1) && cpu_has_avx2_fma()) return gemm::kNrAvx2;
   return 0;
+}
+
+// Chunked sweeps for 2..this many row blocks (cpu_gemm_kernel.h): 15-56 rows on AVX-512, 7-24 on
+// AVX2. At 5+ blocks the blocks' packed x (~66 KB a chunk at 13 rows) no longer fits L1 and compute
+// dominates anyway: chunks ran 1.03-1.07x slower at 96-128 rows (1 thread, 120 linears).
+constexpr int64_t kDefaultChunkMaxBlocks = 4;
+std::atomic<int64_t> chunk_max_blocks{kDefaultChunkMaxBlocks};
+
+// Sets the limit (1 = never chunk: the previous schedule, an A/B switch for scripts/cpu_gemm_sweep.py;
+// 0 = the default) and returns the previous one; a negative value only reads it.
+int64_t gemm_chunk_max_blocks(int64_t value) {
+  if (value < 0) return chunk_max_blocks.load();
+  return chunk_max_blocks.exchange(value == 0 ? kDefaultChunkMaxBlocks : value);
+}
+
+std::atomic<bool> far_prefetch{true};
+
+// Turns the far L2 prefetch on (1) or off (0: as before it, an A/B switch) and returns the
+// previous setting; a negative value only reads it.
+int64_t gemm_far_prefetch(int64_t value) {
+  return value < 0 ? far_prefetch.load() : far_prefetch.exchange(value != 0);
 }
 
 at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -64,7 +87,8 @@ at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const 
     return bias_p != nullptr ? y.copy_(bias->unsqueeze(0).expand({m, n})) : y.zero_();
   }
   const gemm::Args args{x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bias_p,
-                        y.data_ptr<float>(), n, m, n, k};
+                        y.data_ptr<float>(), n, m, n, k, chunk_max_blocks.load(std::memory_order_relaxed),
+                        far_prefetch.load(std::memory_order_relaxed)};
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   return y;
 }
@@ -75,6 +99,8 @@ at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   // The panel width to pack a weight in for an ISA (2 = AVX-512, 1 = AVX2, 0 = best); 0 = none.
   m.def("gemm_panel_width(int isa) -> int", &pagedllm::gemm_panel_width);
+  m.def("gemm_chunk_max_blocks(int value) -> int", &pagedllm::gemm_chunk_max_blocks);
+  m.def("gemm_far_prefetch(int value) -> int", &pagedllm::gemm_far_prefetch);
   m.def("gemm_packed_cpu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 

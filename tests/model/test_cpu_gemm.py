@@ -44,11 +44,34 @@ def check(x, w, b, y) -> None:
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-6 * max(k, 16))
 
 
+@pytest.fixture(params=[(0, 1), (1, 0), (8, 0)], ids=["default", "legacy", "chunks-to-8-blocks-near-only"])
+def schedule(request):
+    """Each row blocking under the default (chunked sweeps for 2-4 blocks, far prefetch), the
+    previous whole-panel schedule without the far prefetch, and chunks up to 8 blocks (every row
+    count below 70 on AVX2, to 56+ on AVX-512) without it."""
+    chunks, far = request.param
+    previous = cpu_gemm.chunk_max_blocks(chunks), cpu_gemm.far_prefetch(far)
+    yield request.param
+    cpu_gemm.chunk_max_blocks(previous[0])
+    cpu_gemm.far_prefetch(previous[1])
+
+
+def test_tuning_settings_round_trip():
+    default = cpu_gemm.chunk_max_blocks(-1)
+    assert default >= 2
+    assert cpu_gemm.chunk_max_blocks(1) == default and cpu_gemm.chunk_max_blocks(-1) == 1
+    assert cpu_gemm.chunk_max_blocks(0) == 1 and cpu_gemm.chunk_max_blocks(-1) == default
+    assert cpu_gemm.far_prefetch(-1) == 1
+    assert cpu_gemm.far_prefetch(0) == 1 and cpu_gemm.far_prefetch(-1) == 0
+    assert cpu_gemm.far_prefetch(1) == 0 and cpu_gemm.far_prefetch(-1) == 1
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_row_count_ragged_panels(isa, bias):
+@pytest.mark.parametrize("k", [67, 301])  # odd K (the split-K tail); 301: chunks of 101, 101, 99
+def test_every_row_count_ragged_panels(isa, bias, k, schedule):
     width = need(isa)
-    n, k = 3 * width + 5, 67  # a ragged last panel; odd K (the split-K tail)
+    n = 3 * width + 5  # a ragged last panel
     w, b = rand(n, k, seed=1), (rand(n, seed=2) if bias else None)
     packed = cpu_gemm.pack(w, isa)
     assert packed.shape == (4, k, width)
@@ -64,7 +87,7 @@ def test_shapes(isa, n, k):
     need(isa)
     w, b = rand(n, k, seed=n), rand(n, seed=k)
     packed = cpu_gemm.pack(w.t().contiguous().t(), isa)  # column-major storage, as linear.py keeps it
-    for m in (1, 2, 3, 5, 14, 15, 29, 64):
+    for m in (1, 2, 3, 5, 14, 15, 16, 24, 29, 32, 48, 56, 57, 64):
         x = rand(m, k, seed=m + n)
         check(x, w, b, cpu_gemm.gemm(x, packed, b, n))
         check(x, w, None, cpu_gemm.gemm(x, packed, None, n))
@@ -73,9 +96,10 @@ def test_shapes(isa, n, k):
 def test_strided_rows_zero_rows_and_refusals():
     w = rand(100, 64, seed=3)
     packed = cpu_gemm.pack(w)
-    wide = rand(9, 80, seed=4)
-    x = wide[:, 8:72]  # row stride 80, dense rows: used in place
-    check(x, w, None, cpu_gemm.gemm(x, packed, None, 100))
+    for rows in (9, 20):  # one row block; two (x packed per chunk from the strided rows)
+        wide = rand(rows, 80, seed=4)
+        x = wide[:, 8:72]  # row stride 80, dense rows: used in place
+        check(x, w, None, cpu_gemm.gemm(x, packed, None, 100))
     assert cpu_gemm.gemm(torch.empty(0, 64), packed, None, 100).shape == (0, 100)
     with pytest.raises(RuntimeError, match="rows must be dense"):
         cpu_gemm.gemm(rand(64, 9, seed=5).t(), packed, None, 100)
@@ -153,3 +177,32 @@ def test_forced_avx2_packs_16_wide(monkeypatch):
     assert layer.gemm_weight.shape[2] == 16
     x = rand(20, 96, seed=14)
     check(x, w, layer.bias, layer(x))
+
+
+def test_packed_weights_share_huge_page_chunks_in_order():
+    from pagedllm.model import huge_pages
+
+    cpu_gemm._arena.update(last=None, end=0, limit=0)  # start a fresh chunk
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (100, 33)]
+    ws = [rand(n, k, seed=n + k) for n, k in shapes]
+    packs = [cpu_gemm.pack(w) for w in ws]
+    width = packs[0].shape[2]
+    first = packs[0].data_ptr()
+    if huge_pages.available():
+        assert first % huge_pages.HUGE_PAGE_BYTES == 0, "a new chunk starts on a huge page"
+    for prev, cur in zip(packs, packs[1:]):
+        assert cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr(), "one chunk"
+        gap = cur.data_ptr() - (prev.data_ptr() + prev.numel() * 4)
+        assert cur.data_ptr() % 64 == 0 and 0 <= gap < 64, "adjacent, in packing order, line-aligned"
+    for (n, k), w, p in zip(shapes, ws, packs):
+        assert p.is_contiguous() and p.shape == (-(-n // width), k, width)
+        x = rand(16, k, seed=k)
+        check(x, w, None, cpu_gemm.gemm(x, p, None, n))
+    # A weight over a quarter chunk gets its own buffer; the chunk goes on after it.
+    big = cpu_gemm.pack(rand(cpu_gemm.ARENA_CHUNK_FLOATS // 4 // 64 + 64, 64, seed=1))
+    assert big.untyped_storage().data_ptr() != first
+    after = cpu_gemm.pack(ws[1])
+    assert after.data_ptr() == -(-(packs[-1].data_ptr() + packs[-1].numel() * 4) // 64) * 64
+    # The arena holds no strong reference: once every slice is gone, so is the chunk.
+    del packs, after, p
+    assert cpu_gemm._arena["last"]() is None

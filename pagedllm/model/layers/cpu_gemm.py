@@ -10,14 +10,25 @@ width, so a weight packed for AVX2 runs the AVX2 kernel even on an AVX-512 CPU
 Used only when the compiled library loads (``cpu_op.load()``; ``PAGEDLLM_DISABLE_CPU_OP=1``
 turns it off too), the CPU has AVX2 + FMA, and ``PAGEDLLM_DISABLE_CPU_GEMM`` is unset (an A/B
 switch for this GEMM alone); otherwise ``pack`` returns None and the linears keep MKL / F.linear.
+
+Packed weights live on 2 MB transparent huge pages (``pagedllm.model.huge_pages``): one call streams
+the whole weight, and at 4 KB pages that is a TLB miss and a cut prefetch stream every 4 KB. Most
+weights (1.3-7 MB for the default model; q and o under huge_pages' 4 MB minimum) are handed out
+as 64-byte-aligned slices of shared 64 MB chunks, in packing order, so the small ones get huge
+pages too and a layer's weights lie next to each other in the order a step reads them. Weights
+over a quarter chunk (the LM head) get a huge-page buffer of their own. A chunk is freed when the
+last slice of it is; the arena keeps only a weak reference to the newest slice.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
+
+from pagedllm.model import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +36,13 @@ DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_GEMM"
 ISA_ENV = "PAGEDLLM_CPU_GEMM_ISA"
 ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
 
+ARENA_CHUNK_FLOATS = 16 << 20
+"""64 MB: 32 huge pages per chunk; a chunk's untouched tail pages are never made resident."""
+ALIGN_FLOATS = 16
+"""Slices start on 64-byte (cache-line) boundaries."""
+
 _state: dict[str, object] = {}
+_arena: dict[str, object] = {"last": None, "end": 0, "limit": 0}
 
 
 def _log_once(reason: str) -> None:
@@ -68,7 +85,7 @@ def pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor | None:
     n, k = weight.shape
     num_panels = -(-n // nr)
     # Panel by panel, so the transient copy is one panel, not the whole (padded) weight.
-    packed = torch.empty(num_panels, k, nr)
+    packed = _arena_empty(num_panels, k, nr)
     for p in range(num_panels):
         cols = weight[p * nr : (p + 1) * nr]  # [<= nr, in]
         packed[p, :, : cols.shape[0]].copy_(cols.t())
@@ -81,3 +98,41 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
     """``x [M, in] @ W^T (+ bias)`` -> ``[M, n]`` with W packed by ``pack``; ``x`` 2-D float32
     with dense rows (``stride(1) == 1``), else the op raises."""
     return torch.ops.pagedllm.gemm_packed_cpu(x, packed, bias, n)
+
+
+def chunk_max_blocks(value: int = -1) -> int:
+    """The kernel sweeps a panel in K-chunks, all row blocks per chunk, for 2..this many blocks of
+    rows (``csrc/cpu_gemm_kernel.h``). ``value``: 1 = never (the whole-panel schedule, for A/B
+    runs), 0 = the default (4), negative = only read; returns the previous setting."""
+    return int(torch.ops.pagedllm.gemm_chunk_max_blocks(value))
+
+
+def far_prefetch(value: int = -1) -> int:
+    """The kernel's second, far software prefetch (to L2): 1 = on (the default), 0 = off (as
+    before it, for A/B runs), negative = only read; returns the previous setting."""
+    return int(torch.ops.pagedllm.gemm_far_prefetch(value))
+
+
+def _arena_empty(*shape: int) -> torch.Tensor:
+    """An uninitialised contiguous float32 tensor: the next slice of the current chunk (a view
+    sharing the chunk's storage), a new chunk's first slice, or its own buffer if large."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel > ARENA_CHUNK_FLOATS // 4:
+        return huge_pages.empty(shape, torch.float32)
+    last = _arena["last"]() if _arena["last"] is not None else None
+    start = -(-int(_arena["end"]) // ALIGN_FLOATS) * ALIGN_FLOATS
+    if last is None or start + numel > int(_arena["limit"]):
+        chunk = huge_pages.empty((ARENA_CHUNK_FLOATS + ALIGN_FLOATS,), torch.float32)
+        base = chunk.storage_offset() + (-chunk.data_ptr() % 64) // 4
+        storage, start, limit = chunk.untyped_storage(), base, base + ARENA_CHUNK_FLOATS
+    else:
+        storage, limit = last.untyped_storage(), int(_arena["limit"])
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.insert(0, stride)
+        stride *= size
+    view = torch.empty(0).set_(storage, start, shape, strides)
+    _arena.update(last=weakref.ref(view), end=start + numel, limit=limit)
+    return view
