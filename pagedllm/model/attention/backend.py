@@ -37,6 +37,13 @@ class AttentionBackend:
                 scale: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``write_kv_cache`` then ``forward``: what an ``Attention`` layer calls once per step (a
+        backend may do both behind one check)."""
+        self.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return self.forward(query, kv_cache, metadata, scale)
+
 
 class TorchAttentionBackend(AttentionBackend):
     """The CPU reference (``paged.py``): gather through block tables, masked SDPA."""
@@ -66,6 +73,27 @@ class CpuAttentionBackend(AttentionBackend):
         from pagedllm.model.attention import cpu_op
 
         self._op = cpu_op
+        # The ops' C++ callables, bound once (None where the library is not loaded): calling them
+        # skips cpu_op's wrappers and OpOverload.__call__, two Python frames per call.
+        self._kv_write = self._attention = None
+        if cpu_op.load():
+            ns = torch.ops.pagedllm
+            self._kv_write = getattr(ns.kv_write_cpu.default, "_op", ns.kv_write_cpu.default)
+            self._attention = getattr(ns.paged_attention_cpu.default, "_op", ns.paged_attention_cpu.default)
+
+    def attend(self, query, key, value, kv_cache, metadata, scale) -> torch.Tensor:
+        # Both ops' conditions (cpu_op.supports_kv_write and cpu_op.supports) checked once, with the
+        # cheapest tensor reads (is_cpu, not .device): at decode these checks were ~5 us a layer.
+        f32 = torch.float32
+        if (self._attention is not None and query.dtype == f32 and key.dtype == f32 and value.dtype == f32
+                and query.is_cpu and key.is_cpu and kv_cache.dtype in self._op.KV_DTYPES
+                and kv_cache.is_contiguous() and query.shape[-1] in self._op.SUPPORTED_HEAD_DIMS
+                and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1):
+            self._kv_write(key, value, kv_cache, metadata.slot_mapping)
+            return self._attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                   metadata.query_start_loc, scale, 0, 0, 0, 0)
+        self.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return self.forward(query, kv_cache, metadata, scale)
 
     def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
         # The op copies the strided K/V views row by row; index_copy_ measured ~3x slower per call.

@@ -34,6 +34,4 @@ class Attention(nn.Module):
             # No cache (profiling / dummy run): attend over the current tokens only.
             starts = metadata.query_start_loc if metadata is not None else None
             return causal_attention_no_cache(query, key, value, self.scale, starts)
-        kv_cache = ctx.kv_caches[self.layer_idx]
-        self.backend.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self.backend.forward(query, kv_cache, metadata, self.scale)
+        return self.backend.attend(query, key, value, ctx.kv_caches[self.layer_idx], metadata, self.scale)

@@ -12,7 +12,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = cpu_fused.usable(x)
-        if ops is not None and ops.silu_and_mul is not None and x.dim() == 2 and x.stride(-1) == 1:
+        if ops is not None and x.dim() == 2 and x.stride(1) == 1 and ops.silu_and_mul is not None:
             return ops.silu_and_mul(x)  # one call, no fork at decode sizes (cpu_fused)
         return self.forward_native(x)
 

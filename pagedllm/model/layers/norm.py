@@ -30,13 +30,17 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
-        weight = self.weight  # read once: a parameter lookup goes through nn.Module.__getattr__ (~1-2 us)
+        # The parameter read straight from _parameters: ``self.weight`` misses the instance dict
+        # and runs nn.Module.__getattr__ (~0.7 us, twice a layer).
+        weight = self._parameters["weight"]
         ops = cpu_fused.usable(x)
-        if (ops is not None and ops.rms_norm is not None and x.dim() == 2 and x.stride(-1) == 1
-                and weight.dtype == torch.float32):
+        if ops is not None and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == torch.float32:
             if residual is None:
-                return ops.rms_norm(x, weight, self.eps)
-            if residual.dtype == torch.float32 and residual.shape == x.shape and residual.stride(-1) == 1:
+                if ops.rms_norm is not None:
+                    return ops.rms_norm(x, weight, self.eps)
+            elif (ops.add_rms_norm is not None and residual.dtype == torch.float32 and residual.dim() == 2
+                  and residual.stride(1) == 1 and residual.shape[0] == x.shape[0]
+                  and residual.shape[1] == x.shape[1]):
                 return ops.add_rms_norm(x, residual, weight, self.eps)
         return self.forward_native(x, residual)
 

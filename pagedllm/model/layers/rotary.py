@@ -50,6 +50,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        # sin with its first half negated (see cos_sin), precomputed: negation is exact, and it
+        # saves cos_sin four ATen calls a step.
+        half = head_dim // 2
+        signed_sin = self.sin_cache.clone()
+        signed_sin[:, :half].neg_()
+        self.register_buffer("signed_sin_cache", signed_sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each [T, 1, D] in ``dtype``: gather them once per step and hand them to
@@ -58,10 +64,10 @@ class RotaryEmbedding(nn.Module):
         The signed sin is ``sin`` with its first half negated, so that ``rotate_half(x) * sin``, i.e.
         ``cat(-x2, x1) * sin``, becomes ``roll(x, D/2) * signed_sin``: the same products (negation is
         exact), one call instead of three."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
-        half = self.head_dim // 2
-        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        # index_select, not cache[positions]: the same rows without advanced indexing's overhead
+        # (~8 us a call at decode).
+        cos = torch.index_select(self.cos_cache, 0, positions).unsqueeze(1).to(dtype)
+        return cos, torch.index_select(self.signed_sin_cache, 0, positions).unsqueeze(1).to(dtype)
 
     def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate ``x`` [T, heads, D] by ``cos_sin`` from ``cos_sin()``: ``x * cos + rotate_half(x) * sin``
