@@ -131,8 +131,8 @@ def test_linear_uses_it_within_its_rows(bias, monkeypatch):
     layer.process_weights_after_loading()
     assert layer.gemm_weight is not None and layer.packed_weight is None, "one packed copy, not two"
     calls = []
-    real = cpu_gemm.gemm
-    monkeypatch.setattr(cpu_gemm, "gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = layer._gemm_op  # the op, bound once by process_weights_after_loading
+    monkeypatch.setattr(layer, "_gemm_op", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for m in (1, 14, GEMM_ROWS[1], GEMM_ROWS[1] + 1):
         x = rand(m, 96, seed=m)
         check(x, original_w, layer.bias, layer(x))

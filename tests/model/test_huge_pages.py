@@ -32,13 +32,26 @@ def _huge_bytes_of_mapping(address: int) -> int:
     return 0
 
 
+def _thp_fault_counts() -> dict[str, int]:
+    counts = {}
+    for line in open("/proc/vmstat"):
+        name, value = line.split()
+        if name in ("thp_fault_alloc", "thp_fault_fallback"):
+            counts[name] = int(value)
+    return counts
+
+
 @needs_thp
 def test_touched_buffer_lands_on_huge_pages():
+    before = _thp_fault_counts()
     t = huge_pages.zeros((16, 2**20), torch.float32)  # 64 MB
+    after = _thp_fault_counts()
     assert t.abs().sum().item() == 0.0
-    # Its own mapping, not the process total (other tests' buffers may be freed meanwhile). The
-    # kernel may fall short when memory is fragmented, but not entirely on a quiet machine.
-    assert _huge_bytes_of_mapping(t.data_ptr()) >= huge_pages.HUGE_PAGE_BYTES
+    # Its own mapping, not the process total (other tests' buffers may be freed meanwhile).
+    on_huge = _huge_bytes_of_mapping(t.data_ptr())
+    if on_huge == 0 and after.get("thp_fault_fallback", 0) > before.get("thp_fault_fallback", 0):
+        pytest.skip("the kernel had no free 2 MB pages just now (thp_fault_fallback rose): nothing to check")
+    assert on_huge >= huge_pages.HUGE_PAGE_BYTES
 
 
 def test_small_buffers_and_the_switch_give_plain_tensors(monkeypatch):
