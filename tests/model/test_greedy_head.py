@@ -69,9 +69,9 @@ def test_scalar_loops_agree_with_the_vector_ones():
     hidden = torch.randn(9, 72, generator=gen) * 4
     head = GreedyHead.build(weight, force=True)
     approx = F.linear(hidden.bfloat16(), head.weight_bf16).contiguous()
-    bound = head.gamma * head.max_row_norm * hidden.norm(dim=1)
+    row_scale = head.gamma * hidden.norm(dim=1)
     u = 2.0**-8
-    args = (approx, hidden, weight, bound, u / (1 - u), greedy_head.MAX_CANDIDATES_PER_ROW)
+    args = (approx, hidden, weight, head.row_norms, row_scale, u / (1 - u), greedy_head.MAX_CANDIDATES_PER_ROW)
     vector = torch.ops.pagedllm.greedy_select_cpu(*args)
     scalar = torch.ops.pagedllm.greedy_select_cpu(*args, True)
     assert torch.equal(vector, _float32_argmax(hidden, weight)) and torch.equal(scalar, vector)
