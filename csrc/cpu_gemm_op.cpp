@@ -1,7 +1,7 @@
 // torch.ops.pagedllm.gemm_packed_cpu: y = x W^T (+ bias) on a weight packed in panels
 // (cpu_gemm.h; packed by pagedllm/model/layers/cpu_gemm.py). The panel width tells which kernel
 // packed it: 32 columns -> AVX-512, 16 -> AVX2 + FMA; the op refuses a width this CPU cannot run.
-// Panels are split across torch's intra-op threads (at::parallel_for), each thread a contiguous
+// Panels are split across the intra-op threads (parallel_for, thread_pool.h), each thread a contiguous
 // range, so each core streams its part of the weight linearly.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,6 +10,7 @@
 #include <atomic>
 
 #include "cpu_gemm.h"
+#include "thread_pool.h"
 
 namespace pagedllm {
 namespace {
@@ -89,7 +90,7 @@ at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const 
   const gemm::Args args{x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bias_p,
                         y.data_ptr<float>(), n, m, n, k, chunk_max_blocks.load(std::memory_order_relaxed),
                         far_prefetch.load(std::memory_order_relaxed)};
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+  parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   return y;
 }
 

@@ -26,6 +26,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "thread_pool.h"
+
 namespace pagedllm {
 namespace {
 
@@ -122,7 +124,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       scale_row(xp + r * xs, wp, inv_rms(xp + r * xs, n, static_cast<float>(eps), lanes), op + r * n, n);
   });
@@ -142,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* sp = sum.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* s = sp + r * n;
       add_row(xp + r * xs, rp + r * rs, s, n);
@@ -179,7 +181,7 @@ void rotary_qk_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = signed_sin.data_ptr<float>();
-  at::parallel_for(0, tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < num_heads; ++h)
         rotate_head(qp + t * qs + h * head_dim, cp + t * head_dim, sp + t * head_dim, half);
@@ -241,7 +243,7 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x, int64_t block) {
   at::Tensor out = at::empty({rows, d}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * xs, xp + r * xs + d, op + r * d, d, block);
   });
   return out;

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "thread_pool.h"
+
 namespace pagedllm {
 namespace {
 
@@ -183,7 +185,7 @@ at::Tensor greedy_select_cpu(const at::Tensor& approx, const at::Tensor& hidden,
   int64_t* op = out.data_ptr<int64_t>();
   const bool avx512 = cpu_has_avx512bw() && !scalar;
   const float rel = static_cast<float>(output_rel_error);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = y + r * vocab;
       const float scale = sp[r];

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace pagedllm {
 namespace {
@@ -110,7 +111,7 @@ int64_t split_items(std::vector<WorkItem>& items, std::vector<SplitGroup>& group
 // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the parts of each split item.
 void merge_splits(const AttnParams& p, const std::vector<SplitGroup>& groups) {
   const int64_t D = p.head_dim, G = p.group;
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t gi = begin; gi < end; ++gi) {
       const SplitGroup& g = groups[gi];
       const WorkItem& w = g.item;
@@ -256,7 +257,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   const auto run = isa == kIsaAvx512 ? run_items_avx512 : run_items_avx2;
   const int64_t num_items = static_cast<int64_t>(items.size());
   int64_t next = 0;
-  at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+  parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(scratch_floats(max_rows, head_dim));
     run(p, items.data(), num_items, &next, scratch.data());
   });
@@ -279,7 +280,7 @@ void kv_write_rows(const float* k, const float* v, int64_t ks0, int64_t ks1, int
   const int64_t row = heads * dim;
   T* vc = kc + num_slots * row;
   // A decode step's few rows are copied faster than threads start; long prompts are split.
-  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot_p[t] < 0) continue;
       T* kd = kc + slot_p[t] * row;

@@ -6,6 +6,8 @@ import os
 # anything else runs (the API server, a second engine, the test runner): measured on this
 # 2-core machine under load, a decode batch ran 8x slower spinning (1.9 vs 15.8 tok/s).
 # libgomp reads this when torch loads, so it must be set before the first `import torch`.
+# The compiled CPU ops run on their own workers instead, which spin briefly between the regions
+# of a step unless the process is contended (csrc/thread_pool.cpp).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput

@@ -27,6 +27,9 @@ def add_fast_path_parsers(bsub, common) -> None:
     p.add_argument("--compare-fused-ops", action="store_true",
                    help="also time steps with the fused small CPU ops (norms, rotary, SiLU) off, alternating "
                         "with the steps with them on, and report both")
+    p.add_argument("--compare-op-pool", action="store_true",
+                   help="also time steps with the compiled ops' spinning worker threads off (torch's passive "
+                        "OpenMP threads instead), alternating with the steps with them on, and report both")
 
 
 def bench_trace_efficiency(args, engine_args: dict) -> dict:
@@ -72,17 +75,18 @@ def profile_engine_args(args, engine_args: dict) -> dict:
 
 def bench_profile(args, engine_args: dict) -> dict:
     from pagedllm.bench.engine_utils import build_llm
-    from pagedllm.bench.step_profile import profile_table, run_step_profile
+    from pagedllm.bench.step_profile import compare_switch, profile_table, run_step_profile
 
     ea = profile_engine_args(args, engine_args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = run_step_profile(build_llm(**ea), args.batch_size, args.context_len, args.decode_steps,
-                              args.torch_profiler, out, compare_fused_ops=getattr(args, "compare_fused_ops", False))
+                              args.torch_profiler, out, compare=compare_switch(args))
     result["engine_args"] = ea
     write_result(out, "profile", result)
     print(format_table(*profile_table(result)))
-    if "fused_ops_off" in result:
-        print("with the fused small CPU ops off (steps alternating with the ones above):")
-        print(format_table(*profile_table(result["fused_ops_off"])))
+    for key, what in (("fused_ops_off", "the fused small CPU ops"), ("op_pool_off", "the ops' own worker threads")):
+        if key in result:
+            print(f"with {what} off (steps alternating with the ones above):")
+            print(format_table(*profile_table(result[key])))
     return result

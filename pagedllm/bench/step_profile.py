@@ -17,7 +17,9 @@ hooks (the median of those is the step time reported), one with them (the shares
 category), so both see the same load from whatever else runs on the machine. `--torch-profiler`
 also writes torch.profiler's top operators of one decode step without hooks (OUT/profile_ops.txt).
 `--compare-fused-ops` alternates each pair with a pair run with the fused small CPU ops (norms,
-rotary, SiLU: model/layers/cpu_fused.py) switched off, and reports both, side by side.
+rotary, SiLU: model/layers/cpu_fused.py) switched off, and reports both, side by side;
+`--compare-op-pool` does the same with the compiled ops' own spinning worker threads switched off
+(csrc/thread_pool.cpp: the ops then run on torch's passive OpenMP threads).
 """
 
 from __future__ import annotations
@@ -118,8 +120,27 @@ def _decode_steps(engine, recorder: StepRecorder, batch_size: int, count: int, m
 
 
 def timed_decode_steps(args) -> int:
-    """Decode steps a profile times per mode: twice as many with --compare-fused-ops (on, then off)."""
-    return args.decode_steps * (2 if getattr(args, "compare_fused_ops", False) else 1)
+    """Decode steps a profile times per mode: twice as many with a --compare-* switch (on, then off)."""
+    return args.decode_steps * (2 if compare_switch(args) else 1)
+
+
+def compare_switch(args) -> str | None:
+    """The A/B switch a profile alternates: "fused_ops", "op_pool" or None."""
+    if getattr(args, "compare_fused_ops", False):
+        return "fused_ops"
+    return "op_pool" if getattr(args, "compare_op_pool", False) else None
+
+
+def _set_switch(switch: str, enabled: bool) -> None:
+    if switch == "fused_ops":
+        from pagedllm.model.layers import cpu_fused
+
+        cpu_fused.set_enabled(enabled)
+    else:
+        from pagedllm.model.attention import cpu_op
+
+        if cpu_op.op_pool(enabled=enabled) is None:
+            raise RuntimeError(f"--compare-op-pool needs the compiled CPU ops: {cpu_op.unavailable_reason()}")
 
 
 def profile_output_len(batch_size: int, context_len: int, decode_steps: int, max_num_batched_tokens: int) -> int:
@@ -130,19 +151,17 @@ def profile_output_len(batch_size: int, context_len: int, decode_steps: int, max
     return prefill_steps + 2 * decode_steps + 6
 
 
-def _alternating_decode_steps(engine, recorder, batch_size: int, count: int, model):
-    """``count`` pairs of steps with the fused small CPU ops on, each followed by a pair with them off
-    (so both see the same load): (on steps, off steps), as ``_decode_steps`` returns them."""
-    from pagedllm.model.layers import cpu_fused
-
+def _alternating_decode_steps(engine, recorder, batch_size: int, count: int, model, switch: str):
+    """``count`` pairs of steps with ``switch`` on, each followed by a pair with it off (so both see
+    the same load): (on steps, off steps), as ``_decode_steps`` returns them."""
     on, off = [], []
     try:
         for _ in range(count):
             for enabled, sink in ((True, on), (False, off)):
-                cpu_fused.set_enabled(enabled)
+                _set_switch(switch, enabled)
                 sink += _decode_steps(engine, recorder, batch_size, 1, model)
     finally:
-        cpu_fused.set_enabled(True)
+        _set_switch(switch, True)
     return on, off
 
 
@@ -164,13 +183,13 @@ def _summary(steps, model, batch_size: int) -> dict:
 
 
 def run_step_profile(llm, batch_size: int, context_len: int, decode_steps: int = 5, torch_profiler: bool = False,
-                     out_dir=None, compare_fused_ops: bool = False) -> dict:
+                     out_dir=None, compare: str | None = None) -> dict:
     engine = llm.engine
     core = engine.core
     model = core.executor.runner.model  # instrumentation: hooks on the model's own modules
     requests = make_workload(WorkloadSpec("fixed", batch_size, max_model_len=core.scheduler_config.max_model_len,
                                           input_len=context_len, output_len=profile_output_len(
-                                              batch_size, context_len, decode_steps * (1 + compare_fused_ops),
+                                              batch_size, context_len, decode_steps * (2 if compare else 1),
                                               core.scheduler_config.max_num_batched_tokens),
                                           vocab_size=core.model_info.hf_config.vocab_size, seed=batch_size))
     prefill_start = time.perf_counter()
@@ -192,8 +211,8 @@ def run_step_profile(llm, batch_size: int, context_len: int, decode_steps: int =
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 engine.step()
             ops_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        if compare_fused_ops:
-            steps, off_steps = _alternating_decode_steps(engine, recorder, batch_size, decode_steps, model)
+        if compare:
+            steps, off_steps = _alternating_decode_steps(engine, recorder, batch_size, decode_steps, model, compare)
         else:
             steps, off_steps = _decode_steps(engine, recorder, batch_size, decode_steps, model), None
     engine.abort_request([f"profile-{i}" for i in range(batch_size)])
@@ -210,7 +229,7 @@ def run_step_profile(llm, batch_size: int, context_len: int, decode_steps: int =
         "torch_profiler_ops": ops_table is not None,
     }
     if off_steps is not None:
-        result["fused_ops_off"] = {"batch_size": batch_size, "context_len": context_len,
+        result[f"{compare}_off"] = {"batch_size": batch_size, "context_len": context_len,
                                    **_summary(off_steps, model, batch_size)}
     return result
 

@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp", "fused_ops.cpp",
-           "cpu_gemm_op.cpp", "cpu_gemm_avx2.cpp", "cpu_gemm_avx512.cpp", "greedy_select.cpp")
-HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h")
+           "cpu_gemm_op.cpp", "cpu_gemm_avx2.cpp", "cpu_gemm_avx512.cpp", "greedy_select.cpp",
+           "thread_pool.cpp")
+HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
+           "thread_pool.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile
 # time only: at::parallel_for is an inline `#pragma omp parallel`, which without it runs on one
@@ -139,6 +141,21 @@ def unavailable_reason() -> str | None:
 def isa_name() -> str:
     """'avx512', 'avx2' or 'none': the kernel the op uses on this CPU."""
     return {2: "avx512", 1: "avx2"}.get(int(torch.ops.pagedllm.cpu_isa()), "none") if load() else "none"
+
+
+def op_pool(enabled: bool | None = None, spin_us: int | None = None) -> dict | None:
+    """Query, and optionally set, the compiled ops' own worker threads (csrc/thread_pool.cpp): on,
+    they wait for the next job spinning for ``spin_us`` microseconds (``PAGEDLLM_POOL_SPIN_US``,
+    default 50) before sleeping, except while the process is contended; off
+    (``PAGEDLLM_DISABLE_OP_POOL=1``), the ops run on torch's OpenMP threads, which the engine keeps
+    passive. Returns the state, with counters (jobs, worker sleeps, contended windows), or None
+    where the library is not loaded."""
+    if not load():
+        return None
+    state = torch.ops.pagedllm.op_pool_config(-1 if enabled is None else int(enabled),
+                                              -1 if spin_us is None else int(spin_us))
+    keys = ("enabled", "spin_us", "jobs", "worker_sleeps", "contended", "contended_windows")
+    return {k: (bool(v) if k in ("enabled", "contended") else int(v)) for k, v in zip(keys, state)}
 
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
