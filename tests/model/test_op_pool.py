@@ -2,12 +2,15 @@
 
 Each op must give the same bits whichever threads run it and however many there are (every
 range of a split runs exactly once), the pool must take the jobs it is given (its counters
-move), a worker that slept must wake for the next job, and a child of fork() must get working
-threads of its own.
+move), a worker that slept must wake for the next job, a child of fork() must get working
+threads of its own, and the workers must stop spinning while other processes want the cores.
 """
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -93,3 +96,24 @@ def test_a_forked_child_gets_its_own_workers():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_workers_stop_spinning_while_other_processes_want_the_cores():
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("no schedstat here: the pool stays passive (never spins)")
+    torch.set_num_threads(2)
+    cpu_op.op_pool(enabled=True, spin_us=50)
+    run = gemm_case(64, k=512, n=2048)
+    windows = cpu_op.op_pool()["contended_windows"]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and cpu_op.op_pool()["contended_windows"] == windows:
+            run()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    state = cpu_op.op_pool()
+    assert state["contended_windows"] > windows, "busy cores were not noticed"
+    assert state["contended"], "the pool went back to spinning while the cores were busy"
