@@ -11,7 +11,11 @@ same threads, the model's own layers are timed alone on random inputs at a grid 
                model.compute_logits (float32 logits)
 
 each the best of at least 3 repeats (more for cheap shapes); between grid points the time is
-interpolated linearly in M. Then
+interpolated linearly in M. The grid is timed twice, before the trace (up to the scheduler's
+limits) and after it (up to the largest step seen), and each point keeps the faster of the two:
+on a shared machine a slow spell during one grid would otherwise inflate the ideal (measured: one
+grid ran 30-65% slower than another an hour apart, and a run's efficiency read 61.6% then 49.7%).
+Then
 
     ideal       = sum over steps of linear(tokens of the step) + head(sequences sampled in it)
     efficiency  = ideal / engine wall time (the whole generate call: scheduling, input
@@ -189,6 +193,14 @@ def time_matmul_grid(model, max_tokens: int, max_sampled: int, repeats: int = 3)
     return out
 
 
+def fastest_of(grid: dict, earlier: dict | None) -> dict:
+    """Each point of `grid` at the faster of its time and `earlier`'s at the same row count."""
+    if not earlier:
+        return grid
+    return {kind: {m: min(t, earlier.get(kind, {}).get(m, t)) for m, t in points.items()}
+            for kind, points in grid.items()}
+
+
 def _interp(grid: dict[int, float], rows: np.ndarray) -> np.ndarray:
     ms = np.array(sorted(grid), dtype=np.float64)
     ts = np.array([grid[m] for m in sorted(grid)])
@@ -203,12 +215,13 @@ def ideal_seconds(steps: list[StepShape], grid: dict) -> np.ndarray:
 
 
 def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, model, num_preemptions: int,
-                      repeats: int = 3) -> dict:
-    """The trace-efficiency figures of one engine run (`steps` recorded from `start_s`, lasting `wall_s`)."""
+                      repeats: int = 3, grid_before: dict | None = None) -> dict:
+    """The trace-efficiency figures of one engine run (`steps` recorded from `start_s`, lasting `wall_s`);
+    `grid_before`: a time_matmul_grid taken before the run, whose faster points are kept."""
     if not steps:
         raise ValueError("no engine steps were recorded")
     max_tokens, max_sampled = max(s.num_tokens for s in steps), max(s.num_sampled for s in steps)
-    grid = time_matmul_grid(model, max_tokens, max_sampled, repeats)
+    grid = fastest_of(time_matmul_grid(model, max_tokens, max_sampled, repeats), grid_before)
     ideal = ideal_seconds(steps, grid)
     ends = np.array([s.end_s for s in steps])
     durations = np.diff(np.concatenate([[start_s], ends]))  # step i: end of step i-1 (or the start) to its end

@@ -99,3 +99,14 @@ def test_step_recorder_times_each_steps_forward_and_lm_head(tiny_engine_args):
     assert result["host_s"] == pytest.approx(wall - result["forward_s"])
     assert 0 < result["host_share"] < 1
     assert result["by_kind"]["decode"]["forward_s"] > 0
+
+
+def test_each_grid_point_keeps_the_faster_of_the_two_timings():
+    from pagedllm.bench.trace_efficiency import fastest_of
+
+    after = {"linear": {1: 0.010, 2: 0.012, 5: 0.030}, "head": {1: 0.002, 3: 0.004}}
+    before = {"linear": {1: 0.008, 2: 0.020, 4: 0.025}, "head": {1: 0.003}}
+    merged = fastest_of(after, before)
+    # 5 rows was not timed before (the before grid stops at powers of two): it keeps its own time.
+    assert merged == {"linear": {1: 0.008, 2: 0.012, 5: 0.030}, "head": {1: 0.002, 3: 0.004}}
+    assert fastest_of(after, None) is after
