@@ -9,8 +9,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <utility>
 
 namespace pagedllm {
 namespace pool {

@@ -125,10 +125,11 @@ def timed_decode_steps(args) -> int:
 
 
 def compare_switch(args) -> str | None:
-    """The A/B switch a profile alternates: "fused_ops", "op_pool" or None."""
-    if getattr(args, "compare_fused_ops", False):
-        return "fused_ops"
-    return "op_pool" if getattr(args, "compare_op_pool", False) else None
+    """The A/B switch a profile alternates: "fused_ops", "op_pool" or None (one at most)."""
+    chosen = [name for name in ("fused_ops", "op_pool") if getattr(args, f"compare_{name}", False)]
+    if len(chosen) > 1:
+        raise ValueError("--compare-fused-ops and --compare-op-pool each alternate steps on/off: give one of them")
+    return chosen[0] if chosen else None
 
 
 def _set_switch(switch: str, enabled: bool) -> None:

@@ -110,3 +110,15 @@ def test_each_grid_point_keeps_the_faster_of_the_two_timings():
     # 5 rows was not timed before (the before grid stops at powers of two): it keeps its own time.
     assert merged == {"linear": {1: 0.008, 2: 0.012, 5: 0.030}, "head": {1: 0.002, 3: 0.004}}
     assert fastest_of(after, None) is after
+
+
+def test_profile_takes_one_compare_switch_at_a_time():
+    from argparse import Namespace
+
+    from pagedllm.bench.step_profile import compare_switch
+
+    assert compare_switch(Namespace(compare_fused_ops=False, compare_op_pool=True)) == "op_pool"
+    assert compare_switch(Namespace(compare_fused_ops=True, compare_op_pool=False)) == "fused_ops"
+    assert compare_switch(Namespace()) is None
+    with pytest.raises(ValueError, match="give one of them"):
+        compare_switch(Namespace(compare_fused_ops=True, compare_op_pool=True))
