@@ -52,6 +52,10 @@ def print_efficiency(result: dict) -> None:
 
     print(f"engine {result['engine_wall_s']:.1f} s, matmul-only ideal {result['ideal_s']:.1f} s: efficiency "
           f"{100 * result['efficiency']:.1f}%, {result['num_preemptions']} preemptions")
+    if "kv_read_s" in result:
+        print(f"KV-read floor {result['kv_read_s']:.1f} s ({result['read_gb_s']:.1f} GB/s, "
+              f"{result['kv_bytes_per_token'] / 1024:.0f} KiB per token of context): (matmul-only ideal + KV read) "
+              f"/ wall {100 * result['roofline']:.1f}%")
     print(format_table(*efficiency_table(result)))
 
 

@@ -169,6 +169,12 @@ def fast_path_sections(results: dict) -> str:
                      "time; everything else a step does (attention, norms, sampling, scheduling, input preparation) is the gap. "
                      f"Preemptions in the run: {r['num_preemptions']}. Steps by kind: *decode* (one token per "
                      "sequence), *prefill* (prompt chunks only), *mixed*.\n")
+        if "kv_read_s" in r:
+            parts.append(f"Attention cannot cost less than reading the KV cache it attends over: each step also "
+                         f"recorded the tokens of context it read, and at {r['kv_bytes_per_token'] / 1024:.0f} KiB of K "
+                         f"and V per token and this machine's measured read bandwidth ({r['read_gb_s']:.1f} GB/s) "
+                         f"those reads alone take {r['kv_read_s']:.1f} s (*KV-read floor*). Matmuls and KV reads "
+                         f"together explain {100 * r['roofline']:.1f}% of the wall time.\n")
         parts.append(_table(efficiency_table(r)) + "\n")
     r = results.get("profile")
     if r:

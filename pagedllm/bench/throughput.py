@@ -47,12 +47,14 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_e
     if trace_efficiency and runner is None:
         raise ValueError("trace efficiency times the model in this process: use tensor_parallel_size 1")
     model = runner.model if trace_efficiency else None  # instrumentation: the ideal times the model's own layers
-    grid_before = None
+    grid_before = bandwidth_before = None
     if trace_efficiency:
+        from pagedllm.bench.attention import read_bandwidth
         from pagedllm.bench.trace_efficiency import time_matmul_grid
 
         limits = llm.engine.core.scheduler_config
         grid_before = time_matmul_grid(model, limits.max_num_batched_tokens, limits.max_num_seqs)
+        bandwidth_before = read_bandwidth()
     with StepRecorder(llm.engine.core, model) as recorder:
         start = time.perf_counter()
         outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
@@ -64,8 +66,12 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_e
     result = _rates("engine", requests, num_out, elapsed, num_preemptions=preemptions, num_steps=len(recorder.steps),
                     **engine_memory(llm))
     if trace_efficiency:
+        from pagedllm.bench.trace_efficiency import kv_bytes_per_token
+
         result["trace_efficiency"] = efficiency_result(recorder.steps, start, elapsed, model, preemptions,
-                                                        grid_before=grid_before)
+                                                        grid_before=grid_before,
+                                                        kv_bytes=kv_bytes_per_token(runner.kv_caches),
+                                                        bandwidth_before=bandwidth_before)
     return result
 
 

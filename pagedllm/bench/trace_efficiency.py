@@ -21,6 +21,21 @@ Then
     efficiency  = ideal / engine wall time (the whole generate call: scheduling, input
                   preparation, attention, norms, sampling, detokenization all count as overhead)
 
+Attention cannot cost less than reading the KV cache it attends over, and on long contexts that
+read is as large as the weights' (the default model in float32: 46 KB of K and V per token of
+context, so 14 sequences at context 800 read 0.5 GB a step, about its 0.54 GB of weights). So each
+step also records `kv_tokens`, the tokens of context its attention reads (every scheduled
+request's context after the step: computed tokens plus the tokens scheduled), and with the KV
+cache's bytes per token and this machine's read bandwidth (bench/attention.py's read_bandwidth,
+timed before and after the trace, the faster kept)
+
+    kv_read     = sum over steps of kv_tokens * KV bytes per token / read bandwidth
+    roofline    = (ideal + kv_read) / engine wall time
+
+the share of the wall time that weights and KV reads alone explain: what no float32 engine on
+this machine could go below, given the same steps (speculative steps count their proposals'
+slots as context, a slight overcount).
+
 The layers are called through their modules (not F.linear on their weights), so a faster weight
 layout or GEMM call in model/layers is what the ideal measures too. Steps are also split by kind
 (pure decode, pure prefill, mixed) with their wall time and ideal, to show where the gap is.
@@ -53,6 +68,9 @@ class StepShape:
     """perf_counter() when the step's model run returned."""
     forward_s: float | None = None
     """Seconds in the model's forward and LM head during the step (None: not timed)."""
+    kv_tokens: int = 0
+    """Tokens of context the step's attention reads: each scheduled request's computed tokens plus
+    the tokens scheduled for it."""
 
     @property
     def kind(self) -> str:
@@ -115,9 +133,12 @@ class StepRecorder:
         if self._timer is not None:
             forward_s = self._timer.total_s - self._forward_before
             self._forward_before = self._timer.total_s
+        kv_tokens = sum(req.num_computed_tokens + scheduled.get(req.req_id, 0)
+                        for reqs in (sched_output.scheduled_new_reqs, sched_output.scheduled_cached_reqs)
+                        for req in reqs)
         self.steps.append(StepShape(sched_output.total_num_scheduled_tokens, len(runner_output.sampled_token_ids),
                                     len(scheduled), sum(1 for n in scheduled.values() if n == 1),
-                                    time.perf_counter(), forward_s))
+                                    time.perf_counter(), forward_s, kv_tokens))
 
     def __enter__(self) -> StepRecorder:
         if self.model is not None:
@@ -201,6 +222,12 @@ def fastest_of(grid: dict, earlier: dict | None) -> dict:
             for kind, points in grid.items()}
 
 
+def kv_bytes_per_token(kv_caches: list[torch.Tensor]) -> int:
+    """Bytes of K and V, over all layers, that one token of context occupies (caches shaped
+    [2, num_blocks, block_size, ...], worker/kv_cache.py)."""
+    return sum(cache.numel() * cache.element_size() // (cache.shape[1] * cache.shape[2]) for cache in kv_caches)
+
+
 def _interp(grid: dict[int, float], rows: np.ndarray) -> np.ndarray:
     ms = np.array(sorted(grid), dtype=np.float64)
     ts = np.array([grid[m] for m in sorted(grid)])
@@ -215,14 +242,26 @@ def ideal_seconds(steps: list[StepShape], grid: dict) -> np.ndarray:
 
 
 def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, model, num_preemptions: int,
-                      repeats: int = 3, grid_before: dict | None = None) -> dict:
+                      repeats: int = 3, grid_before: dict | None = None, kv_bytes: int | None = None,
+                      bandwidth_before: float | None = None) -> dict:
     """The trace-efficiency figures of one engine run (`steps` recorded from `start_s`, lasting `wall_s`);
-    `grid_before`: a time_matmul_grid taken before the run, whose faster points are kept."""
+    `grid_before`: a time_matmul_grid taken before the run, whose faster points are kept. With
+    `kv_bytes` (kv_bytes_per_token of the engine's caches) also the KV-read term and the roofline
+    share; `bandwidth_before`: read_bandwidth() taken before the run (the larger is kept)."""
     if not steps:
         raise ValueError("no engine steps were recorded")
     max_tokens, max_sampled = max(s.num_tokens for s in steps), max(s.num_sampled for s in steps)
     grid = fastest_of(time_matmul_grid(model, max_tokens, max_sampled, repeats), grid_before)
     ideal = ideal_seconds(steps, grid)
+    kv_read = None
+    roofline = {}
+    if kv_bytes is not None:
+        from pagedllm.bench.attention import read_bandwidth
+
+        bandwidth = max(read_bandwidth(), bandwidth_before or 0.0)
+        kv_read = np.array([s.kv_tokens for s in steps], dtype=np.float64) * kv_bytes / bandwidth
+        roofline = {"kv_bytes_per_token": kv_bytes, "read_gb_s": bandwidth / 1e9, "kv_read_s": float(kv_read.sum()),
+                    "roofline": float(ideal.sum() + kv_read.sum()) / wall_s}
     ends = np.array([s.end_s for s in steps])
     durations = np.diff(np.concatenate([[start_s], ends]))  # step i: end of step i-1 (or the start) to its end
     timed = all(s.forward_s is not None for s in steps)
@@ -234,6 +273,8 @@ def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, mod
             by_kind[kind] = {"steps": int(mask.sum()), "wall_s": float(durations[mask].sum()),
                              "ideal_s": float(ideal[mask].sum()),
                              "mean_tokens": float(np.mean([s.num_tokens for s, k in zip(steps, mask) if k]))}
+            if kv_read is not None:
+                by_kind[kind]["kv_read_s"] = float(kv_read[mask].sum())
             if timed:
                 by_kind[kind]["forward_s"] = float(forward[mask].sum())
     split = {}
@@ -247,22 +288,29 @@ def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, mod
         "num_scheduled_tokens": int(sum(s.num_tokens for s in steps)),
         "num_sampled": int(sum(s.num_sampled for s in steps)), "max_step_tokens": max_tokens,
         "max_step_sampled": max_sampled,
-        **split, "by_kind": by_kind, "matmul_grid_s": {k: {str(m): t for m, t in v.items()} for k, v in grid.items()},
+        **split, **roofline, "by_kind": by_kind, "matmul_grid_s": {k: {str(m): t for m, t in v.items()} for k, v in grid.items()},
     }
 
 
 def efficiency_table(result: dict) -> tuple[list[str], list[list]]:
-    """One row per step kind; with forward timing, also the share of wall time outside the model."""
+    """One row per step kind; with forward timing, also the share of wall time outside the model;
+    with the KV-read term, the KV-read floor and (matmuls + KV reads) / wall."""
     timed = "forward_s" in result
+    kv = "kv_read_s" in result
     headers = ["steps", "count", "wall s", "matmul-only ideal s", "ideal / wall", "mean tokens / step"]
+    if kv:
+        headers += ["KV-read floor s", "(ideal + KV read) / wall"]
     if timed:
         headers.append("outside the model / wall")
     rows = [["all", result["num_steps"], result["engine_wall_s"], result["ideal_s"], result["efficiency"],
-             result["num_scheduled_tokens"] / result["num_steps"]] + ([result["host_share"]] if timed else [])]
+             result["num_scheduled_tokens"] / result["num_steps"]]
+            + ([result["kv_read_s"], result["roofline"]] if kv else []) + ([result["host_share"]] if timed else [])]
     for kind, k in result["by_kind"].items():
-        row = [kind, k["steps"], k["wall_s"], k["ideal_s"], k["ideal_s"] / k["wall_s"] if k["wall_s"] else None,
-               k["mean_tokens"]]
+        wall = k["wall_s"]
+        row = [kind, k["steps"], wall, k["ideal_s"], k["ideal_s"] / wall if wall else None, k["mean_tokens"]]
+        if kv:
+            row += [k["kv_read_s"], (k["ideal_s"] + k["kv_read_s"]) / wall if wall else None]
         if timed:
-            row.append(1 - k["forward_s"] / k["wall_s"] if k["wall_s"] else None)
+            row.append(1 - k["forward_s"] / wall if wall else None)
         rows.append(row)
     return headers, rows

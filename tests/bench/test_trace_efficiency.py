@@ -101,6 +101,39 @@ def test_step_recorder_times_each_steps_forward_and_lm_head(tiny_engine_args):
     assert result["by_kind"]["decode"]["forward_s"] > 0
 
 
+def test_step_recorder_counts_the_kv_tokens_each_step_reads(tiny_engine_args):
+    """Prompts of 3 and 2 tokens, 4 outputs each: the prefill reads 3 + 2 tokens of context, then each
+    decode one more per request; the KV-read term is those tokens times the cache's bytes per token."""
+    import time
+
+    from pagedllm.bench.engine_utils import build_llm
+    from pagedllm.bench.trace_efficiency import StepRecorder, efficiency_result, kv_bytes_per_token
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = build_llm(**tiny_engine_args)
+    core = llm.engine.core
+    runner = core.executor.runner
+    config = runner.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes = kv_bytes_per_token(runner.kv_caches)
+    assert kv_bytes == config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # float32
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with StepRecorder(core) as recorder:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    assert [s.kv_tokens for s in recorder.steps] == [5, 7, 9, 11]
+    result = efficiency_result(recorder.steps, start, wall, runner.model, 0, repeats=1, kv_bytes=kv_bytes,
+                               bandwidth_before=1e15)  # the larger of the two bandwidths is kept
+    assert result["read_gb_s"] == pytest.approx(1e6)
+    assert result["kv_read_s"] == pytest.approx(32 * kv_bytes / 1e15)
+    assert result["roofline"] == pytest.approx((result["ideal_s"] + result["kv_read_s"]) / wall)
+    assert sum(k["kv_read_s"] for k in result["by_kind"].values()) == pytest.approx(result["kv_read_s"])
+    headers, rows = efficiency_table(result)
+    assert headers[6:8] == ["KV-read floor s", "(ideal + KV read) / wall"]
+    assert rows[0][6:8] == [result["kv_read_s"], result["roofline"]]
+
+
 def test_each_grid_point_keeps_the_faster_of_the_two_timings():
     from pagedllm.bench.trace_efficiency import fastest_of
 
