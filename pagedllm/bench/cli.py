@@ -75,6 +75,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--trace-efficiency", action="store_true",
                    help="also compare the engine's wall time with the trace's matmul-only ideal")
     p.add_argument("--name", dest="result_name", default=None, help="result name (default throughput_WORKLOAD)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the engine and HF continuous batching alternately this many times each and report "
+                        "every pair's ratio and the median (a shared machine's slow spells last minutes)")
 
     p = bsub.add_parser("memory", help="KV memory efficiency: paged vs max / pow2 / oracle reservation")
     _common(p)
@@ -168,7 +171,7 @@ def bench_throughput(args, engine_args: dict) -> dict:
     requests = make_workload(spec_from_args(args, 100, max_len))
     result = run_throughput(requests, engine_args, args.hf_batch_size, args.hf_max_requests, args.run_hf,
                             args.run_hf_cb, args.progress, hf_time_cap_s=args.hf_time_cap_s,
-                            trace_efficiency=args.trace_efficiency)
+                            trace_efficiency=args.trace_efficiency, rounds=args.rounds)
     name = args.result_name or f"throughput_{args.workload}"
     result["workload"] = args.workload
     result["length_scale"] = args.length_scale
@@ -181,6 +184,11 @@ def bench_throughput(args, engine_args: dict) -> dict:
     print(format_table(headers, rows))
     for system, error in result["errors"].items():
         print(f"{system}: not measured: {error}")
+    if "rounds" in result:
+        from pagedllm.bench.throughput import rounds_table
+
+        print("alternating rounds (the table above is round 1):")
+        print(format_table(*rounds_table(result)))
     if "trace_efficiency" in result["systems"][0]:
         from pagedllm.bench.cli_fast_path import print_efficiency
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -187,7 +188,17 @@ def run_hf_continuous(model, requests: list[BenchRequest], kv_tokens: int, max_b
 
 def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_size: int = 32,
                    hf_max_requests: int | None = None, run_hf: bool = True, run_hf_cb: bool = True,
-                   progress: bool = True, hf_time_cap_s: float | None = None, trace_efficiency: bool = False) -> dict:
+                   progress: bool = True, hf_time_cap_s: float | None = None, trace_efficiency: bool = False,
+                   rounds: int = 1) -> dict:
+    """The engine, then the HF baselines, on the same trace. `rounds` > 1 (needs HF continuous
+    batching): then the engine and HF continuous batching run again, alternating, `rounds` times in
+    all, each pair back to back, and `rounds` holds each pair's rates and ratio; a shared machine's
+    slow spells last minutes, so a ratio of two runs minutes apart can move by a third, and the
+    median of alternating pairs is the steadier figure. The systems table is the first round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if rounds > 1 and not run_hf_cb:
+        raise ValueError("rounds > 1 alternates the engine with HF continuous batching: do not pass --no-hf-cb")
     llm = build_llm(**engine_args)
     systems = [run_engine(llm, requests, progress, trace_efficiency)]
     core = llm.engine.core
@@ -196,9 +207,11 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
     model_path = core.model_info.model_path
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     pad = pad if pad is not None else 0
-    del llm
+    if rounds == 1:
+        del llm  # its memory and threads are not needed again
     hf_requests = requests[:hf_max_requests] if hf_max_requests else requests
     errors = {}
+    pairs = []
     if run_hf or run_hf_cb:
         model = load_hf_model(model_path)
         if run_hf:
@@ -207,14 +220,34 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
             try:
                 systems.append(run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens, progress,
                                                  time_cap_s=hf_time_cap_s))
+                pairs.append((systems[0], systems[-1]))
+                for _ in range(rounds - 1):
+                    engine_run = run_engine(llm, requests, progress)
+                    pairs.append((engine_run, run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens,
+                                                                progress, time_cap_s=hf_time_cap_s)))
             except Exception as e:  # the baseline is optional; say why it is missing
                 errors["hf_cb"] = f"{type(e).__name__}: {e}"
     engine = systems[0]
     for s in systems:
         s["engine_output_ratio"] = engine["output_tok_s"] / s["output_tok_s"]
         s["engine_total_ratio"] = engine["total_tok_s"] / s["total_tok_s"]
-    return {"trace": trace_stats(requests), "hf_trace": trace_stats(hf_requests), "systems": systems,
-            "errors": errors, "hf_batch_size": hf_batch_size}
+    result = {"trace": trace_stats(requests), "hf_trace": trace_stats(hf_requests), "systems": systems,
+              "errors": errors, "hf_batch_size": hf_batch_size}
+    if rounds > 1 and len(pairs) == rounds:
+        result["rounds"] = [{"engine_s": e["elapsed_s"], "engine_tok_s": e["output_tok_s"], "hf_cb_s": h["elapsed_s"],
+                             "hf_cb_tok_s": h["output_tok_s"], "ratio": e["output_tok_s"] / h["output_tok_s"]}
+                            for e, h in pairs]
+        result["median_round_ratio"] = float(np.median([r["ratio"] for r in result["rounds"]]))
+    return result
+
+
+def rounds_table(result: dict) -> tuple[list[str], list[list]]:
+    """One row per alternating round (run_throughput's `rounds`), then the median ratio."""
+    headers = ["round", "engine s", "engine output tok/s", "hf_cb s", "hf_cb output tok/s", "engine / hf_cb"]
+    rows = [[i + 1, r["engine_s"], r["engine_tok_s"], r["hf_cb_s"], r["hf_cb_tok_s"], r["ratio"]]
+            for i, r in enumerate(result["rounds"])]
+    rows.append(["median", None, None, None, None, result["median_round_ratio"]])
+    return headers, rows
 
 
 def throughput_table(result: dict) -> tuple[list[str], list[list]]:

@@ -155,3 +155,35 @@ def test_profile_takes_one_compare_switch_at_a_time():
     assert compare_switch(Namespace()) is None
     with pytest.raises(ValueError, match="give one of them"):
         compare_switch(Namespace(compare_fused_ops=True, compare_op_pool=True))
+
+
+def test_alternating_rounds_pair_each_engine_run_with_an_hf_run(tiny_engine_args):
+    """rounds=3: three engine runs and three HF continuous-batching runs, paired in order; the systems
+    table is the first pair, and the median is the middle ratio."""
+    from pagedllm.bench.throughput import rounds_table, run_throughput
+    from pagedllm.bench.workloads import WorkloadSpec, make_workload
+
+    requests = make_workload(WorkloadSpec("fixed", 4, max_model_len=64, input_len=8, output_len=6))
+    result = run_throughput(requests, tiny_engine_args, run_hf=False, progress=False, rounds=3)
+    assert not result["errors"]
+    rounds = result["rounds"]
+    assert len(rounds) == 3
+    engine, hf_cb = result["systems"]
+    assert rounds[0]["engine_tok_s"] == engine["output_tok_s"] and rounds[0]["hf_cb_tok_s"] == hf_cb["output_tok_s"]
+    for r in rounds:
+        assert r["engine_tok_s"] == pytest.approx(4 * 6 / r["engine_s"])
+        assert r["ratio"] == pytest.approx(r["engine_tok_s"] / r["hf_cb_tok_s"])
+    assert result["median_round_ratio"] == sorted(r["ratio"] for r in rounds)[1]
+    headers, rows = rounds_table(result)
+    assert [row[0] for row in rows] == [1, 2, 3, "median"] and rows[-1][-1] == result["median_round_ratio"]
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(rounds=0), "rounds must be >= 1"),
+                                             (dict(rounds=2, run_hf_cb=False), "do not pass --no-hf-cb")])
+def test_rounds_refuse_what_they_cannot_measure(tiny_engine_args, kwargs, message):
+    from pagedllm.bench.throughput import run_throughput
+    from pagedllm.bench.workloads import WorkloadSpec, make_workload
+
+    requests = make_workload(WorkloadSpec("fixed", 1, max_model_len=64, input_len=4, output_len=2))
+    with pytest.raises(ValueError, match=message):
+        run_throughput(requests, tiny_engine_args, run_hf=False, progress=False, **kwargs)
