@@ -77,7 +77,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--name", dest="result_name", default=None, help="result name (default throughput_WORKLOAD)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the engine and HF continuous batching alternately this many times each and report "
-                        "every pair's ratio and the median (a shared machine's slow spells last minutes)")
+                        "every pair's ratio and the median (a shared machine's slow spells last minutes); with "
+                        "--trace-efficiency, every engine run's efficiency against one grid")
 
     p = bsub.add_parser("memory", help="KV memory efficiency: paged vs max / pow2 / oracle reservation")
     _common(p)
@@ -193,6 +194,11 @@ def bench_throughput(args, engine_args: dict) -> dict:
         from pagedllm.bench.cli_fast_path import print_efficiency
 
         print_efficiency(result["systems"][0]["trace_efficiency"])
+    if "efficiency_rounds" in result:
+        from pagedllm.bench.throughput import efficiency_rounds_table
+
+        print("trace efficiency of every round, against the fastest grid timed around all of them:")
+        print(format_table(*efficiency_rounds_table(result)))
     return result
 
 

@@ -38,18 +38,26 @@ from pagedllm.bench.engine_utils import build_llm, engine_prompts, request_param
 from pagedllm.bench.workloads import BenchRequest, trace_stats
 
 
-def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_efficiency: bool = False) -> dict:
+def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_efficiency: bool = False,
+               steps_sink: list | None = None, prior_grid: dict | None = None,
+               prior_bandwidth: float | None = None) -> dict:
+    """One engine run of the trace. With `trace_efficiency`: its efficiency figures, the matmul grid
+    and read bandwidth timed before the run (or `prior_grid` / `prior_bandwidth`, from an earlier run
+    of the same engine) and after it, the faster kept; `steps_sink` also gets the run's recorded
+    steps (a dict), for scoring several runs against one grid (run_throughput's rounds)."""
     from pagedllm.bench.trace_efficiency import StepRecorder, efficiency_result
 
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}],
                  request_params(BenchRequest([], 2)), use_tqdm=False)  # warm-up
+    # Every run starts cold: a repeated run (rounds) would otherwise find its prompts cached.
+    assert llm.engine.reset_prefix_cache(), "KV blocks still in use after the warm-up"
     preemptions_before = llm.engine.stats().num_preemptions
     runner = getattr(llm.engine.core.executor, "runner", None)
     if trace_efficiency and runner is None:
         raise ValueError("trace efficiency times the model in this process: use tensor_parallel_size 1")
     model = runner.model if trace_efficiency else None  # instrumentation: the ideal times the model's own layers
-    grid_before = bandwidth_before = None
-    if trace_efficiency:
+    grid_before, bandwidth_before = prior_grid, prior_bandwidth
+    if trace_efficiency and prior_grid is None:
         from pagedllm.bench.attention import read_bandwidth
         from pagedllm.bench.trace_efficiency import time_matmul_grid
 
@@ -69,10 +77,13 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_e
     if trace_efficiency:
         from pagedllm.bench.trace_efficiency import kv_bytes_per_token
 
+        kv_bytes = kv_bytes_per_token(runner.kv_caches)
         result["trace_efficiency"] = efficiency_result(recorder.steps, start, elapsed, model, preemptions,
-                                                        grid_before=grid_before,
-                                                        kv_bytes=kv_bytes_per_token(runner.kv_caches),
+                                                        grid_before=grid_before, kv_bytes=kv_bytes,
                                                         bandwidth_before=bandwidth_before)
+        if steps_sink is not None:
+            steps_sink.append({"steps": recorder.steps, "start": start, "elapsed": elapsed,
+                               "preemptions": preemptions, "kv_bytes": kv_bytes})
     return result
 
 
@@ -190,17 +201,21 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
                    hf_max_requests: int | None = None, run_hf: bool = True, run_hf_cb: bool = True,
                    progress: bool = True, hf_time_cap_s: float | None = None, trace_efficiency: bool = False,
                    rounds: int = 1) -> dict:
-    """The engine, then the HF baselines, on the same trace. `rounds` > 1 (needs HF continuous
-    batching): then the engine and HF continuous batching run again, alternating, `rounds` times in
-    all, each pair back to back, and `rounds` holds each pair's rates and ratio; a shared machine's
-    slow spells last minutes, so a ratio of two runs minutes apart can move by a third, and the
-    median of alternating pairs is the steadier figure. The systems table is the first round."""
+    """The engine, then the HF baselines, on the same trace. `rounds` > 1: the engine (and HF
+    continuous batching, if it runs) run again, alternating, `rounds` times in all, each pair back to
+    back; `rounds` then holds each pair's rates and ratio. A shared machine's slow spells last
+    minutes, so a ratio of two runs minutes apart can move by a third, and the median of alternating
+    pairs is the steadier figure. With `trace_efficiency`, every engine run is scored against the
+    same matmul grid, the fastest of those timed around all of them (`efficiency_rounds`); the
+    systems table is the first round."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if rounds > 1 and not run_hf_cb:
-        raise ValueError("rounds > 1 alternates the engine with HF continuous batching: do not pass --no-hf-cb")
+    if rounds > 1 and not (run_hf_cb or trace_efficiency):
+        raise ValueError("rounds > 1 repeats the engine beside HF continuous batching or for its trace efficiency: "
+                         "do not pass --no-hf-cb without --trace-efficiency")
     llm = build_llm(**engine_args)
-    systems = [run_engine(llm, requests, progress, trace_efficiency)]
+    recorded: list[dict] = []
+    systems = [run_engine(llm, requests, progress, trace_efficiency, steps_sink=recorded)]
     core = llm.engine.core
     kv_tokens = core.kv_info.num_blocks * core.kv_info.block_size
     max_batch_tokens = core.scheduler_config.max_num_batched_tokens
@@ -211,34 +226,69 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
         del llm  # its memory and threads are not needed again
     hf_requests = requests[:hf_max_requests] if hf_max_requests else requests
     errors = {}
-    pairs = []
-    if run_hf or run_hf_cb:
-        model = load_hf_model(model_path)
-        if run_hf:
-            systems.append(run_hf_static(model, hf_requests, hf_batch_size, pad, progress))
-        if run_hf_cb:
+    model = load_hf_model(model_path) if run_hf or run_hf_cb else None
+    if run_hf:
+        systems.append(run_hf_static(model, hf_requests, hf_batch_size, pad, progress))
+    engine_runs, hf_runs = [systems[0]], []
+    for i in range(rounds):
+        if i > 0:
+            earlier = engine_runs[-1].get("trace_efficiency")
+            engine_runs.append(run_engine(
+                llm, requests, progress, trace_efficiency, steps_sink=recorded,
+                prior_grid=_grid_of(earlier), prior_bandwidth=earlier["read_gb_s"] * 1e9 if earlier else None))
+        if run_hf_cb and "hf_cb" not in errors:
             try:
-                systems.append(run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens, progress,
+                hf_runs.append(run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens, progress,
                                                  time_cap_s=hf_time_cap_s))
-                pairs.append((systems[0], systems[-1]))
-                for _ in range(rounds - 1):
-                    engine_run = run_engine(llm, requests, progress)
-                    pairs.append((engine_run, run_hf_continuous(model, hf_requests, kv_tokens, max_batch_tokens,
-                                                                progress, time_cap_s=hf_time_cap_s)))
             except Exception as e:  # the baseline is optional; say why it is missing
                 errors["hf_cb"] = f"{type(e).__name__}: {e}"
+    if hf_runs:
+        systems.append(hf_runs[0])
     engine = systems[0]
     for s in systems:
         s["engine_output_ratio"] = engine["output_tok_s"] / s["output_tok_s"]
         s["engine_total_ratio"] = engine["total_tok_s"] / s["total_tok_s"]
     result = {"trace": trace_stats(requests), "hf_trace": trace_stats(hf_requests), "systems": systems,
               "errors": errors, "hf_batch_size": hf_batch_size}
-    if rounds > 1 and len(pairs) == rounds:
+    if rounds > 1 and len(hf_runs) == rounds:
         result["rounds"] = [{"engine_s": e["elapsed_s"], "engine_tok_s": e["output_tok_s"], "hf_cb_s": h["elapsed_s"],
                              "hf_cb_tok_s": h["output_tok_s"], "ratio": e["output_tok_s"] / h["output_tok_s"]}
-                            for e, h in pairs]
+                            for e, h in zip(engine_runs, hf_runs)]
         result["median_round_ratio"] = float(np.median([r["ratio"] for r in result["rounds"]]))
+    if rounds > 1 and trace_efficiency:
+        _rescore_rounds(result, engine_runs, recorded)
     return result
+
+
+def _grid_of(efficiency: dict | None) -> dict | None:
+    from pagedllm.bench.trace_efficiency import grid_of
+
+    return grid_of(efficiency) if efficiency else None
+
+
+def _rescore_rounds(result: dict, engine_runs: list[dict], recorded: list[dict]) -> None:
+    """Every engine round against one grid (every point timed in any round, at its fastest) and the
+    highest read bandwidth seen; the first round's figures replace its own in the systems table."""
+    from pagedllm.bench.trace_efficiency import score_steps, union_of
+
+    grid = union_of([_grid_of(run["trace_efficiency"]) for run in engine_runs])
+    bandwidth = max(run["trace_efficiency"].get("read_gb_s", 0.0) for run in engine_runs) * 1e9 or None
+    scored = [score_steps(r["steps"], r["start"], r["elapsed"], grid, r["preemptions"],
+                          r["kv_bytes"] if bandwidth else None, bandwidth) for r in recorded]
+    engine_runs[0]["trace_efficiency"] = scored[0]
+    result["efficiency_rounds"] = [{"engine_s": sc["engine_wall_s"], "ideal_s": sc["ideal_s"],
+                                    "efficiency": sc["efficiency"], "kv_read_s": sc.get("kv_read_s"),
+                                    "roofline": sc.get("roofline")} for sc in scored]
+    result["median_round_efficiency"] = float(np.median([sc["efficiency"] for sc in scored]))
+
+
+def efficiency_rounds_table(result: dict) -> tuple[list[str], list[list]]:
+    """One row per engine round scored against the one grid (run_throughput's `rounds`), then the median."""
+    headers = ["round", "engine s", "matmul-only ideal s", "ideal / wall", "KV-read floor s", "(ideal + KV read) / wall"]
+    rows = [[i + 1, r["engine_s"], r["ideal_s"], r["efficiency"], r["kv_read_s"], r["roofline"]]
+            for i, r in enumerate(result["efficiency_rounds"])]
+    rows.append(["median", None, None, result["median_round_efficiency"], None, None])
+    return headers, rows
 
 
 def rounds_table(result: dict) -> tuple[list[str], list[list]]:

@@ -252,13 +252,42 @@ def efficiency_result(steps: list[StepShape], start_s: float, wall_s: float, mod
         raise ValueError("no engine steps were recorded")
     max_tokens, max_sampled = max(s.num_tokens for s in steps), max(s.num_sampled for s in steps)
     grid = fastest_of(time_matmul_grid(model, max_tokens, max_sampled, repeats), grid_before)
-    ideal = ideal_seconds(steps, grid)
-    kv_read = None
-    roofline = {}
+    bandwidth = None
     if kv_bytes is not None:
         from pagedllm.bench.attention import read_bandwidth
 
         bandwidth = max(read_bandwidth(), bandwidth_before or 0.0)
+    return score_steps(steps, start_s, wall_s, grid, num_preemptions, kv_bytes, bandwidth)
+
+
+def union_of(grids: list[dict]) -> dict:
+    """Every row count timed in any of `grids`, each at its fastest: one grid covering several runs'
+    steps (fastest_of keeps only the first grid's points, which may stop short of another run's)."""
+    out: dict = {}
+    for grid in grids:
+        for kind, points in grid.items():
+            merged = out.setdefault(kind, {})
+            for m, t in points.items():
+                merged[m] = min(t, merged.get(m, t))
+    return {kind: dict(sorted(points.items())) for kind, points in out.items()}
+
+
+def grid_of(result: dict) -> dict:
+    """The matmul grid an efficiency result was scored with (its JSON form has string row counts)."""
+    return {kind: {int(m): t for m, t in points.items()} for kind, points in result["matmul_grid_s"].items()}
+
+
+def score_steps(steps: list[StepShape], start_s: float, wall_s: float, grid: dict, num_preemptions: int,
+                kv_bytes: int | None = None, bandwidth: float | None = None) -> dict:
+    """efficiency_result's figures for a given matmul grid (and, with `kv_bytes`, read `bandwidth` in
+    bytes/s): so several runs of one trace can be scored against the same, fastest, grid."""
+    if not steps:
+        raise ValueError("no engine steps were recorded")
+    max_tokens, max_sampled = max(s.num_tokens for s in steps), max(s.num_sampled for s in steps)
+    ideal = ideal_seconds(steps, grid)
+    kv_read = None
+    roofline = {}
+    if kv_bytes is not None:
         kv_read = np.array([s.kv_tokens for s in steps], dtype=np.float64) * kv_bytes / bandwidth
         roofline = {"kv_bytes_per_token": kv_bytes, "read_gb_s": bandwidth / 1e9, "kv_read_s": float(kv_read.sum()),
                     "roofline": float(ideal.sum() + kv_read.sum()) / wall_s}

@@ -145,6 +145,14 @@ def test_each_grid_point_keeps_the_faster_of_the_two_timings():
     assert fastest_of(after, None) is after
 
 
+def test_the_union_of_grids_keeps_every_point_at_its_fastest():
+    from pagedllm.bench.trace_efficiency import union_of
+
+    a = {"linear": {1: 0.010, 2: 0.012, 64: 0.5}, "head": {1: 0.002}}
+    b = {"linear": {1: 0.008, 2: 0.020, 4: 0.025}, "head": {1: 0.003, 8: 0.004}}
+    assert union_of([a, b]) == {"linear": {1: 0.008, 2: 0.012, 4: 0.025, 64: 0.5}, "head": {1: 0.002, 8: 0.004}}
+
+
 def test_profile_takes_one_compare_switch_at_a_time():
     from argparse import Namespace
 
@@ -187,3 +195,28 @@ def test_rounds_refuse_what_they_cannot_measure(tiny_engine_args, kwargs, messag
     requests = make_workload(WorkloadSpec("fixed", 1, max_model_len=64, input_len=4, output_len=2))
     with pytest.raises(ValueError, match=message):
         run_throughput(requests, tiny_engine_args, run_hf=False, progress=False, **kwargs)
+
+
+def test_rounds_score_every_engine_run_against_one_grid(tiny_engine_args):
+    """Engine-only rounds with trace efficiency: each run's ideal comes from the same (last, fastest)
+    grid, so runs of one trace differ only in their wall time and recorded steps."""
+    from pagedllm.bench.throughput import efficiency_rounds_table, run_throughput
+    from pagedllm.bench.trace_efficiency import grid_of
+    from pagedllm.bench.workloads import WorkloadSpec, make_workload
+
+    # Prompts of 2+ blocks: the second run must not find them in the prefix cache (each run starts cold).
+    requests = make_workload(WorkloadSpec("fixed", 3, max_model_len=64, input_len=40, output_len=4))
+    result = run_throughput(requests, tiny_engine_args, run_hf=False, run_hf_cb=False, progress=False,
+                            trace_efficiency=True, rounds=2)
+    assert "rounds" not in result  # no HF runs to pair with
+    first = result["systems"][0]["trace_efficiency"]
+    rounds = result["efficiency_rounds"]
+    assert len(rounds) == 2 and rounds[0]["engine_s"] == first["engine_wall_s"] == result["systems"][0]["elapsed_s"]
+    assert rounds[0]["ideal_s"] == pytest.approx(rounds[1]["ideal_s"])  # same steps, same grid
+    for r in rounds:
+        assert r["efficiency"] == pytest.approx(r["ideal_s"] / r["engine_s"])
+        assert r["roofline"] == pytest.approx((r["ideal_s"] + r["kv_read_s"]) / r["engine_s"])
+    assert set(grid_of(first)) == {"linear", "head"}
+    assert result["median_round_efficiency"] == pytest.approx((rounds[0]["efficiency"] + rounds[1]["efficiency"]) / 2)
+    headers, rows = efficiency_rounds_table(result)
+    assert [row[0] for row in rows] == [1, 2, "median"]
