@@ -439,7 +439,7 @@ def bench_all(args, engine_args: dict) -> dict:
              "url": None, "batch_sizes": "1,16,64", "prompt_len": 64, "decode_steps": 8, "repeats": 5,
              "shapes": None, "ns": "2,4,6", "widths": "2,4,6", "prefix_lens": "80,341", "suffix_len": 24,
              "zero_hit_repeats": 5, "block_sizes": "8,16,32,64", "context_len": 512,
-             "e2e_num_requests": 24, "hf_time_cap_s": None, "trace_efficiency": False, "result_name": None,
+             "e2e_num_requests": 24, "hf_time_cap_s": None, "trace_efficiency": False, "result_name": None, "rounds": 1,
              "batch_size": 64, "torch_profiler": False}
         d.update(overrides)
         return argparse.Namespace(**d)

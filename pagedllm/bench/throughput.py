@@ -284,7 +284,8 @@ def _rescore_rounds(result: dict, engine_runs: list[dict], recorded: list[dict])
 
 def efficiency_rounds_table(result: dict) -> tuple[list[str], list[list]]:
     """One row per engine round scored against the one grid (run_throughput's `rounds`), then the median."""
-    headers = ["round", "engine s", "matmul-only ideal s", "ideal / wall", "KV-read floor s", "(ideal + KV read) / wall"]
+    headers = ["round", "engine s", "matmul-only ideal s", "ideal / wall", "KV-read floor s",
+               "(ideal + KV read) / wall"]
     rows = [[i + 1, r["engine_s"], r["ideal_s"], r["efficiency"], r["kv_read_s"], r["roofline"]]
             for i, r in enumerate(result["efficiency_rounds"])]
     rows.append(["median", None, None, result["median_round_efficiency"], None, None])

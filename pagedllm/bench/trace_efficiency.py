@@ -317,7 +317,8 @@ def score_steps(steps: list[StepShape], start_s: float, wall_s: float, grid: dic
         "num_scheduled_tokens": int(sum(s.num_tokens for s in steps)),
         "num_sampled": int(sum(s.num_sampled for s in steps)), "max_step_tokens": max_tokens,
         "max_step_sampled": max_sampled,
-        **split, **roofline, "by_kind": by_kind, "matmul_grid_s": {k: {str(m): t for m, t in v.items()} for k, v in grid.items()},
+        **split, **roofline, "by_kind": by_kind,
+        "matmul_grid_s": {k: {str(m): t for m, t in v.items()} for k, v in grid.items()},
     }
 
 
