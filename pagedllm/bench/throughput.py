@@ -50,7 +50,8 @@ def run_engine(llm, requests: list[BenchRequest], progress: bool = True, trace_e
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}],
                  request_params(BenchRequest([], 2)), use_tqdm=False)  # warm-up
     # Every run starts cold: a repeated run (rounds) would otherwise find its prompts cached.
-    assert llm.engine.reset_prefix_cache(), "KV blocks still in use after the warm-up"
+    if not llm.engine.reset_prefix_cache():
+        raise RuntimeError("cannot empty the prefix cache before the run: KV blocks still in use after the warm-up")
     preemptions_before = llm.engine.stats().num_preemptions
     runner = getattr(llm.engine.core.executor, "runner", None)
     if trace_efficiency and runner is None:
@@ -272,13 +273,13 @@ def _rescore_rounds(result: dict, engine_runs: list[dict], recorded: list[dict])
     from pagedllm.bench.trace_efficiency import score_steps, union_of
 
     grid = union_of([_grid_of(run["trace_efficiency"]) for run in engine_runs])
-    bandwidth = max(run["trace_efficiency"].get("read_gb_s", 0.0) for run in engine_runs) * 1e9 or None
-    scored = [score_steps(r["steps"], r["start"], r["elapsed"], grid, r["preemptions"],
-                          r["kv_bytes"] if bandwidth else None, bandwidth) for r in recorded]
+    bandwidth = max(run["trace_efficiency"]["read_gb_s"] for run in engine_runs) * 1e9
+    scored = [score_steps(r["steps"], r["start"], r["elapsed"], grid, r["preemptions"], r["kv_bytes"], bandwidth)
+              for r in recorded]
     engine_runs[0]["trace_efficiency"] = scored[0]
     result["efficiency_rounds"] = [{"engine_s": sc["engine_wall_s"], "ideal_s": sc["ideal_s"],
-                                    "efficiency": sc["efficiency"], "kv_read_s": sc.get("kv_read_s"),
-                                    "roofline": sc.get("roofline")} for sc in scored]
+                                    "efficiency": sc["efficiency"], "kv_read_s": sc["kv_read_s"],
+                                    "roofline": sc["roofline"]} for sc in scored]
     result["median_round_efficiency"] = float(np.median([sc["efficiency"] for sc in scored]))
 
 
