@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 OP_STAMP := $(VENV)/.cpu-op-built
 CSRC := $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast bench clean
 
 setup: $(STAMP) $(OP_STAMP)
 
@@ -35,6 +35,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The fast tier, for while you work: everything but the tests marked slow (a few minutes).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: setup
 	$(VENV)/bin/pagedllm --log-level WARNING bench all --out docs/bench --report docs/benchmarks.md

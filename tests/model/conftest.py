@@ -1,5 +1,7 @@
 """Shared fixtures for model tests: the embedded default model, converted once per session."""
 
+import os
+
 import pytest
 
 from pagedllm.model import gguf_loader, load_model
@@ -23,16 +25,38 @@ def default_model(tmp_path_factory):
     return loaded, cache, len(calls)
 
 
+def _missing_build_tools() -> str | None:
+    """What this machine lacks to compile csrc/ (a C++ compiler, Python headers), or None."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH)"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        return "no Python headers (Python.h)"
+    return None
+
+
 def require_compiled_cpu_ops() -> None:
-    """Build and load the compiled CPU library (csrc/) if needed, or skip where it truly cannot be."""
+    """Build and load the compiled CPU library (csrc/) if needed. Skips only where it truly cannot
+    run (no compiler or headers, a CPU without AVX2); a compile error on a machine that has the
+    tools fails the test, so a broken csrc/ never turns into green skips."""
     from pagedllm.model.attention import cpu_op
 
     if cpu_op.load():
         return
+    missing = _missing_build_tools()
+    if missing is not None:
+        pytest.skip(f"CPU op library cannot be built here: {missing}")
     try:
         cpu_op.build()
-    except Exception as exc:  # no compiler / headers: genuinely unavailable here
-        pytest.skip(f"CPU op library cannot be built here: {exc}")
+    except Exception as exc:
+        pytest.fail(f"building the CPU op library (csrc/) failed on a machine with the tools: {exc}")
     cpu_op._state.clear()
     if not cpu_op.load():
-        pytest.skip(f"CPU op library unavailable: {cpu_op.unavailable_reason()}")
+        reason = cpu_op.unavailable_reason() or ""
+        if "lacks AVX2" in reason or "_CPU_OP is set" in reason:
+            pytest.skip(f"CPU op library unavailable: {reason}")
+        pytest.fail(f"the CPU op library was built but does not load: {reason}")
