@@ -11,6 +11,8 @@ import types
 import typing
 from dataclasses import dataclass
 
+from pagedllm import envs
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
 
@@ -499,7 +501,7 @@ class EngineArgs:
             master_port=self.master_port,
             num_local_workers=self.num_local_workers,
             distributed_timeout=self.distributed_timeout,
-            distributed_secret=self.distributed_secret or os.environ.get(DISTRIBUTED_SECRET_ENV) or None,
+            distributed_secret=self.distributed_secret or envs.PAGEDLLM_DISTRIBUTED_SECRET or None,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             ray_address=self.ray_address,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Optional
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 
 
@@ -99,7 +99,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         args.model = args.model_positional
     api_keys = args.api_keys
     if api_keys is None:
-        env_key = os.environ.get("PAGEDLLM_API_KEY")
+        env_key = envs.PAGEDLLM_API_KEY
         api_keys = [env_key] if env_key else []
     flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     server_config = ServerConfig(**{**flagged, "api_keys": tuple(api_keys),
