@@ -18,6 +18,7 @@ from pagedllm.config import (
     SchedulerConfig,
     field_docs,
 )
+from pagedllm.entrypoints.openai.cli_args import ServerConfig
 
 RUNTIME_CONFIGS = (CacheConfig, SchedulerConfig, ParallelConfig, RequestLimits)
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
@@ -38,7 +39,7 @@ def test_every_runtime_setting_is_an_engine_arg_copied_from_its_config(config_cl
     assert made[config_cls] == config_cls()
 
 
-@pytest.mark.parametrize("config_cls", [*RUNTIME_CONFIGS, config.SpeculativeConfig], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("config_cls", [*RUNTIME_CONFIGS, config.SpeculativeConfig, ServerConfig], ids=lambda c: c.__name__)
 def test_configs_are_frozen_with_a_docstring_per_field(config_cls):
     assert config_cls.__dataclass_params__.frozen
     docs = field_docs(config_cls)
