@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pagedllm import envs
-from pagedllm.config.flags import add_flags, check_choices, field_docs, flag, parse_memory_size
+from pagedllm.config.flags import add_flags, check_choices, flag, parse_memory_size
 from pagedllm.config.runtime import (
     CacheConfig,
     ParallelConfig,
@@ -33,12 +33,12 @@ _TP, _DP, _LIMITS, _DEVICE = "tensor parallelism", "data parallelism", "request 
 def setting(config_cls, name: str, *, aliases: tuple[str, ...] = (), group: str | None = None,
             negative: str | None = None):
     """The EngineArgs field for `config_cls`'s field `name`: its default, choices, parser, repr and help
-    (its docstring) are the config's; aliases, group and negative only say how the flag is spelled."""
+    (its docstring, read when a parser is built) are the config's; aliases, group and negative only say how
+    the flag is spelled."""
     owner = {f.name: f for f in dataclasses.fields(config_cls)}[name]
     meta = owner.metadata
-    metadata = {"help": meta.get("help") or field_docs(config_cls).get(name), "choices": meta.get("choices"),
-                "parse": meta.get("parse"), "aliases": aliases, "group": group, "negative": negative,
-                "owner": config_cls}
+    metadata = {"help": meta.get("help"), "choices": meta.get("choices"), "parse": meta.get("parse"),
+                "aliases": aliases, "group": group, "negative": negative, "owner": config_cls}
     return dataclasses.field(default=owner.default, metadata=metadata, repr=owner.repr)
 
 

@@ -1,7 +1,7 @@
 """Command-line flags generated from dataclass fields, so that each setting is declared once.
 
-A field's default is its flag's default; its docstring (the string under it) is its flag's help,
-unless `flag(help=...)` gives one; `flag()` adds what a type cannot say (choices, aliases, a parser,
+A field's default is its flag's default; its docstring (the string under it, or under the field of
+the config that owns it: `metadata["owner"]`) is its flag's help, unless `flag(help=...)` gives one; `flag()` adds what a type cannot say (choices, aliases, a parser,
 the --help section). `check_choices` validates the declared choices, so the flag and the dataclass
 refuse the same values.
 """
@@ -96,7 +96,6 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
     (`--flag`, `--flag false`).
     """
     hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
     groups: dict = {}  # title -> argparse group
     for f in dataclasses.fields(cls):
         meta = f.metadata
@@ -110,7 +109,8 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
         if group is not None and group not in groups:
             groups[group] = parser.add_argument_group(group)
         target = groups[group] if group is not None else parser
-        help_text = (meta.get("help") or docs.get(f.name, "")).replace("%", "%%")  # argparse formats help with %
+        doc = field_docs(meta.get("owner", cls)).get(f.name, "")  # a setting's owner documents it
+        help_text = (meta.get("help") or doc).replace("%", "%%")  # argparse formats help with %
         if default is not None and default != "":
             help_text += f" (default: {_format_default(default, parse)})"
         names = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
