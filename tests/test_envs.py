@@ -105,3 +105,20 @@ def test_the_compiled_library_variables_are_refused_when_the_cpp_would_misread_t
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="PAGEDLLM_DISABLE_EVERYTHING"):
         envs.PAGEDLLM_DISABLE_EVERYTHING
+
+
+def test_the_modules_ask_envs(monkeypatch, tmp_path):
+    from pagedllm.model import huge_pages, loader
+    from pagedllm.model.attention import cpu_op
+
+    unset = huge_pages.available()
+    monkeypatch.setenv("PAGEDLLM_DISABLE_HUGE_PAGES", "true")
+    assert huge_pages.available() is False
+    monkeypatch.setenv("PAGEDLLM_DISABLE_HUGE_PAGES", "false")  # read as "set" before envs parsed switches
+    assert huge_pages.available() == unset
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    assert loader.cache_root() == tmp_path
+    monkeypatch.setenv("PAGEDLLM_POOL_SPIN_US", "soon")
+    monkeypatch.setattr(cpu_op, "_state", {})
+    with pytest.raises(ValueError, match="PAGEDLLM_POOL_SPIN_US='soon'"):
+        cpu_op.load()  # refused before the library (which would read it as 0) starts
