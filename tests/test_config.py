@@ -70,6 +70,7 @@ def test_max_model_len_has_one_default_the_models_context_capped_at_4096():
     (dict(attention_backend="flash"), "attention_backend must be one of auto, torch, cpu, triton"),
     (dict(block_size=0), "block_size must be >= 1, got 0"),
     (dict(kv_cache_memory="0GiB"), "kv_cache_memory must be > 0 bytes"),
+    (dict(kv_cache_memory="lots"), "kv_cache_memory: cannot read a memory size from 'lots'"),
     (dict(swap_space=-1), "swap_space must be >= 0 bytes"),
     (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1"),
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),

@@ -125,8 +125,15 @@ class EngineArgs:
         return config_cls(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(config_cls)}, **resolved})
 
     def cache_config(self) -> CacheConfig:
-        return self._config(CacheConfig, kv_cache_memory=parse_memory_size(self.kv_cache_memory),
-                            swap_space=parse_memory_size(self.swap_space))
+        return self._config(CacheConfig, kv_cache_memory=self._bytes("kv_cache_memory"),
+                            swap_space=self._bytes("swap_space"))
+
+    def _bytes(self, name: str) -> int:
+        """A memory-size field ("2GiB" or a byte count) in bytes; a ValueError names the field."""
+        try:
+            return parse_memory_size(getattr(self, name))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
     def scheduler_config(self, model_max_len: int | None = None) -> SchedulerConfig:
         """The scheduler's config; given the model's context length, with max_model_len resolved against it."""
