@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -73,75 +73,84 @@ def _prefetch(text: str) -> tuple[int, ...]:
     return values
 
 
-def _read(name: str, parse: Callable[[str], object], default):
-    """The one parsing helper: the variable's value through `parse`, `default` when unset or empty;
-    a value `parse` refuses raises ValueError naming the variable."""
-    text = os.environ.get(name, "")
-    if not text:
-        return default
-    try:
-        return parse(text)
-    except ValueError as e:
-        raise ValueError(f"{name}={text!r}: {e}") from None
+class Variable(NamedTuple):
+    doc: str
+    """What it does, in one line (the README tells when to use it)."""
+    parse: Callable[[str], object]
+    """Its text to its value; raises ValueError saying what it takes."""
+    default: object = None
+    """The value when it is unset or empty; a callable is called then (a default that depends on $HOME)."""
 
 
-# name -> (what it does, how to read it); one line of doc each. The README tells when to use them.
-VARIABLES: dict[str, tuple[str, Callable[[], object]]] = {
-    "PAGEDLLM_CACHE": (
+VARIABLES: dict[str, Variable] = {
+    "PAGEDLLM_CACHE": Variable(
         "Directory for models converted once (the embedded default model, GGUF files); default ~/.cache/pagedllm.",
-        lambda: Path(_read("PAGEDLLM_CACHE", str, str(Path.home() / ".cache" / "pagedllm"))).expanduser()),
-    "PAGEDLLM_CPU_OP_DIR": (
+        lambda text: Path(text).expanduser(), lambda: Path.home() / ".cache" / "pagedllm"),
+    "PAGEDLLM_CPU_OP_DIR": Variable(
         "Directory of the compiled CPU library builds; default <sys.prefix>/lib/pagedllm-ops.",
-        lambda: Path(_read("PAGEDLLM_CPU_OP_DIR", str, os.path.join(sys.prefix, "lib", "pagedllm-ops")))),
-    "PAGEDLLM_DISABLE_CPU_OP": (
+        Path, lambda: Path(sys.prefix) / "lib" / "pagedllm-ops"),
+    "PAGEDLLM_DISABLE_CPU_OP": Variable(
         "Switch: never load the compiled CPU library (attention, fused ops and GEMM fall back to torch).",
-        lambda: _read("PAGEDLLM_DISABLE_CPU_OP", _switch, False)),
-    "PAGEDLLM_DISABLE_FUSED_CPU_OPS": (
+        _switch, False),
+    "PAGEDLLM_DISABLE_FUSED_CPU_OPS": Variable(
         "Switch: the fused small CPU ops (norms, rotary, SiLU) off, the rest of the library on (A/B).",
-        lambda: _read("PAGEDLLM_DISABLE_FUSED_CPU_OPS", _switch, False)),
-    "PAGEDLLM_DISABLE_CPU_GEMM": (
+        _switch, False),
+    "PAGEDLLM_DISABLE_CPU_GEMM": Variable(
         "Switch: the linears use MKL instead of the compiled float32 GEMM (A/B).",
-        lambda: _read("PAGEDLLM_DISABLE_CPU_GEMM", _switch, False)),
-    "PAGEDLLM_CPU_GEMM_ISA": (
+        _switch, False),
+    "PAGEDLLM_CPU_GEMM_ISA": Variable(
         "Panel layout the compiled GEMM packs for: best (the default), avx512 or avx2 (a test and benchmark hook).",
-        lambda: _read("PAGEDLLM_CPU_GEMM_ISA", _one_of("best", "avx512", "avx2"), "best")),
-    "PAGEDLLM_DISABLE_HUGE_PAGES": (
+        _one_of("best", "avx512", "avx2"), "best"),
+    "PAGEDLLM_DISABLE_HUGE_PAGES": Variable(
         "Switch: large CPU buffers (weights, KV cache) without transparent huge pages (A/B).",
-        lambda: _read("PAGEDLLM_DISABLE_HUGE_PAGES", _switch, False)),
-    "PAGEDLLM_DISABLE_BF16_GREEDY_HEAD": (
+        _switch, False),
+    "PAGEDLLM_DISABLE_BF16_GREEDY_HEAD": Variable(
         "Switch: greedy steps use the float32 LM head instead of the exact bf16 one on AMX CPUs (A/B).",
-        lambda: _read("PAGEDLLM_DISABLE_BF16_GREEDY_HEAD", _switch, False)),
-    "PAGEDLLM_DISTRIBUTED_SECRET": (
+        _switch, False),
+    "PAGEDLLM_DISTRIBUTED_SECRET": Variable(
         "Tensor-parallel shared secret (16+ characters), preferred to --distributed-secret: argv is public.",
-        lambda: _read("PAGEDLLM_DISTRIBUTED_SECRET", str, None)),
-    "PAGEDLLM_API_KEY": (
+        str),
+    "PAGEDLLM_API_KEY": Variable(
         "Bearer token `pagedllm serve` accepts when no --api-key is given; unset: no auth.",
-        lambda: _read("PAGEDLLM_API_KEY", str, None)),
-    "PAGEDLLM_DISABLE_OP_POOL": (
+        str),
+    "PAGEDLLM_DISABLE_OP_POOL": Variable(
         "0 or 1, read by csrc/thread_pool.cpp: 1 runs the compiled ops on torch's OpenMP threads (A/B).",
-        lambda: _read("PAGEDLLM_DISABLE_OP_POOL", _zero_one, False)),
-    "PAGEDLLM_POOL_SPIN_US": (
+        _zero_one, False),
+    "PAGEDLLM_POOL_SPIN_US": Variable(
         "Microseconds (0-10000, default 50) the compiled ops' workers spin for the next job; csrc/thread_pool.cpp.",
-        lambda: _read("PAGEDLLM_POOL_SPIN_US", _int_in(0, 10000), 50)),
-    "PAGEDLLM_ATTN_PF": (
+        _int_in(0, 10000), 50),
+    "PAGEDLLM_ATTN_PF": Variable(
         "dist[,mode[,hint]]: the CPU attention op's prefetch (0 = none), for A/B runs; csrc/paged_attention_op.cpp.",
-        lambda: _read("PAGEDLLM_ATTN_PF", _prefetch, None)),
+        _prefetch),
 }
 
 COMPILED_OP_VARIABLES = ("PAGEDLLM_DISABLE_OP_POOL", "PAGEDLLM_POOL_SPIN_US", "PAGEDLLM_ATTN_PF")
 """Read by the compiled library, not by Python; checked before it loads."""
 
 
+def read(name: str):
+    """The one parsing helper: variable `name`'s value, its default when unset or empty; a value its
+    parser refuses raises ValueError naming the variable."""
+    variable = VARIABLES[name]
+    text = os.environ.get(name, "")
+    if not text:
+        return variable.default() if callable(variable.default) else variable.default
+    try:
+        return variable.parse(text)
+    except ValueError as e:
+        raise ValueError(f"{name}={text!r}: {e}") from None
+
+
 def check_compiled_op_env() -> None:
     """Raise ValueError (naming the variable) when a variable the compiled library reads holds a
     value it would misread (e.g. PAGEDLLM_DISABLE_OP_POOL=false, which the C++ takes as set)."""
     for name in COMPILED_OP_VARIABLES:
-        VARIABLES[name][1]()
+        read(name)
 
 
 def __getattr__(name: str):
     if name in VARIABLES:
-        return VARIABLES[name][1]()
+        return read(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
