@@ -4,6 +4,9 @@ parsers (no copied defaults to drift), and refuses a size naming an argument its
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -11,6 +14,7 @@ import pagedllm.bench.cli as bench_cli
 from pagedllm.bench import cli_fast_path, cli_memory, cli_throughput
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.cli import build_parser
+from tests.entrypoints.server_helpers import REPO_ROOT
 
 RUN_BY_ALL = {cli_throughput: ("throughput", "serving"), cli_memory: ("memory", "sharing", "prefix", "preemption"),
               cli_fast_path: ("roofline", "profile", "attention")}
@@ -75,3 +79,14 @@ def test_a_size_naming_an_argument_the_benchmark_lacks_is_refused(recorded, monk
     monkeypatch.setitem(bench_cli.ALL_SIZES["full"], "roofline", dict(batch_sizes="1", prompt_length=8))
     with pytest.raises(ValueError, match="`bench roofline` has no argument prompt_length"):
         recorded()
+
+
+def test_declaring_the_benchmarks_imports_no_torch():
+    """Why throughput's or roofline's parser is not in throughput.py or roofline.py: those import torch,
+    and `pagedllm --help` (or `serve`) should not wait for it."""
+    code = ("import sys; from pagedllm.bench.cli import benchmark_parsers; benchmark_parsers(); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
