@@ -1,25 +1,27 @@
-"""`pagedllm bench trace-efficiency` and `pagedllm bench profile`: how close a step gets to its matmuls.
+"""How close a step gets to its matmuls: `pagedllm bench trace-efficiency`, `profile`, `roofline`, `attention`.
 
     pagedllm bench trace-efficiency --workload sharegpt --num-requests 64     (wall vs matmul-only ideal)
     pagedllm bench profile --batch-size 64 --context-len 512                  (a decode step's time by part)
+    pagedllm bench roofline --batch-sizes 1,16,64,128     (decode vs this machine's bandwidth and matmul ceilings)
+    pagedllm bench attention                              (paged attention vs SDPA on contiguous K/V)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pagedllm.bench.common import format_table, write_result
+from pagedllm.bench.common import bench_subparser, format_table, int_list, write_result
 from pagedllm.bench.workloads import add_workload_args, make_workload, spec_from_args
 
 
-def add_fast_path_parsers(bsub, common) -> None:
-    p = bsub.add_parser("trace-efficiency", help="engine wall time on a trace vs its matmul-only ideal")
-    common(p)
+def add_parser(subparsers) -> None:
+    p = bench_subparser(subparsers, "trace-efficiency", bench_trace_efficiency,
+                        help="engine wall time on a trace vs its matmul-only ideal")
     add_workload_args(p)
     p.set_defaults(num_requests=64)
 
-    p = bsub.add_parser("profile", help="a decode step's time: matmuls, attention, everything else")
-    common(p)
+    p = bench_subparser(subparsers, "profile", bench_profile,
+                        help="a decode step's time: matmuls, attention, everything else")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=5, help="decode steps timed (without hooks, then with)")
@@ -30,6 +32,22 @@ def add_fast_path_parsers(bsub, common) -> None:
     p.add_argument("--compare-op-pool", action="store_true",
                    help="also time steps with the compiled ops' spinning worker threads off (torch's passive "
                         "OpenMP threads instead), alternating with the steps with them on, and report both")
+
+    p = bench_subparser(subparsers, "roofline", bench_roofline,
+                        help="decode step time vs this machine's bandwidth and matmul ceilings")
+    p.add_argument("--batch-sizes", default="1,16,64,128")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=8)
+
+    p = bench_subparser(subparsers, "attention", bench_attention, engine=False,
+                        help="paged attention vs SDPA on contiguous K/V, decode and prefill")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--shapes", default=None, help="phase:seqs:len,... e.g. decode:64:512,prefill:4:256")
+    p.add_argument("--kv-cache-dtype", default=None, choices=("float16", "bfloat16"),
+                   help="also time each shape over a cache of this type (rows beside float32)")
+    p.add_argument("--scattered", nargs="?", type=float, const=2.0, default=None, metavar="GB",
+                   help="also time the op over blocks scattered through a cache of GB GiB (default 2), "
+                        "a different block set per layer, as the engine reads them")
 
 
 def bench_trace_efficiency(args, engine_args: dict) -> dict:
@@ -93,4 +111,44 @@ def bench_profile(args, engine_args: dict) -> dict:
         if key in result:
             print(f"with {what} off (steps alternating with the ones above):")
             print(format_table(*profile_table(result[key])))
+    return result
+
+
+def bench_roofline(args, engine_args: dict) -> dict:
+    from pagedllm.bench.engine_utils import build_llm
+    from pagedllm.bench.plots import plot_lines
+    from pagedllm.bench.roofline import roofline_table, run_roofline
+
+    batch_sizes = int_list(args.batch_sizes)
+    engine_args = {**engine_args, "max_num_seqs": max(engine_args["max_num_seqs"], max(batch_sizes))}
+    llm = build_llm(**engine_args)
+    result = run_roofline(llm, batch_sizes, args.prompt_len, args.decode_steps, args.progress)
+    result["engine_args"] = engine_args
+    out = Path(args.out)
+    write_result(out, "roofline", result)
+    rows = result["rows"]
+    plot_lines({"engine decode": ([r["batch_size"] for r in rows], [r["engine_decode_tok_s"] for r in rows]),
+                "matmuls alone": ([r["batch_size"] for r in rows],
+                                  [r["batch_size"] / r["matmuls_alone_ms"] * 1e3 for r in rows]),
+                "roofline ceiling": ([r["batch_size"] for r in rows], [r["ceiling_tok_s"] for r in rows])},
+               out / "roofline.png", "batch size", "decode tokens / s",
+               f"bandwidth {result['bandwidth_gb_s']:.1f} GB/s, matmul {result['matmul_gflop_s']:.0f} GFLOP/s")
+    print(f"bandwidth {result['bandwidth_gb_s']:.2f} GB/s, fp32 matmul {result['matmul_gflop_s']:.1f} GFLOP/s")
+    headers, table = roofline_table(result)
+    print(format_table(headers, table))
+    return result
+
+
+def bench_attention(args, engine_args: dict | None = None) -> dict:
+    from pagedllm.bench.attention import DEFAULT_SHAPES, attention_table, run_attention
+
+    shapes = DEFAULT_SHAPES
+    if getattr(args, "shapes", None):
+        shapes = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2])) for s in args.shapes.split(",")]
+    result = run_attention(shapes, repeats=args.repeats, progress=args.progress,
+                           kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+                           scattered_gb=getattr(args, "scattered", None))
+    write_result(Path(args.out), "attention", result)
+    headers, table = attention_table(result)
+    print(format_table(headers, table))
     return result

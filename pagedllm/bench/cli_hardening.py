@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagedllm.bench.common import write_result
+from pagedllm.bench.common import bench_subparser, write_result
 
 
-def add_hardening_parser(bsub, common) -> None:
-    p = bsub.add_parser("hardening", help="an ordinary request beside one at every limit; 2x overload with 429s")
-    common(p)
+def add_parser(subparsers) -> None:
+    p = bench_subparser(subparsers, "hardening", bench_hardening,
+                        help="an ordinary request beside one at every limit; 2x overload with 429s")
     p.add_argument("--url", default=None, help="an already running server (skips launching)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-num-waiting", type=int, default=16, help="the launched server's waiting-queue bound")
@@ -30,7 +30,7 @@ def add_hardening_parser(bsub, common) -> None:
 def bench_hardening(args, engine_args: dict) -> dict:
     import tempfile
 
-    from pagedllm.bench.cli import _serve_args as serve_args
+    from pagedllm.bench.cli_throughput import serve_args
     from pagedllm.bench.hardening import Limits, hardening_tables, run_hardening
     from pagedllm.bench.serving import ServerProcess
 

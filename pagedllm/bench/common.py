@@ -69,3 +69,28 @@ def timer():
         yield elapsed
     finally:
         end = time.perf_counter()
+
+
+def bench_subparser(subparsers, name: str, run, help: str, engine: bool = True):
+    """The parser of `pagedllm bench NAME`, with what every benchmark takes (--out, --no-progress and, for
+    one that runs an engine, every engine flag); `run(args, engine_args)` runs it. Each benchmark declares
+    its own arguments on the parser this returns, in the function its module calls `add_parser`."""
+    from pagedllm.config import EngineArgs
+
+    p = subparsers.add_parser(name, help=help)
+    p.add_argument("--out", default="bench_results", help="directory for JSON results and PNG plots")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    if engine:
+        EngineArgs.add_cli_args(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def int_list(text: str) -> list[int]:
+    """'1,16,64' -> [1, 16, 64] (a comma-separated flag)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def float_list(text: str) -> list[float]:
+    """'0.5,1,inf' -> [0.5, 1.0, inf] (a comma-separated flag)."""
+    return [float(x) for x in text.split(",") if x]

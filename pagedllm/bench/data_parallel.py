@@ -29,13 +29,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pagedllm.bench.common import format_table, write_result
+from pagedllm.bench.common import bench_subparser, format_table, write_result
 
 
-def add_data_parallel_parser(bsub, common) -> None:
-    p = bsub.add_parser("data-parallel", help="N replicas: least-loaded vs prefix-affinity routing on shared "
-                                              "prefixes; 1 vs N replicas throughput")
-    common(p)
+def add_parser(subparsers) -> None:
+    p = bench_subparser(subparsers, "data-parallel", bench_data_parallel,
+                        help="N replicas: least-loaded vs prefix-affinity routing on shared "
+                             "prefixes; 1 vs N replicas throughput")
     p.add_argument("--replicas", type=int, default=2, help="N of the data-parallel runs")
     p.add_argument("--configs", default="least-loaded,prefix-affinity,single",
                    help="which runs: least-loaded, prefix-affinity (both with N replicas), single (1 replica)")
@@ -150,7 +150,7 @@ def run_config(serve_args: list[str], warmups: list[list[int]], rest: list[list[
 
 
 def bench_data_parallel(args, engine_args: dict) -> dict:
-    from pagedllm.bench.cli import _serve_args
+    from pagedllm.bench.cli_throughput import serve_args as _serve_args
 
     warmups, rest = make_prompts(args.groups, args.per_group, args.prefix_len, args.suffix_len, args.workload_seed)
     runs = {

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from pagedllm.bench.common import format_table
+from pagedllm.bench.common import bench_subparser, format_table
 from pagedllm.bench.engine_utils import engine_prompts, request_params
 from pagedllm.bench.workloads import WorkloadSpec, make_workload
 
@@ -149,10 +149,10 @@ def format_speculative(result: dict) -> str:
     return format_table(headers, rows)
 
 
-def add_speculative_parser(bsub, common) -> None:
-    p = bsub.add_parser("speculative", help="speculative decoding (n-gram, draft model) vs none: copy-heavy and "
-                                            "Alpaca-like, per batch")
-    common(p)
+def add_parser(subparsers) -> None:
+    p = bench_subparser(subparsers, "speculative", bench_speculative,
+                        help="speculative decoding (n-gram, draft model) vs none: copy-heavy and "
+                             "Alpaca-like, per batch")
     p.add_argument("--workloads", default="copy,alpaca", help="copy (prompts whose answers repeat them), alpaca")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--num-requests", type=int, default=16, help="requests per run (at least the batch size)")

@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pagedllm.bench.common import format_table, timer, write_result
+from pagedllm.bench.common import bench_subparser, format_table, timer, write_result
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMAS = {
@@ -63,9 +63,9 @@ SCHEMAS = {
 }
 
 
-def add_structured_parser(bsub, common) -> None:
-    p = bsub.add_parser("structured", help="a batch with JSON schemas vs the same batch unconstrained; compile times")
-    common(p)
+def add_parser(subparsers) -> None:
+    p = bench_subparser(subparsers, "structured", bench_structured,
+                        help="a batch with JSON schemas vs the same batch unconstrained; compile times")
     p.add_argument("--batch-size", type=int, default=32, help="requests in the batch (one sequence each)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each mode (alternating)")

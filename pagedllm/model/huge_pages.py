@@ -18,10 +18,11 @@ Values and shapes never differ: only where the pages come from.
 from __future__ import annotations
 
 import mmap
-import os
 import sys
 
 import torch
+
+from pagedllm import envs
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_HUGE_PAGES"
 HUGE_PAGE_BYTES = 2 << 20
@@ -44,7 +45,7 @@ def thp_mode() -> str:
 
 def available() -> bool:
     """Whether ``empty`` asks for huge pages here (checked once; the env switch every call)."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if envs.PAGEDLLM_DISABLE_HUGE_PAGES:
         return False
     if "ok" not in _state:
         _state["ok"] = (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")

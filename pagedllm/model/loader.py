@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedllm import envs
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import gguf_loader
 from pagedllm.model.registry import resolve_model_class
@@ -50,7 +51,7 @@ class LoadedModel:
 
 def cache_root() -> Path:
     """``$PAGEDLLM_CACHE``, default ``~/.cache/pagedllm``."""
-    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm").expanduser()
+    return envs.PAGEDLLM_CACHE
 
 
 def default_gguf_path() -> Path:

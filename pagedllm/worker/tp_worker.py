@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 import zmq
 
+from pagedllm import envs
 from pagedllm.config import DISTRIBUTED_SECRET_ENV
 
 logger = logging.getLogger("pagedllm.worker.tp_worker")  # also when run as __main__
@@ -53,7 +54,7 @@ class WorkerRefusedError(Exception):
 
 
 def distributed_secret(args: argparse.Namespace) -> str:
-    secret = getattr(args, "distributed_secret", None) or os.environ.get(DISTRIBUTED_SECRET_ENV)
+    secret = getattr(args, "distributed_secret", None) or envs.PAGEDLLM_DISTRIBUTED_SECRET
     if not secret:
         raise ValueError(f"no shared secret: set {DISTRIBUTED_SECRET_ENV} (or pass --distributed-secret) to the "
                          "engine's --distributed-secret")

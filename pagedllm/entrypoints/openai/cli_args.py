@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Optional
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 
 
@@ -15,42 +15,52 @@ from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 class ServerConfig:
     """The HTTP server's settings; the scalar fields become flags of `serve` (see config.add_flags)."""
 
-    host: str = flag("127.0.0.1", "Address to listen on.")
-    port: int = flag(8000, "Port to listen on.")
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
     api_keys: tuple[str, ...] = ()
     """Bearer tokens accepted on /v1/*; empty = no auth (flag: --api-key, repeatable)."""
     served_model_names: tuple[str, ...] = ()
     """Names clients may use for the model; empty = derived from the model path (flag: --served-model-name)."""
-    share_prefix_cache_across_keys: bool = flag(False, "Let requests of different API keys share cached prefixes "
-                                                       "(default: tenants are isolated).")
-    max_request_body_bytes: int = flag(8 * 2**20, "Larger request bodies get 413, e.g. 8MiB.", parse=parse_memory_size)
-    enable_prompt_tokens_details: bool = flag(False, "Report usage.prompt_tokens_details.cached_tokens even when "
-                                                     "it can tell one client what another sent (no API keys, or "
-                                                     "keys sharing the prefix cache).")
+    share_prefix_cache_across_keys: bool = False
+    """Let requests of different API keys share cached prefixes (default: tenants are isolated)."""
+    max_request_body_bytes: int = flag(8 * 2**20, parse=parse_memory_size)
+    """Larger request bodies get 413, e.g. 8MiB."""
+    enable_prompt_tokens_details: bool = False
+    """Report usage.prompt_tokens_details.cached_tokens even when it can tell one client what another sent (no
+    API keys, or keys sharing the prefix cache)."""
     allowed_origins: tuple[str, ...] = ()
     """Origins browsers may call the API from (CORS); empty = none (flag: --allowed-origins, repeatable)."""
-    max_num_waiting: int = flag(512, "Most requests waiting to start (tokenizing or queued); beyond it new ones "
-                                     "get 429 with Retry-After. 0 = unbounded.", group="admission")
-    retry_after_s: int = flag(1, "The Retry-After (seconds) of a 429.", group="admission")
-    request_timeout: float = flag(0.0, "Seconds after which an unfinished request is aborted and its client "
-                                       "told why (504 / an error event). 0 = no deadline.", group="admission")
-    shutdown_timeout: float = flag(30.0, "On SIGTERM, seconds in-flight requests get to finish (new ones get "
-                                         "503) before the rest are ended with an error.", group="lifecycle")
-    keep_alive_on_engine_death: bool = flag(False, "Keep answering 503 when the engine core dies, instead of "
-                                                   "exiting non-zero for a supervisor to restart.", group="lifecycle")
-    num_frontend_threads: int = flag(4, "Threads for tokenization, chat templates and big responses, so the "
-                                        "event loop stays free.")
-    timeout_keep_alive: float = flag(5.0, "Seconds an idle keep-alive connection is held open.", group="http")
-    timeout_request_header: float = flag(10.0, "Seconds a connection may take to send a request's headers "
-                                               "before it is closed.", group="http")
-    timeout_request_body: float = flag(30.0, "Seconds a request body may stall between chunks before a 408.",
-                                       group="http")
-    h11_max_incomplete_event_size: int = flag(64 * 2**10, "Largest request line + headers accepted, e.g. 64KiB.",
-                                              parse=parse_memory_size, group="http")
-    limit_concurrency: int = flag(0, "Most concurrent connections and tasks before new ones get 503 "
-                                     "(uvicorn's limit). 0 = unbounded.", group="http")
-    ssl_keyfile: Optional[str] = flag(None, "TLS private key file (serve HTTPS with --ssl-certfile).", group="http")
-    ssl_certfile: Optional[str] = flag(None, "TLS certificate file.", group="http")
+    max_num_waiting: int = flag(512, group="admission")
+    """Most requests waiting to start (tokenizing or queued); beyond it new ones get 429 with Retry-After. 0 =
+    unbounded."""
+    retry_after_s: int = flag(1, group="admission")
+    """The Retry-After (seconds) of a 429."""
+    request_timeout: float = flag(0.0, group="admission")
+    """Seconds after which an unfinished request is aborted and its client told why (504 / an error event). 0 =
+    no deadline."""
+    shutdown_timeout: float = flag(30.0, group="lifecycle")
+    """On SIGTERM, seconds in-flight requests get to finish (new ones get 503) before the rest are ended with an
+    error."""
+    keep_alive_on_engine_death: bool = flag(False, group="lifecycle")
+    """Keep answering 503 when the engine core dies, instead of exiting non-zero for a supervisor to restart."""
+    num_frontend_threads: int = 4
+    """Threads for tokenization, chat templates and big responses, so the event loop stays free."""
+    timeout_keep_alive: float = flag(5.0, group="http")
+    """Seconds an idle keep-alive connection is held open."""
+    timeout_request_header: float = flag(10.0, group="http")
+    """Seconds a connection may take to send a request's headers before it is closed."""
+    timeout_request_body: float = flag(30.0, group="http")
+    """Seconds a request body may stall between chunks before a 408."""
+    h11_max_incomplete_event_size: int = flag(64 * 2**10, parse=parse_memory_size, group="http")
+    """Largest request line + headers accepted, e.g. 64KiB."""
+    limit_concurrency: int = flag(0, group="http")
+    """Most concurrent connections and tasks before new ones get 503 (uvicorn's limit). 0 = unbounded."""
+    ssl_keyfile: Optional[str] = flag(None, group="http")
+    """TLS private key file (serve HTTPS with --ssl-certfile)."""
+    ssl_certfile: Optional[str] = flag(None, group="http")
+    """TLS certificate file."""
     log_level: str = dataclasses.field(default="INFO", metadata={"cli": False})
     """Set by the top-level --log-level."""
 
@@ -99,7 +109,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         args.model = args.model_positional
     api_keys = args.api_keys
     if api_keys is None:
-        env_key = os.environ.get("PAGEDLLM_API_KEY")
+        env_key = envs.PAGEDLLM_API_KEY
         api_keys = [env_key] if env_key else []
     flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     server_config = ServerConfig(**{**flagged, "api_keys": tuple(api_keys),

@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
 
+from pagedllm import envs
 from pagedllm.model.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,7 @@ def build_key() -> str:
 
 
 def library_dir(key: str) -> Path:
-    root = os.environ.get(DIR_ENV) or os.path.join(sys.prefix, "lib", "pagedllm-ops")
-    return Path(root) / key
+    return envs.PAGEDLLM_CPU_OP_DIR / key
 
 
 def _library_name(key: str) -> str:
@@ -115,8 +114,9 @@ def load() -> bool:
     """True when ``torch.ops.pagedllm.paged_attention_cpu`` is usable here (logs once if not)."""
     if "loaded" in _state:
         return bool(_state["loaded"])
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if envs.PAGEDLLM_DISABLE_CPU_OP:
         return _unavailable(f"{DISABLE_ENV} is set")
+    envs.check_compiled_op_env()  # the library reads three variables itself: refuse a value it would misread
     if not hasattr(torch.ops.pagedllm, "paged_attention_cpu"):
         path = library_path()
         if path is None:

@@ -17,10 +17,11 @@ torch, and an op that matches no width keeps the torch path (logged).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def ops() -> _Ops | None:
         if not _resolved:
             from pagedllm.model.attention import cpu_op
 
-            usable = (os.environ.get(DISABLE_ENV, "") in ("", "0") and cpu_op.load()
+            usable = (not envs.PAGEDLLM_DISABLE_FUSED_CPU_OPS and cpu_op.load()
                       and hasattr(torch.ops.pagedllm, "rms_norm_cpu"))
             _resolved.append(_Ops() if usable else None)
         _ops.append(_resolved[0])

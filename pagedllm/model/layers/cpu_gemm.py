@@ -23,11 +23,11 @@ last slice of it is; the arena keeps only a weak reference to the newest slice.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import torch
 
+from pagedllm import envs
 from pagedllm.model import huge_pages
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def _log_once(reason: str) -> None:
 def panel_width(isa: str | None = None) -> int:
     """Columns per panel to pack for (``isa``: None = ``PAGEDLLM_CPU_GEMM_ISA`` or the best the
     CPU runs, else 'avx512' / 'avx2'); 0 when the GEMM is off or unusable here."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if envs.PAGEDLLM_DISABLE_CPU_GEMM:
         _log_once(f"{DISABLE_ENV} is set")
         return 0
     from pagedllm.model.attention import cpu_op
@@ -65,7 +65,7 @@ def panel_width(isa: str | None = None) -> int:
     if not hasattr(torch.ops.pagedllm, "gemm_panel_width"):
         _log_once("the loaded library predates it")
         return 0
-    name = (os.environ.get(ISA_ENV, "") if isa is None else isa).lower()
+    name = (envs.PAGEDLLM_CPU_GEMM_ISA if isa is None else isa).lower()
     if name not in ISA_CODES:
         raise ValueError(f"{ISA_ENV}={name!r}: expected one of avx512, avx2, best")
     width = int(torch.ops.pagedllm.gemm_panel_width(ISA_CODES[name]))

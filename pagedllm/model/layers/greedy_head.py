@@ -34,10 +34,10 @@ float32 logits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from pagedllm import envs
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_BF16_GREEDY_HEAD"
 MIN_ROWS = 4
@@ -93,7 +93,7 @@ class GreedyHead:
         """``force`` (tests) builds it on any CPU with the compiled library: still exact, perhaps slow."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
-        if not force and (os.environ.get(DISABLE_ENV, "") not in ("", "0") or not cpu_has_fast_bf16()):
+        if not force and (envs.PAGEDLLM_DISABLE_BF16_GREEDY_HEAD or not cpu_has_fast_bf16()):
             return None
         if not _select_available():
             return None

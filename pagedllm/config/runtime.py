@@ -1,0 +1,264 @@
+"""The frozen runtime configs, each validated once, in its own `__post_init__`.
+
+Every field here that a user sets is also an `EngineArgs` field and a flag of the `pagedllm` command:
+its default, its choices and its docstring (the flag's help) are declared here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from pagedllm.config.flags import check_choices, flag, parse_memory_size
+
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+EXECUTOR_BACKENDS = ("mp", "ray")
+ROUTINGS = ("least-loaded", "prefix-affinity")
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+"""max_model_len when none is given: the model's context length, capped at this."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int = flag(1 << 30, parse=parse_memory_size)
+    """Bytes for the KV cache of all layers, e.g. 2GiB (ignored when num_kv_blocks is set)."""
+    num_kv_blocks: int | None = None
+    """An explicit KV block count, overriding kv_cache_memory."""
+    enable_prefix_caching: bool = True
+    """Reuse the cached KV of full blocks shared with earlier requests."""
+    preemption_mode: str = flag("recompute", choices=PREEMPTION_MODES)
+    """How a preempted request gets its KV back: recompute it, or swap it out to host memory."""
+    swap_space: int = flag(1 << 30, parse=parse_memory_size)
+    """Host memory for swapped-out KV blocks (with preemption_mode swap), e.g. 1GiB."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step; longer prompts are prefilled in chunks."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) served; default: the model's context length, capped at 4096."""
+    scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES)
+    """Order of admission: fcfs (first come, first served) or priority (a request's priority, lower first, then
+    arrival; a waiting request may preempt a running one it outranks when blocks run out)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def for_model(self, model_max_len: int) -> SchedulerConfig:
+        """This config with max_model_len resolved against the model's context length (what the scheduler
+        gets): the default is min(model, 4096); a longer one than the model's raises ValueError."""
+        if self.max_model_len is None:
+            return dataclasses.replace(self, max_model_len=min(model_max_len, DEFAULT_MAX_MODEL_LEN_CAP))
+        if self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length ({model_max_len})")
+        return self
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens, the model scores them all in one step
+    and keeps the longest prefix it agrees with (losslessly), plus one token of its own."""
+
+    method: str = "ngram"
+    """'ngram': prompt lookup, the tokens that followed the sequence's latest n-gram earlier in its own tokens;
+    'draft_model': the greedy guesses of a smaller model with the same vocabulary (`model`)."""
+    num_speculative_tokens: int = 3
+    """Most tokens proposed per request per step (k); a step yields 1..k+1 tokens."""
+    prompt_lookup_min: int = 1
+    """Shortest n-gram matched (ngram)."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram matched (ngram); longer matches are tried first."""
+    model: str | None = None
+    """draft_model: a smaller Llama-family model with the target's tokenizer (an HF directory or .gguf),
+    run greedily by the worker with its own paged KV cache; required for that method, refused otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError('speculative method "draft_model" needs "model": the draft model\'s path')
+            if not os.path.exists(os.path.expanduser(self.model)):
+                raise ValueError(f"the draft model path {self.model!r} does not exist")
+        elif self.model is not None:
+            raise ValueError(f'"model" is only read by the "draft_model" method, not {self.method!r}')
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """A config from a dict or its JSON text (the --speculative-config flag); None/empty = off.
+        Unknown keys raise ValueError naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = parse_speculative_config(value)
+        if not value:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+
+def parse_speculative_config(text: str) -> dict:
+    """The JSON object of --speculative-config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+    SpeculativeConfig.from_value(value)  # refuse a bad config at parse time
+    return value
+
+
+DISTRIBUTED_SECRET_ENV = "PAGEDLLM_DISTRIBUTED_SECRET"
+"""The environment variable holding the tensor-parallel shared secret (preferred to the flag: argv is public)."""
+MIN_SECRET_CHARS = 16
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (tensor parallelism) and how they find each other."""
+
+    tensor_parallel_size: int = 1
+    """Worker processes, one model shard each (1: the model runs in the engine's process). With N > 1,
+    kv_cache_memory is each rank's budget for its share of the KV heads."""
+    master_addr: str = "127.0.0.1"
+    """Address of the torch.distributed rendezvous (this host, reachable by every worker)."""
+    master_port: int | None = None
+    """Port of the rendezvous; default: a free one (set it when workers run on other hosts)."""
+    num_local_workers: int | None = None
+    """Ranks 0..k-1 are started here; the others join with `pagedllm worker`. Default: all of them."""
+    distributed_timeout: float = 120.0
+    """Seconds a collective, worker start-up or step may wait for a peer before the engine dies."""
+    distributed_secret: str | None = flag(None, secret=True)
+    """Shared secret every worker must prove it knows before it joins (at least 16 characters); required with
+    workers on other hosts (default with only local workers: a random one per engine). Prefer the
+    PAGEDLLM_DISTRIBUTED_SECRET environment variable: command lines are visible to other users."""
+    data_parallel_size: int = 1
+    """Engine replicas behind this one server, each with its own KV cache (and its own tensor-parallel ranks);
+    requests are routed by --routing."""
+    distributed_executor_backend: str = flag("mp", choices=EXECUTOR_BACKENDS)
+    """mp: replicas are local processes (a dead one stays down); ray: Ray actors on the nodes of a Ray
+    cluster, restarted when they die."""
+    ray_address: str | None = None
+    """Join this Ray cluster (implies --distributed-executor-backend ray); default: RAY_ADDRESS, else a local
+    Ray instance."""
+    ray_max_restarts: int = 3
+    """How often Ray restarts one replica before it stays down."""
+    routing: str = flag("least-loaded", choices=ROUTINGS)
+    """least-loaded (fewest in-flight sequences) or prefix-affinity (the replica that last served the prompt's
+    leading blocks, bounded by load)."""
+    routing_affinity_blocks: int = 4
+    """Leading full blocks of a prompt that prefix-affinity routing hashes."""
+    routing_max_imbalance: int = 8
+    """Prefix affinity yields to least-loaded when the affine replica has more in-flight sequences than the
+    least-loaded one by more than this."""
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.num_local_workers is not None and not 0 <= self.num_local_workers <= tp:
+            raise ValueError(f"num_local_workers must be in [0, {tp}], got {self.num_local_workers}")
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        if self.distributed_secret is not None and len(self.distributed_secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"the distributed secret must have at least {MIN_SECRET_CHARS} characters")
+        if self.num_local < tp and self.distributed_secret is None:
+            raise ValueError(
+                f"ranks {self.num_local}..{tp - 1} join from other hosts, which needs a shared secret: set "
+                f"{DISTRIBUTED_SECRET_ENV} (or --distributed-secret) here and on every worker"
+            )
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        check_choices(self)
+        for name, low in (("ray_max_restarts", 0), ("routing_affinity_blocks", 1), ("routing_max_imbalance", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.uses_ray and self.num_local < self.tensor_parallel_size:
+            raise ValueError("with Ray, every tensor-parallel rank of a replica runs on the replica's node: "
+                             "drop --num-local-workers")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.distributed_executor_backend == "ray" or self.ray_address is not None
+
+    @property
+    def uses_dp_client(self) -> bool:
+        """Whether the front end talks to its core(s) through DPCoreClient (several replicas, or Ray)."""
+        return self.data_parallel_size > 1 or self.uses_ray
+
+    @property
+    def num_local(self) -> int:
+        """Ranks started on this host."""
+        return self.tensor_parallel_size if self.num_local_workers is None else self.num_local_workers
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much one request may ask for; the front end refuses more with an InvalidRequestError naming
+    the limit (HTTP 400). They bound what one request can cost its neighbours per step."""
+
+    max_stop_token_ids: int = 256
+    """Most stop_token_ids one request may carry."""
+    max_logit_bias: int = 300
+    """Most logit_bias entries one request may carry (OpenAI's limit)."""
+    max_stop_strings: int = 16
+    """Most stop strings one request may carry (at most 64)."""
+    max_stop_string_chars: int = 1024
+    """Longest stop string, in characters."""
+    max_logprobs: int = 20
+    """Most top logprobs per generated or prompt token a request may ask for (at most 20)."""
+    max_sequences_per_request: int = 256
+    """Most sequences one request may generate: prompts x max(n, best_of)."""
+    max_prompt_logprobs_positions: int = 2048
+    """Longest prompt whose prompt_logprobs may be asked for (one entry per position)."""
+
+    def __post_init__(self) -> None:
+        from pagedllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
+        if self.max_stop_strings > MAX_STOP_STRINGS:
+            raise ValueError(f"max_stop_strings must be <= {MAX_STOP_STRINGS}, got {self.max_stop_strings}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be <= {MAX_LOGPROBS}, got {self.max_logprobs}")
