@@ -38,7 +38,6 @@ from pagedllm.engine.protocol import (
     OutputsMsg,
     ReadyMsg,
     RequestRejectedMsg,
-    UtilityRequestMsg,
 )
 from pagedllm.errors import EngineDeadError
 
@@ -134,7 +133,6 @@ class DPCoreClient:
         self._seq_owner: dict[str, str] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
-        self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self._closed = False
         if replicas is not None:
@@ -205,12 +203,6 @@ class DPCoreClient:
                 self.replicas[replica].abort_requests(seq_ids, status)
             except (EngineDeadError, zmq.ZMQError):
                 pass  # a dead replica holds nothing any more
-
-    def request_utility(self, method: str, replica: int = 0) -> int:
-        """Send a utility call to one replica; its UtilityResultMsg comes out of get_output()."""
-        call_id = next(self._call_ids)
-        self.replicas[replica]._send(UtilityRequestMsg(call_id, method))
-        return call_id
 
     def _check_open(self) -> None:
         if self.dead_error is not None:
