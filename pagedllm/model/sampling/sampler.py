@@ -2,7 +2,8 @@
 
 The sampler knows nothing of scheduling: the model runner describes each row it samples with a
 `SamplingRow`, packs them once per step into a `SamplingMetadata` of tensors (metadata.py), and calls
-`Sampler`, which composes the steps below from their modules.
+`Sampler`, which composes the steps below: the processors (logits_processors.py), greedy rows by
+argmax here, random rows through top_k_top_p_sampler.py, and the logprobs (logprobs.py).
 
 Processing order for every row (vLLM's, which users know):
 
@@ -28,11 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.model.sampling.draw import argmax_rows, inverse_cdf_draw, row_uniforms
 from pagedllm.model.sampling.logits_processors import apply_logits_processors
 from pagedllm.model.sampling.logprobs import gather_logprobs
 from pagedllm.model.sampling.metadata import SamplingMetadata
-from pagedllm.model.sampling.top_k_top_p import sampling_probs
+from pagedllm.model.sampling.top_k_top_p_sampler import random_sample
 
 
 @dataclass(slots=True)
@@ -79,12 +79,28 @@ class Sampler(nn.Module):
             sampled = argmax_rows(x)
         else:
             greedy_ids = argmax_rows(x) if metadata.greedy_mask is not None else None
-            sampled = _sample_random(x, metadata)
+            sampled = random_sample(x, metadata)
             if greedy_ids is not None:
                 sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
         return sampled
 
 
-def _sample_random(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Sample every row of processed logits `x` as if it were random (greedy rows are fixed later)."""
-    return inverse_cdf_draw(sampling_probs(x, metadata), row_uniforms(metadata, x.device))
+_ARGMAX_CHUNK = 128
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of [N, V] logits, the same indices (first occurrence of the maximum; a
+    NaN counts as the maximum, as in argmax).
+
+    On the CPU, argmax over a row is scalar code (~2.6 ns an element: 8 ms for 64 x 49152 logits,
+    1 thread) while amax is vectorized; so take the maximum of each 128-wide chunk, the first chunk
+    holding the row's maximum (argmax over V/128 values), then the first maximum inside that chunk:
+    6-9x faster at 16-64 rows. Other devices, and vocabularies not a multiple of the chunk, use argmax.
+    """
+    num_rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab % _ARGMAX_CHUNK or not x.is_contiguous() or not x.is_floating_point():
+        return x.argmax(dim=-1)
+    chunks = x.view(num_rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [N]: NaN propagates through amax, argmax picks it
+    within = chunks[torch.arange(num_rows), chunk].argmax(dim=-1)
+    return chunk * _ARGMAX_CHUNK + within
