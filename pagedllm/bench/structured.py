@@ -110,7 +110,7 @@ def mask_cost(tokenizer, vocab_size: int, token_ids: list[list[int]]) -> dict:
     apply it to [batch, vocab] float32 logits and accept the sampled tokens."""
     import torch
 
-    from pagedllm.model.sampler import apply_token_bitmask
+    from pagedllm.model.sampling.logits_processors import apply_token_bitmask
     from pagedllm.worker.structured_output import StructuredOutputManager
 
     names = sorted(SCHEMAS)

@@ -1,8 +1,9 @@
 """AsyncLLM: the asyncio front end of a server, with the engine core in its own process.
 
-    generate() ── FrontendCore (InputProcessor) ──> MPCoreClient ──ZMQ──> EngineCoreProc
-        ^                                                                  │
-        └── per-request asyncio.Queue <── FrontendCore (OutputProcessor) <── output handler task
+    add_request() ── FrontendCore (InputProcessor) ──> MPCoreClient ──ZMQ──> EngineCoreProc
+        │ returns                                                              │
+    RequestStream <── put() ── FrontendCore (OutputProcessor) <── output handler task
+        └── close() / fail() ── release ──> AsyncLLM: unregister; abort in the core unless finished
 
 Tokenization and validation happen here, on a worker thread so that a huge prompt never stalls
 the event loop (InvalidRequestError before anything is queued);
@@ -65,14 +66,38 @@ def load_tokenizer(model_path: str):
 
 
 class RequestStream:
-    """The outputs of one request, in order. close() (idempotent) aborts it unless it finished."""
+    """The outputs of one request, in order; iterate it, then close() it (idempotent).
 
-    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
-        self.engine = engine
+    Two sides, one owner. AsyncLLM owns the registry of open streams and feeds each one (`put`,
+    `put_error`); it never touches a stream's queue. The reader iterates and ends the stream with
+    `close()` or `fail(error)`; either tells the owner once, through `release` (which unregisters it
+    and aborts the request in the core unless it finished).
+    """
+
+    def __init__(self, request_id: str, release: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
-        self._queue = queue
+        self._release = release
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.started = False
+        """An output or an error arrived: the request no longer waits (num_waiting_requests)."""
         self.finished = False
+        """The reader got the request's last output."""
+        self.error: BaseException | None = None
+        """What fail() ended it with; iterating raises it."""
         self._closed = False
+
+    # --- the owner's side ---------------------------------------------------------------
+
+    def put(self, output: RequestOutput) -> None:
+        self.started = True
+        self._queue.put_nowait(output)
+
+    def put_error(self, error: BaseException) -> None:
+        """Iterating raises `error` after the outputs already put."""
+        self.started = True
+        self._queue.put_nowait(error)
+
+    # --- the reader's side --------------------------------------------------------------
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -90,10 +115,13 @@ class RequestStream:
         return item
 
     def fail(self, error: BaseException) -> bool:
-        """Abort the request unless it finished or was closed; iterating raises `error`. True if it was open."""
-        if self.finished or self._closed:
+        """Abort the request unless it finished, failed or was closed; iterating raises `error`.
+        True if it was open."""
+        if self.finished or self._closed or self.error is not None:
             return False
-        self.engine.abort(self.request_id, error)
+        self.error = error
+        self.put_error(error)
+        self._release(self)
         return True
 
     def close(self) -> None:
@@ -101,11 +129,8 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        if self.engine._queues.get(self.request_id) is self._queue:
-            del self.engine._queues[self.request_id]
-            self.engine._started.discard(self.request_id)
-        if not self.finished:
-            self.engine._abort_in_core(self.request_id)
+        if self.error is None:  # fail() released it already
+            self._release(self)
 
 
 class AsyncLLM:
@@ -124,9 +149,8 @@ class AsyncLLM:
         self.metrics = metrics
         self.latest_stats: EngineStatsMsg | None = None
         self.dead_error: EngineDeadError | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._started: set[str] = set()
-        """Requests that produced an output (or failed): the others are still waiting to run."""
+        self._streams: dict[str, RequestStream] = {}
+        """The open streams by request id: registered by add_request, forgotten when their reader ends them."""
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         """Called once, on the event loop, when the core dies (the server decides whether to exit)."""
         self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="pagedllm-frontend")
@@ -175,27 +199,26 @@ class AsyncLLM:
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise).
         """
         self._check_alive()
-        if request_id in self._queues:  # an earlier stream under this id is still open
+        if request_id in self._streams:  # an earlier stream under this id is still open
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue  # holds the id (and counts as waiting) while tokenizing
+        request_stream = RequestStream(request_id, self._release)
+        self._streams[request_id] = request_stream  # holds the id (and counts as waiting) while tokenizing
         try:
             text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
                                                     cache_salt, priority)
             self._check_alive()
-            if self._queues.get(request_id) is not queue:  # aborted (e.g. by a shutdown) while tokenizing
-                raise queue.get_nowait() if not queue.empty() else RequestFailedError(f"request {request_id} was aborted")
+            if request_stream.error is not None:  # aborted (e.g. by a shutdown) while tokenizing
+                raise request_stream.error
             self.frontend.submit(request, text, stream)
         except BaseException:
-            if self._queues.get(request_id) is queue:
-                del self._queues[request_id]
+            self._forget(request_stream)
             raise
         if self.metrics is not None:
             self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time,
                                               request.priority)
             if request.sampling_params.structured_outputs is not None:
                 self.metrics.record_grammar_stats(self.input_processor.grammar_stats())
-        return RequestStream(self, request_id, queue)
+        return request_stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        cache_salt: str | None = None, stream: bool = True,
@@ -215,27 +238,38 @@ class AsyncLLM:
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Abort a request by id now (no-op when unknown or finished); its stream raises `error`
         (default: RequestFailedError)."""
-        queue = self._queues.pop(request_id, None)
-        self._started.discard(request_id)
-        self._abort_in_core(request_id)
-        if queue is not None:
-            queue.put_nowait(error if error is not None else RequestFailedError(f"request {request_id} was aborted"))
+        request_stream = self._streams.get(request_id)
+        if request_stream is None:
+            self._abort_in_core(request_id)
+        else:  # the stream calls _release: unregistered and aborted in the core
+            request_stream.fail(error if error is not None else RequestFailedError(f"request {request_id} was aborted"))
 
     def abort_all(self, error: BaseException) -> int:
         """Abort every open request, each stream raising `error` (a draining server's last word)."""
-        request_ids = list(self._queues)
+        request_ids = list(self._streams)
         for request_id in request_ids:
             self.abort(request_id, error)
         return len(request_ids)
 
     @property
     def num_open_requests(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     @property
     def num_waiting_requests(self) -> int:
-        """Requests accepted here that have not produced an output yet: tokenizing, or queued in the core."""
-        return len(self._queues) - len(self._started)
+        """Requests accepted here that have not produced an output (or failed) yet: tokenizing, or queued
+        in the core."""
+        return sum(not s.started for s in self._streams.values())
+
+    def _release(self, request_stream: RequestStream) -> None:
+        """A stream's reader ended it (close or fail): forget it, and abort its request unless it finished."""
+        self._forget(request_stream)
+        if not request_stream.finished:
+            self._abort_in_core(request_stream.request_id)
+
+    def _forget(self, request_stream: RequestStream) -> None:
+        if self._streams.get(request_stream.request_id) is request_stream:
+            del self._streams[request_stream.request_id]
 
     def _abort_in_core(self, request_id: str) -> None:
         if self.metrics is not None:
@@ -284,9 +318,8 @@ class AsyncLLM:
                 elif isinstance(msg, RequestRejectedMsg):
                     self._handle_rejected(msg)
                 elif isinstance(msg, ReplicaLostMsg):  # data parallel: this request's replica died
-                    self._started.discard(msg.req_id)
-                    if (queue := self._queues.get(msg.req_id)) is not None:
-                        queue.put_nowait(msg.error)
+                    if (request_stream := self._streams.get(msg.req_id)) is not None:
+                        request_stream.put_error(msg.error)
         except EngineDeadError as e:
             self._set_dead(e)
         except Exception as e:  # a bug here must not leave requests hanging
@@ -315,20 +348,14 @@ class AsyncLLM:
             if output.finished and self.metrics is not None:
                 reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
                 self.metrics.record_request_finished(output.request_id, reasons[0] if reasons else None, now)
-            queue = self._queues.get(output.request_id)
-            if queue is not None:
-                if output.finished:
-                    self._started.discard(output.request_id)
-                else:
-                    self._started.add(output.request_id)
-                queue.put_nowait(output)
+            if (request_stream := self._streams.get(output.request_id)) is not None:
+                request_stream.put(output)
 
     def _handle_rejected(self, msg: RequestRejectedMsg) -> None:
-        queue = self._queues.get(msg.req_id)  # the front end's request id (one message for all n sequences)
-        self._started.discard(msg.req_id)
-        if queue is not None:
+        # the front end's request id (one message for all n sequences)
+        if (request_stream := self._streams.get(msg.req_id)) is not None:
             error_cls = InvalidRequestError if msg.invalid_request else RequestFailedError
-            queue.put_nowait(error_cls(msg.message))
+            request_stream.put_error(error_cls(msg.message))
 
     def _set_dead(self, error: EngineDeadError) -> None:
         if self.dead_error is not None:
@@ -337,7 +364,7 @@ class AsyncLLM:
         self.dead_error = error
         if self.metrics is not None:
             self.metrics.record_engine_dead()
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for request_stream in self._streams.values():
+            request_stream.put_error(error)
         if self.on_dead is not None:
             self.on_dead(error)

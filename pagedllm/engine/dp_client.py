@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import itertools
 import logging
 
@@ -37,13 +38,47 @@ from pagedllm.engine.protocol import (
     OutputsMsg,
     ReadyMsg,
     RequestRejectedMsg,
-    UtilityRequestMsg,
 )
 from pagedllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("num_preemptions", "num_swap_outs", "prefix_cache_queries", "prefix_cache_hits", "num_evictions")
+
+
+class StatsMerge(enum.Enum):
+    """How one EngineStatsMsg field of the replicas becomes the engine-wide total."""
+
+    GAUGE_SUM = "gauge_sum"
+    """A level now (requests, beams, blocks): summed over the live replicas; a dead one's leaves with it."""
+    COUNTER_SUM = "counter_sum"
+    """Cumulative: summed over every incarnation of every replica, so the total never goes backwards."""
+    COUNTER_SUM_PER_POSITION = "counter_sum_per_position"
+    """Cumulative lists indexed by position: summed position by position (a shorter list counts 0 past its end)."""
+    MEAN_WEIGHTED_BY_BLOCKS = "mean_weighted_by_blocks"
+    """A fraction of a replica's KV blocks: the mean weighted by each live replica's block count."""
+
+
+_G, _C, _P = StatsMerge.GAUGE_SUM, StatsMerge.COUNTER_SUM, StatsMerge.COUNTER_SUM_PER_POSITION
+STATS_MERGE: dict[str, StatsMerge] = {
+    "num_running": _G, "num_waiting": _G, "kv_cache_usage": StatsMerge.MEAN_WEIGHTED_BY_BLOCKS,
+    "num_preemptions": _C, "prefix_cache_queries": _C, "prefix_cache_hits": _C, "num_evictions": _C,
+    "num_kv_leaks": _G, "num_swap_outs": _C,
+    "num_beam_groups": _G, "num_beams_running": _G, "num_beam_kv_blocks": _G, "num_beam_kv_blocks_saved": _G,
+    "num_beam_group_preemptions": _C,
+    "spec_num_steps": _C, "spec_num_draft_tokens": _C, "spec_num_accepted_tokens": _C, "spec_num_bonus_tokens": _C,
+    "spec_accepted_per_position": _P, "spec_proposed_per_position": _P,
+}
+"""Every field of EngineStatsMsg and how it merges. Checked against the struct's own fields at import, so a new
+field without a rule fails loudly instead of reading 0 on /metrics whenever -dp > 1."""
+if set(STATS_MERGE) != set(EngineStatsMsg.__struct_fields__):
+    raise TypeError("STATS_MERGE must name every EngineStatsMsg field exactly once; missing: "
+                    f"{sorted(set(EngineStatsMsg.__struct_fields__) - set(STATS_MERGE))}, "
+                    f"unknown: {sorted(set(STATS_MERGE) - set(EngineStatsMsg.__struct_fields__))}")
+_CUMULATIVE = (StatsMerge.COUNTER_SUM, StatsMerge.COUNTER_SUM_PER_POSITION)
+
+
+def _add_per_position(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
 
 class ReplicaDeadError(EngineDeadError):
@@ -90,13 +125,14 @@ class DPCoreClient:
         self.states = [ReplicaState.STARTING] * self.num_replicas
         self.ready_msgs: list[ReadyMsg | None] = [None] * self.num_replicas
         self.replica_stats: list[EngineStatsMsg | None] = [None] * self.num_replicas
-        self._retired = dict.fromkeys(_COUNTERS, 0)
+        self._retired: dict[str, int | list[int]] = {
+            name: [] if how is StatsMerge.COUNTER_SUM_PER_POSITION else 0
+            for name, how in STATS_MERGE.items() if how in _CUMULATIVE}
         """Counters of replica incarnations that died: totals never go backwards."""
         self._inflight: dict[str, _InFlight] = {}
         self._seq_owner: dict[str, str] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
-        self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self._closed = False
         if replicas is not None:
@@ -167,12 +203,6 @@ class DPCoreClient:
                 self.replicas[replica].abort_requests(seq_ids, status)
             except (EngineDeadError, zmq.ZMQError):
                 pass  # a dead replica holds nothing any more
-
-    def request_utility(self, method: str, replica: int = 0) -> int:
-        """Send a utility call to one replica; its UtilityResultMsg comes out of get_output()."""
-        call_id = next(self._call_ids)
-        self.replicas[replica]._send(UtilityRequestMsg(call_id, method))
-        return call_id
 
     def _check_open(self) -> None:
         if self.dead_error is not None:
@@ -270,8 +300,10 @@ class DPCoreClient:
         self._set_metric_up(i, False)
         last = self.replica_stats[i]
         if last is not None:
-            for name in _COUNTERS:
-                self._retired[name] += getattr(last, name)
+            for name, retired in self._retired.items():
+                value = getattr(last, name)
+                self._retired[name] = (_add_per_position(retired, value) if isinstance(retired, list)
+                                       else retired + value)
         self.replica_stats[i] = None
         lost = [entry for entry in self._inflight.values() if entry.replica == i]
         for entry in lost:
@@ -334,17 +366,21 @@ class DPCoreClient:
         return ", ".join(f"replica {i} {s.value}" for i, s in enumerate(self.states))
 
     def total_stats(self) -> EngineStatsMsg:
-        """The engine-wide view: gauges summed over the live replicas, counters over every incarnation;
-        kv_cache_usage weighted by each replica's block count."""
+        """The engine-wide view: every field merged over the replicas as STATS_MERGE says."""
         live = [(s, self.ready_msgs[i].num_blocks) for i, s in enumerate(self.replica_stats) if s is not None]
         num_blocks = sum(n for _, n in live)
-        return EngineStatsMsg(
-            num_running=sum(s.num_running for s, _ in live),
-            num_waiting=sum(s.num_waiting for s, _ in live),
-            kv_cache_usage=sum(s.kv_cache_usage * n for s, n in live) / num_blocks if num_blocks else 0.0,
-            num_kv_leaks=sum(s.num_kv_leaks for s, _ in live),
-            **{name: self._retired[name] + sum(getattr(s, name) for s, _ in live) for name in _COUNTERS},
-        )
+        total = {}
+        for name, how in STATS_MERGE.items():
+            values = [getattr(s, name) for s, _ in live]
+            if how is StatsMerge.GAUGE_SUM:
+                total[name] = sum(values)
+            elif how is StatsMerge.COUNTER_SUM:
+                total[name] = self._retired[name] + sum(values)
+            elif how is StatsMerge.COUNTER_SUM_PER_POSITION:
+                total[name] = functools.reduce(_add_per_position, values, self._retired[name])
+            else:  # MEAN_WEIGHTED_BY_BLOCKS
+                total[name] = sum(v * n for v, (_, n) in zip(values, live)) / num_blocks if num_blocks else 0.0
+        return EngineStatsMsg(**total)
 
     def _set_metric_up(self, i: int, up: bool) -> None:
         if self.metrics is not None:

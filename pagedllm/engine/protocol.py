@@ -57,7 +57,9 @@ FrontendMessage = Union[AddRequestMsg, AbortRequestsMsg, UtilityRequestMsg, Shut
 
 
 class EngineStatsMsg(msgspec.Struct):
-    """A snapshot of the core's gauges and cumulative counters."""
+    """A snapshot of the core's gauges and cumulative counters.
+
+    A new field also needs its rule in dp_client.STATS_MERGE (how replicas add up; checked at import)."""
 
     num_running: int
     num_waiting: int

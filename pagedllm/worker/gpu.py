@@ -1,4 +1,4 @@
-"""CUDA-only helpers of the model runner: device and dtype choice, KV sizing by profiling, decode CUDA graphs.
+"""Device and dtype choice, and the CUDA graphs of decode steps (KV sizing by profiling: kv_cache_sizing.py).
 
 Nothing here runs on the CPU path except ``resolve_device``, ``resolve_dtype`` (and ``DecodeGraphRunner`` with
 ``capture=False``, which tests use to check the padded static-buffer decode on the CPU).
@@ -37,35 +37,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-@torch.inference_mode()
-def profile_num_kv_blocks(model: nn.Module, bytes_per_block: int, num_tokens: int, num_seqs: int,
-                          gpu_memory_utilization: float, device: torch.device) -> int:
-    """Blocks that fit in ``gpu_memory_utilization`` of the GPU after weights and peak activations.
-
-    A dummy forward of ``num_tokens`` tokens (the step budget) without a KV cache, plus logits for
-    ``num_seqs`` rows, measures the activation peak; everything already in use on the device
-    (weights, the CUDA context, other processes) is subtracted too.
-    """
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
-    with set_forward_context(None, None):
-        hidden = model(input_ids, positions)
-        model.compute_logits(hidden[:num_seqs])
-    torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - base
-    del hidden
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * gpu_memory_utilization) - (total - free) - activation_peak
-    logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.2f GiB activation peak -> %.1f GiB for KV",
-                total / 2**30, (total - free) / 2**30, activation_peak / 2**30, max(budget, 0) / 2**30)
-    return max(budget, 0) // bytes_per_block
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -17,14 +17,9 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, Token
 from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.forward_context import set_forward_context
-from pagedllm.model.sampler import (
-    RequestTensors,
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-    SamplingRow,
-    compute_prompt_logprobs,
-)
+from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
+from pagedllm.model.sampling.metadata import RequestTensors, SamplingMetadata, SamplingRow
+from pagedllm.model.sampling.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import spec_decode
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches

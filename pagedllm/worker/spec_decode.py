@@ -3,7 +3,7 @@
 The scheduler sends proposals in `SchedulerOutput.scheduled_spec_tokens` and schedules them like
 prompt tokens. `attach_proposals` appends them to the runner's copy of each request's tokens, so
 input preparation writes their KV like any other token; `verify_rows` computes the logits of all
-k + 1 positions (the LM head over those rows only) and verifies them (model/spec_sampler.py);
+k + 1 positions (the LM head over those rows only) and verifies them (model/sampling/rejection_sampler.py);
 `commit` replaces the proposals by what was kept and rolls `num_computed_tokens` back to the
 scheduler's value (the KV of the last token and of the kept proposals stays).
 """
@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.sched_output import ModelRunnerOutput, TokenLogprobs
-from pagedllm.model.sampler import _MIN_TEMPERATURE, SamplingMetadata, SamplingRow, gather_logprobs
-from pagedllm.model.spec_sampler import SpecRequestRows, verify
+from pagedllm.model.sampling.logprobs import gather_logprobs
+from pagedllm.model.sampling.metadata import MIN_TEMPERATURE, SamplingMetadata, SamplingRow
+from pagedllm.model.sampling.rejection_sampler import SpecRequestRows, verify
 
 
 def attach_proposals(requests: dict, spec_tokens: dict[str, list[int]]) -> None:
@@ -39,7 +40,7 @@ def verify_rows(runner, states, rows: list[int], spec_tokens: dict[str, list[int
         num_real = len(state.token_ids) - k
         generator = runner.generators.get(state.req_id)
         requests.append(SpecRequestRows(len(hidden_index), proposals,
-                                        state.params.temperature < _MIN_TEMPERATURE, generator))
+                                        state.params.temperature < MIN_TEMPERATURE, generator))
         hidden_index.extend(range(query_start[i], query_start[i] + k + 1))
         prompt = state.token_ids[: state.num_prompt_tokens]
         for j in range(k + 1):  # position j has seen the proposals before it, as plain decoding would

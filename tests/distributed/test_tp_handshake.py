@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from pagedllm.worker import tp_protocol as proto
-from pagedllm.worker.executor import MultiprocTPExecutor, _WorkerFailure
+from pagedllm.worker.tp_executor import MultiprocTPExecutor, _WorkerFailure
 from pagedllm.worker.tp_worker import WorkerRefusedError, _handshake, distributed_secret
 
 SECRET = "the-shared-secret-0123"

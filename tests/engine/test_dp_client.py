@@ -13,6 +13,7 @@ from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.dp_client import DPCoreClient, ReplicaDeadError, ReplicaLostMsg, ReplicaState
 from pagedllm.engine.protocol import EngineStatsMsg, OutputsMsg, ReadyMsg
 from pagedllm.errors import EngineDeadError
+from pagedllm.metrics.prometheus import ServerMetrics
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -154,6 +155,75 @@ def test_a_restarted_replica_rejoins_and_counters_never_go_back():
         r0.outbox.put_nowait(OutputsMsg([], stats(0, 0.0, 0, 16)))  # a fresh core counts from zero
         total = (await next_msg(client)).stats
         assert (total.prefix_cache_hits, total.prefix_cache_queries) == (16, 48)
+        client.shutdown()
+
+    asyncio.run(run())
+
+
+def every_field_stats(scale: int, per_position: list[int]) -> EngineStatsMsg:
+    """Stats with every field non-zero, built from the struct's own fields (so a new field is covered too):
+    int field number k holds scale * (k + 1)."""
+    values = {}
+    for k, name in enumerate(EngineStatsMsg.__struct_fields__):
+        if name == "kv_cache_usage":
+            values[name] = 0.25 * scale
+        elif name.endswith("_per_position"):
+            values[name] = list(per_position)
+        else:
+            values[name] = scale * (k + 1)
+    return EngineStatsMsg(**values)
+
+
+def test_totals_merge_every_stats_field():
+    """Every int field is a sum over the replicas (gauges over the live ones, counters over every incarnation,
+    which are the same while none died); per-position lists add up position by position, the shorter one
+    padded with zeros; KV usage is weighted by each replica's block count."""
+    async def run():
+        r0, r1 = FakeReplica(10), FakeReplica(30)
+        client = await started_client(r0, r1)
+        a, b = every_field_stats(1, [4, 2, 1]), every_field_stats(2, [5])
+        r0.outbox.put_nowait(OutputsMsg([], a))
+        await next_msg(client)
+        r1.outbox.put_nowait(OutputsMsg([], b))
+        total = (await next_msg(client)).stats
+        for k, name in enumerate(EngineStatsMsg.__struct_fields__):
+            if name == "kv_cache_usage":
+                assert total.kv_cache_usage == pytest.approx((0.25 * 10 + 0.5 * 30) / 40)
+            elif name.endswith("_per_position"):
+                assert getattr(total, name) == [9, 2, 1], name
+            else:
+                assert getattr(total, name) == 3 * (k + 1), name
+        # end to end: the totals reach /metrics (the beam and speculative-decoding series were 0 here)
+        metrics = ServerMetrics("m")
+        metrics.record_engine_stats(total)
+        text = metrics.render().decode()
+        for name, field in (("pagedllm_beam_search_requests_running", "num_beam_groups"),
+                            ("pagedllm_beam_search_group_preemptions_total", "num_beam_group_preemptions"),
+                            ("pagedllm_spec_decode_num_accepted_tokens_total", "spec_num_accepted_tokens")):
+            assert f'{name}{{model_name="m"}} {float(getattr(total, field))}' in text, name
+        assert 'pagedllm_spec_decode_num_proposed_tokens_per_pos_total{model_name="m",position="0"} 9.0' in text
+        client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_counters_of_a_dead_replica_stay_in_the_totals_and_its_gauges_leave():
+    async def run():
+        r0, r1 = FakeReplica(10), FakeReplica(10)
+        client = await started_client(r0, r1)
+        r0.outbox.put_nowait(OutputsMsg([], every_field_stats(1, [4, 2])))
+        await next_msg(client)
+        r0.die()
+        await asyncio.sleep(0.05)
+        r1.outbox.put_nowait(OutputsMsg([], every_field_stats(2, [5])))
+        total = (await next_msg(client)).stats
+        fields = EngineStatsMsg.__struct_fields__
+        assert total.num_running == 2 * (fields.index("num_running") + 1)  # a gauge: replica 1's only
+        assert total.num_beams_running == 2 * (fields.index("num_beams_running") + 1)
+        assert total.spec_num_draft_tokens == 3 * (fields.index("spec_num_draft_tokens") + 1)  # a counter: both
+        assert total.num_beam_group_preemptions == 3 * (fields.index("num_beam_group_preemptions") + 1)
+        assert total.spec_accepted_per_position == [9, 2]
+        assert total.kv_cache_usage == pytest.approx(0.5)
         client.shutdown()
 
     asyncio.run(run())

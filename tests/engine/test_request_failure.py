@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model import sampler as sampler_module
+from pagedllm.model.sampling import metadata as sampling_metadata
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 POISON_SEED = 666
@@ -18,7 +18,7 @@ def llm(tmp_path_factory):
 
 
 def test_a_failing_request_fails_alone(llm, monkeypatch):
-    real = sampler_module.SamplingMetadata.from_requests
+    real = sampling_metadata.SamplingMetadata.from_requests
 
     def failing_for_one_seed(rows, vocab_size, device):
         if any(row.params.seed == POISON_SEED for row in rows):
@@ -26,7 +26,7 @@ def test_a_failing_request_fails_alone(llm, monkeypatch):
         return real(rows, vocab_size, device)
 
     # Fault injection at the sampler boundary: the runner, scheduler and engine are all real.
-    monkeypatch.setattr(sampler_module.SamplingMetadata, "from_requests", staticmethod(failing_for_one_seed))
+    monkeypatch.setattr(sampling_metadata.SamplingMetadata, "from_requests", staticmethod(failing_for_one_seed))
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(4)]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in range(4)]
     params[2] = SamplingParams(temperature=0.5, max_tokens=6, seed=POISON_SEED, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model import sampler as sampler_module
+from pagedllm.model.sampling import metadata as sampling_metadata
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 
@@ -17,13 +17,13 @@ def llm(tmp_path_factory):
 
 def test_logit_bias_and_min_tokens_tensors_are_built_once_per_request(llm, monkeypatch):
     builds = []
-    original = sampler_module.RequestTensors.build.__func__
+    original = sampling_metadata.RequestTensors.build.__func__
 
     def counting_build(cls, params, eos_token_ids, vocab_size, device):
         builds.append(params)
         return original(cls, params, eos_token_ids, vocab_size, device)
 
-    monkeypatch.setattr(sampler_module.RequestTensors, "build", classmethod(counting_build))
+    monkeypatch.setattr(sampling_metadata.RequestTensors, "build", classmethod(counting_build))
     runner = llm.engine.core.executor.runner
     bias = {t: -100.0 for t in range(3, 300)} | {7: 100.0}
     params = SamplingParams(n=8, temperature=1.0, max_tokens=6, min_tokens=3, logit_bias=bias,

@@ -9,13 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.model.sampler import (
-    Sampler,
-    SamplingMetadata,
-    SamplingRow,
-    apply_logits_processors,
-    compute_prompt_logprobs,
-)
+from pagedllm.model.sampling.logits_processors import apply_logits_processors
+from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
+from pagedllm.model.sampling.metadata import SamplingMetadata, SamplingRow
+from pagedllm.model.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 
 V = 32
@@ -353,7 +350,7 @@ def test_all_greedy_with_processors_still_applies_them(params):
 
 @pytest.mark.parametrize("num_rows,vocab", [(1, 128), (16, 49152), (64, 1024), (3, 1000), (5, 256)])
 def test_argmax_rows_equals_argmax_with_ties_nan_and_inf(num_rows, vocab):
-    from pagedllm.model.sampler import argmax_rows
+    from pagedllm.model.sampling.sampler import argmax_rows
 
     gen = _generator(vocab)
     x = torch.randn(num_rows, vocab, generator=gen)
@@ -377,20 +374,20 @@ def _reference_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab", [256, 384, 300, 7])
 def test_inverse_cdf_draw_is_the_first_token_past_u_times_the_mass(vocab):
-    from pagedllm.model.sampler import _inverse_cdf_draw
+    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
 
     g = torch.Generator().manual_seed(vocab)
     probs = torch.softmax(torch.randn(64, vocab, generator=g) * 3, dim=-1)
     probs[probs < probs.median(dim=-1, keepdim=True).values] = 0.0  # zeros, as top-k/top-p/min-p leave them
     u = torch.rand(64, 1, generator=g, dtype=torch.float64)
     u[:4, 0] = torch.tensor([0.0, 1e-12, 0.5, 1 - 2**-40], dtype=torch.float64)
-    drawn = _inverse_cdf_draw(probs, u)
+    drawn = inverse_cdf_draw(probs, u)
     assert torch.equal(drawn, _reference_draw(probs, u))
     assert (probs.gather(1, drawn[:, None]) > 0).all()
 
 
 def test_inverse_cdf_draw_never_picks_zero_probability_tokens_at_the_edges():
-    from pagedllm.model.sampler import _inverse_cdf_draw
+    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
 
     probs = torch.zeros(4, 256)
     probs[0, 5] = 1.0  # one token
@@ -398,21 +395,21 @@ def test_inverse_cdf_draw_never_picks_zero_probability_tokens_at_the_edges():
     probs[2, 127:129] = 0.5  # straddling a block boundary
     probs[3, 200] = 3e-38  # a tiny total
     for u in (0.0, 1 - 2**-53, 0.5):
-        drawn = _inverse_cdf_draw(probs, torch.full((4, 1), u, dtype=torch.float64))
+        drawn = inverse_cdf_draw(probs, torch.full((4, 1), u, dtype=torch.float64))
         assert (probs.gather(1, drawn[:, None]) > 0).all(), (u, drawn)
 
 
 def test_inverse_cdf_draw_keeps_the_mass_of_tiny_probabilities():
     """Below the float32 resolution of a running sum over the vocabulary (~1e-7 here), a token still owns
     an interval of u as wide as its probability: found by bisection on the monotone map u -> token."""
-    from pagedllm.model.sampler import _inverse_cdf_draw
+    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
 
     probs = torch.full((1, 512), 1.0 / 511)
     probs[0, 300] = 1e-10
     total = probs.to(torch.float64).sum().item()
 
     def token(u: float) -> int:
-        return _inverse_cdf_draw(probs, torch.tensor([[u]], dtype=torch.float64)).item()
+        return inverse_cdf_draw(probs, torch.tensor([[u]], dtype=torch.float64)).item()
 
     def first_u_reaching(t: int) -> float:
         lo, hi = 0.0, 1.0 - 2**-53
@@ -427,12 +424,12 @@ def test_inverse_cdf_draw_keeps_the_mass_of_tiny_probabilities():
 
 
 def test_inverse_cdf_draw_survives_a_row_without_mass():
-    from pagedllm.model.sampler import _inverse_cdf_draw
+    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
 
     probs = torch.softmax(torch.randn(3, 256), dim=-1)
     probs[1] = float("nan")
     probs[2] = 0.0
-    drawn = _inverse_cdf_draw(probs, torch.full((3, 1), 0.3, dtype=torch.float64))
+    drawn = inverse_cdf_draw(probs, torch.full((3, 1), 0.3, dtype=torch.float64))
     assert ((drawn >= 0) & (drawn < 256)).all()
     assert drawn[0] == _reference_draw(probs[:1], torch.full((1, 1), 0.3, dtype=torch.float64))[0]
 
@@ -460,7 +457,7 @@ def test_random_sampling_frequencies_follow_top_k_over_a_large_vocabulary():
 def test_top_p_on_candidates_equals_the_full_sort():
     """The top-1024 shortcut keeps exactly the tokens the full sort keeps: peaked rows (shortcut), flat rows
     (fallback), rows with top_p off, with and without top_k, and a top_k above the candidates (fallback)."""
-    from pagedllm.model.sampler import _apply_top_k_top_p, _apply_top_p_on_candidates
+    from pagedllm.model.sampling.top_k_top_p_sampler import _apply_top_k_top_p, _apply_top_p_on_candidates
 
     g = torch.Generator().manual_seed(3)
     vocab = 4096
@@ -476,11 +473,11 @@ def test_top_p_on_candidates_equals_the_full_sort():
         assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
         assert torch.equal(got[torch.isfinite(got)], expected[torch.isfinite(expected)])
     # the shortcut really is taken for peaked rows: the full sort is never called
-    import pagedllm.model.sampler as sampler_module
+    import pagedllm.model.sampling.top_k_top_p_sampler as top_k_top_p_module
 
-    original = sampler_module._apply_top_k_top_p
-    sampler_module._apply_top_k_top_p = None
+    original = top_k_top_p_module._apply_top_k_top_p
+    top_k_top_p_module._apply_top_k_top_p = None
     try:
         assert torch.isfinite(_apply_top_p_on_candidates(peaked.clone(), None, top_p)).any()
     finally:
-        sampler_module._apply_top_k_top_p = original
+        top_k_top_p_module._apply_top_k_top_p = original

@@ -1,4 +1,4 @@
-"""The rejection sampler of speculative decoding (model/spec_sampler.py) keeps the target distribution.
+"""The rejection sampler of speculative decoding (model/sampling/rejection_sampler.py) keeps the target distribution.
 
 Chi-square goodness of fit over many seeded draws; each test fails by chance with probability
 ALPHA = 1e-3 for a correct sampler (the seeds are fixed, so a given run is deterministic: a correct
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.model.sampler import SamplingMetadata, SamplingRow
-from pagedllm.model.spec_sampler import SpecRequestRows, verify
+from pagedllm.model.sampling.metadata import SamplingMetadata, SamplingRow
+from pagedllm.model.sampling.rejection_sampler import SpecRequestRows, verify
 from pagedllm.sampling_params import SamplingParams
 
 ALPHA = 1e-3
@@ -55,7 +55,7 @@ def test_first_and_second_tokens_follow_the_target_distributions(params):
         if kept[0] == drafts[0]:  # given the first proposal was kept, the second token follows p_1
             second[kept[1]] += 1
             num_second += 1
-    from pagedllm.model.spec_sampler import target_probs
+    from pagedllm.model.sampling.rejection_sampler import target_probs
 
     _, probs = target_probs(logits, _metadata(params, 3))
     assert 0 < num_accepted < 2 * num_draws  # both accept and reject paths ran

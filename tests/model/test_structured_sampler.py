@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
-from pagedllm.model.sampler import Sampler, SamplingMetadata, SamplingRow, apply_token_bitmask
+from pagedllm.model.sampling.logits_processors import apply_token_bitmask
+from pagedllm.model.sampling.metadata import SamplingMetadata, SamplingRow
+from pagedllm.model.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.worker.structured_output import GrammarCache, InvalidGrammarError, StructuredOutputManager, build_grammar
 

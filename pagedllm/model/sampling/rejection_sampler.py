@@ -2,7 +2,7 @@
 
 A request with k proposals d_1..d_k has k + 1 scored positions; position j's logits are what
 plain decoding would have seen after d_1..d_j, processed the same way (logit_bias, min_tokens,
-penalties, temperature, top-k/p, min-p: `model/sampler.py`), giving the target distribution p_j.
+penalties, temperature, top-k/p, min-p: `sampling/sampler.py`), giving the target distribution p_j.
 
 - Greedy rows: keep d_j while it is argmax p_j; the first disagreement (or position k) gives the
   model's own token. Exactly the tokens plain greedy decoding produces.
@@ -21,12 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.model.sampler import (
-    SamplingMetadata,
-    apply_logits_processors,
-    argmax_rows,
-    sampling_probs,
-)
+from pagedllm.model.sampling.logits_processors import apply_logits_processors
+from pagedllm.model.sampling.metadata import SamplingMetadata
+from pagedllm.model.sampling.sampler import argmax_rows
+from pagedllm.model.sampling.top_k_top_p_sampler import sampling_probs
 
 
 @dataclass(slots=True)
