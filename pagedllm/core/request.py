@@ -102,7 +102,7 @@ class Request(EngineCoreRequest, eq=False):
     queue_time_sent: bool = False
     """True once an output carried queue_time to the front end (it is reported once per request)."""
     beam_group_id: str | None = None
-    """The beam-search request this is a beam of (core/beam_group.py); its beams are scheduled,
+    """The beam-search request this is a beam of (core/beam_selection.py); its beams are scheduled,
     preempted and resumed together."""
 
     @classmethod

@@ -57,14 +57,14 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> speculative proposals, scheduled after the request's last token and counted in
     num_scheduled_tokens (1 + len(proposals)). The runner scores every position and returns the
-    accepted prefix plus one token of its own (core/spec_decode.py)."""
+    accepted prefix plus one token of its own (core/spec_planner.py)."""
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     """req_id -> proposals the runner's draft model makes this step (method 'draft_model'): scheduled like
     `scheduled_spec_tokens` (1 + k slots in num_scheduled_tokens), their ids known only to the runner,
     which reports them in ModelRunnerOutput.spec_token_ids."""
     draft_keep_up: bool = True
     """Method 'draft_model': the runner's draft also runs over this step's prompt chunks, so its KV keeps
-    up with the target's. False while the engine-wide gate (core/spec_decode.py) finds the draft seldom
+    up with the target's. False while the engine-wide gate (core/spec_planner.py) finds the draft seldom
     right: the draft then runs only for the requests in num_draft_tokens (none while the gate is
     closed), each catching its draft KV up when it proposes (worker/draft_proposer.py)."""
 

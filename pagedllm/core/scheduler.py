@@ -7,7 +7,7 @@ are all the same kind of entry with different numbers.
 
 Requests that start from another's blocks (parallel samples, beam candidates) are made by the
 Forker (core/forking.py); the scheduler only places them in `running` and tells the runner.
-The beams of a beam-search group (`Request.beam_group_id`, core/beam_group.py) sit side by side
+The beams of a beam-search group (`Request.beam_group_id`, core/beam_selection.py) sit side by side
 in `running` and in `waiting`, and move as one: scheduled in the same step or not at all,
 preempted and readmitted together, so a group never waits on half of its beams.
 Requests arrive validated against the model (InputProcessor); the scheduler refuses only what it
@@ -27,12 +27,12 @@ import time
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
-from pagedllm.core.beam_group import beam_group_token_counts, max_new_blocks, num_free_blocks
+from pagedllm.core.beam_selection import beam_group_token_counts, max_new_blocks, num_free_blocks
 from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import WaitingQueue, make_waiting_queue, priority_rank
-from pagedllm.core.spec_decode import SpecDecoder
+from pagedllm.core.spec_planner import SpecDecoder
 from pagedllm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -74,7 +74,7 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self.spec = SpecDecoder(speculative_config) if speculative_config is not None else None
-        """Speculative decoding (core/spec_decode.py); None when off."""
+        """Speculative decoding (core/spec_planner.py); None when off."""
 
     # --- admission -------------------------------------------------------------------
 
@@ -367,7 +367,7 @@ class Scheduler:
             return True
         return False
 
-    # --- speculative decoding (core/spec_decode.py) --------------------------------------
+    # --- speculative decoding (core/spec_planner.py) --------------------------------------
 
     def _propose(self, request: Request, token_budget: int) -> tuple[list[int], int]:
         """(n-gram proposals, number of draft-model proposals the runner makes) for a request at

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
-from pagedllm.core.beam_groups import BeamGroups
+from pagedllm.core.beam_registry import BeamGroups
 from pagedllm.core.forking import kv_block_usage
 from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManagerProtocol, paged_kv_cache_manager
 from pagedllm.core.request import Request, RequestStatus
@@ -71,7 +71,7 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served.
 
-        A beam-search request becomes a beam group (core/beam_group.py), scheduled beside the others."""
+        A beam-search request becomes a beam group (core/beam_selection.py), scheduled beside the others."""
         if req.sampling_params.use_beam_search:
             self.beams.add(req)
             return

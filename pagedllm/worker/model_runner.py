@@ -26,7 +26,7 @@ from pagedllm.model.sampler import (
     compute_prompt_logprobs,
 )
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker import spec_decode
+from pagedllm.worker import spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class ModelRunner:
         # Seeded requests keep their generator across preemption; dropped only when finished.
         self.generators: dict[str, torch.Generator] = {}
         self._spec_tokens: dict[str, list[int]] = {}
-        """This step's speculative proposals (worker/spec_decode.py), req_id -> tokens."""
+        """This step's speculative proposals (worker/spec_verify.py), req_id -> tokens."""
         torch.manual_seed(seed)  # the shared stream of unseeded requests
         self.tokenizer = tokenizer  # structured outputs build their vocabulary from it
         self.structured_output = None  # a StructuredOutputManager, made at the first constrained request
@@ -230,7 +230,7 @@ class ModelRunner:
             self.draft.update(sched)
             if not sched.is_empty:
                 self._spec_tokens = self.draft.propose(self, sched)  # fills sched.num_draft_tokens' slots
-        spec_decode.attach_proposals(self.requests, self._spec_tokens)
+        spec_verify.attach_proposals(self.requests, self._spec_tokens)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
 
@@ -282,7 +282,7 @@ class ModelRunner:
         kept_by_state: dict[str, list[int]] = {}
         if spec_rows:
             sampling_rows = [i for i in sampling_rows if states[i].req_id not in self._spec_tokens]
-            kept_by_state = spec_decode.verify_rows(self, states, spec_rows, self._spec_tokens, metadata,
+            kept_by_state = spec_verify.verify_rows(self, states, spec_rows, self._spec_tokens, metadata,
                                                     hidden_states, output)
         sampled_by_state: dict[str, int] = {}
         if sampling_rows:
@@ -290,7 +290,7 @@ class ModelRunner:
 
         for state, n in zip(states, num_scheduled):
             if state.req_id in kept_by_state:
-                spec_decode.commit(state, len(self._spec_tokens[state.req_id]), kept_by_state[state.req_id],
+                spec_verify.commit(state, len(self._spec_tokens[state.req_id]), kept_by_state[state.req_id],
                                    self.block_size)
                 continue
             state.num_computed_tokens += n

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.beam_group import beam_group_token_counts
-from pagedllm.core.beam_groups import BeamGroups
+from pagedllm.core.beam_selection import beam_group_token_counts
+from pagedllm.core.beam_registry import BeamGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.core.sched_output import ModelRunnerOutput, TokenLogprobs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from pagedllm.core.beam_group import BeamGroup
+from pagedllm.core.beam_selection import BeamGroup
 from pagedllm.core.forking import kv_block_usage
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
