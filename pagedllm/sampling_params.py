@@ -140,7 +140,7 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     use_beam_search: bool = False
     """Beam search (as vLLM's field): max(n, best_of) beams, the best n returned; greedy, with Hugging
-    Face `generate(num_beams=...)`'s conventions (pagedllm/core/beam_group.py). temperature must be 0."""
+    Face `generate(num_beams=...)`'s conventions (pagedllm/core/beam_selection.py). temperature must be 0."""
     length_penalty: float = 1.0
     """Beam search: a finished beam's score is cumulative logprob / (generated length ** length_penalty)."""
     early_stopping: bool | str = False
@@ -314,7 +314,7 @@ class BeamSearchParams:
     """Parameters of `LLM.beam_search`, validated on construction.
 
     The defaults reproduce Hugging Face `generate(num_beams=beam_width, do_sample=False)`; see
-    `pagedllm/core/beam_group.py` for the exact conventions (length penalty, early stopping).
+    `pagedllm/core/beam_selection.py` for the exact conventions (length penalty, early stopping).
     """
 
     beam_width: int

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_interface import UnsupportedKVFeatureError
 from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import Request
 
@@ -186,7 +187,8 @@ class ContiguousKVCacheManager:
     """The KV cache manager protocol (core/kv_cache_interface.py) over one contiguous,
     reserved-at-admission region per request.
 
-    No prefix caching, no sharing and no swapping: each is a capability of paged memory.
+    No prefix caching, no sharing and no swapping: each is a capability of paged memory. Asked to
+    share (fork) or swap, it raises UnsupportedKVFeatureError; speculative slots fit in the region.
     """
 
     def __init__(self, num_blocks: int, block_size: int, policy: str, max_model_len: int,
@@ -219,6 +221,11 @@ class ContiguousKVCacheManager:
         return self.allocator.num_blocks
 
     @property
+    def num_free_blocks(self) -> int:
+        """Free blocks in all holes together (a new region also needs them in one hole)."""
+        return self.allocator.num_free
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.allocator.num_free / self.num_blocks
 
@@ -246,10 +253,11 @@ class ContiguousKVCacheManager:
         return min(final_len, self.max_model_len)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence = (),
-                       num_headroom_blocks: int = 0) -> list[int] | None:
+                       num_headroom_blocks: int = 0, num_lookahead_tokens: int = 0) -> list[int] | None:
         """Reserve the request's region at its first call (None if no hole fits); then hand out its next blocks.
 
-        A region already holds the request's whole reservation, so no headroom is needed for growth."""
+        A region already holds the request's whole reservation, so no headroom is needed for growth.
+        Speculative lookahead slots past the region are refused (None): the request then runs plainly."""
         assert not new_computed_blocks, "contiguous regions do not share prefix-cached blocks"
         region = self.regions.get(request.req_id)
         if region is None:
@@ -262,7 +270,9 @@ class ContiguousKVCacheManager:
             region = Region(start, self.allocator.size_of(start), 0,
                             min(request.num_prompt_tokens + request.max_tokens, self.max_model_len))
             self.regions[request.req_id] = region
-        num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+        num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
+        if num_lookahead_tokens and num_needed > region.num_blocks:
+            return None
         assert num_needed <= region.num_blocks, (
             f"{request.req_id} outgrew its reservation ({num_needed} > {region.num_blocks} blocks)"
         )
@@ -277,10 +287,18 @@ class ContiguousKVCacheManager:
         if region is not None:
             self.allocator.free(region.start)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Speculative rollback: stop handing out the region's blocks past `num_tokens` (they stay reserved)."""
+        region = self.regions.get(request.req_id)
+        if region is None:
+            return 0
+        region.num_handed = min(region.num_handed, self.num_blocks_for_tokens(num_tokens))
+        return region.num_handed
+
     def fork(self, parent: Request, child: Request) -> None:
-        raise NotImplementedError(
-            f"the {self.policy!r} contiguous policy cannot share blocks between sequences; use n=1 or 'paged'"
-        )
+        raise UnsupportedKVFeatureError(f"the {self.policy!r} contiguous policy", "forking",
+                                        "it cannot share blocks between sequences: use n=1 without beam search, "
+                                        "or the 'paged' policy")
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         return []
@@ -296,7 +314,8 @@ class ContiguousKVCacheManager:
 
     def swap_in(self, request: Request, num_new_tokens: int,
                 num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None:
-        raise AssertionError("nothing is ever swapped out of a contiguous region")
+        raise UnsupportedKVFeatureError(f"the {self.policy!r} contiguous policy", "swapping",
+                                        "a preempted request is recomputed (swap_out always declines)")
 
     def reset_prefix_cache(self) -> bool:
         return True

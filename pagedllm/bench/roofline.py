@@ -76,7 +76,7 @@ class _StepTimer:
         self.records: list[dict] = []
         self._current: dict = {}
         sched, runner = core.scheduler, core.executor.runner
-        orig_schedule, orig_prepare, orig_step = sched.schedule, runner._prepare_inputs, core.step
+        orig_schedule, orig_prepare, orig_step = sched.schedule, runner.prepare_inputs, core.step
 
         def schedule():
             start = time.perf_counter()
@@ -99,7 +99,7 @@ class _StepTimer:
             self.records.append(self._current)
             return out
 
-        sched.schedule, runner._prepare_inputs, core.step = schedule, prepare, step
+        sched.schedule, runner.prepare_inputs, core.step = schedule, prepare, step
 
 
 def run_roofline(llm, batch_sizes: list[int], prompt_len: int = 64, decode_steps: int = 8,

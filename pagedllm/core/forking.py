@@ -1,6 +1,6 @@
 """Forks: requests that start from another request's computed state, sharing its KV blocks.
 
-Two kinds, both copy-on-write through `KVCacheManager.fork` (ref counts up, nothing copied):
+Two kinds, both copy-on-write through the KV cache manager's `fork` (ref counts up, nothing copied):
 
 - Parallel samples (n > 1 / best_of). The samples of a request wait, unscheduled, while its
   first sequence (the leader) computes the prompt once. In the step the leader samples its first
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
 
 
 class Forker:
     """Tracks the samples waiting for their leader and the forks the runner has not seen yet."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManagerProtocol) -> None:
         self.kv = kv
         self._samples: dict[str, list[Request]] = {}
         """Leader req_id -> its samples not forked yet, in sequence order."""
@@ -75,12 +75,12 @@ class Forker:
     def fork(self, parent: Request, child_id: str, last_token_id: int) -> Request:
         """A new running request: `parent` with its last (sampled, not yet computed) token replaced.
 
-        The child shares every block of the parent; the first write into a shared partial block
-        copies it.
+        The child shares every block of the parent (the first write into a shared partial block
+        copies it) and its rank: its priority and arrival time.
         """
         assert parent.status == RequestStatus.RUNNING and parent.num_computed_tokens == parent.num_tokens - 1
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids,
-                        parent.max_tokens, parent.arrival_time, parent.cache_salt,
+                        parent.max_tokens, parent.arrival_time, parent.cache_salt, parent.priority,
                         stop_token_id_set=parent.stop_token_id_set, beam_group_id=parent.beam_group_id)
         child.output_token_ids = parent.output_token_ids[:-1] + [last_token_id]
         child.all_token_ids = child.prompt_token_ids + child.output_token_ids
@@ -123,7 +123,7 @@ class Forker:
             del self._samples[leader.req_id]
 
 
-def kv_block_usage(kv: KVCacheManager, req_ids: Iterable[str]) -> tuple[int, int]:
+def kv_block_usage(kv: KVCacheManagerProtocol, req_ids: Iterable[str]) -> tuple[int, int]:
     """(distinct blocks the requests hold, sum of their block-table lengths): what sharing saves."""
     held: set[int] = set()
     num_unshared = 0

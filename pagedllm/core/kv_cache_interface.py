@@ -1,9 +1,13 @@
-"""What the scheduler and the engine core need of a KV cache manager, and how one is made.
+"""What the scheduler, its collaborators and the engine core need of a KV cache manager, and how one is made.
 
 `KVCacheManager` (paged blocks) is the product's; benchmarks plug in other allocation policies
 (contiguous reservations, bench/contiguous_allocator.py) by passing their own factory to
 `EngineCore(..., kv_cache_manager_factory=...)`. Block ids in a returned table index the same
 KV tensors whichever manager handed them out, so the model runner never knows.
+
+The protocol lists every method anything in core/ calls on a manager: nothing reaches past it (into a
+block pool, say). A manager that cannot do one of them (share blocks, swap) raises
+`UnsupportedKVFeatureError` naming the feature, so a benchmark that asks for it fails with the reason.
 """
 
 from __future__ import annotations
@@ -16,6 +20,15 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 
 
+class UnsupportedKVFeatureError(NotImplementedError):
+    """A KV cache manager was asked for something its allocation policy cannot do."""
+
+    def __init__(self, manager: str, feature: str, hint: str) -> None:
+        super().__init__(f"{manager} does not support {feature}; {hint}")
+        self.feature = feature
+        """What was asked: 'forking' (parallel sampling, beam search) or 'swapping'."""
+
+
 class KVCacheManagerProtocol(Protocol):
     block_size: int
     prefix_cache_queries: int
@@ -25,6 +38,10 @@ class KVCacheManagerProtocol(Protocol):
 
     @property
     def num_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now (beam groups check a whole group's bound against it)."""
 
     @property
     def usage(self) -> float:
@@ -42,16 +59,21 @@ class KVCacheManagerProtocol(Protocol):
     def get_computed_blocks(self, request: Request) -> tuple[list, int]:
         """Prefix-cache hits for a waiting request, and how many tokens they hold."""
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence = (), num_headroom_blocks: int = 0) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence = (),
+                       num_headroom_blocks: int = 0, num_lookahead_tokens: int = 0) -> list[int] | None:
         """Room for `num_new_tokens` more tokens; the block ids appended, or None if they do not fit
         while leaving `num_headroom_blocks` free (admission keeps room for running requests to grow;
-        a manager that reserves a request's whole length up front may ignore it)."""
+        a manager that reserves a request's whole length up front may ignore it).
+        `num_lookahead_tokens` more slots follow for speculative proposals (rolled back by `trim`)."""
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Speculative rollback: drop the tail blocks holding none of the first `num_tokens` slots;
+        returns the block table's length afterwards."""
 
     def free(self, request: Request, keep_host_blocks: bool = False) -> None: ...
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give `child` the parent's blocks (parallel sampling, beam search)."""
+        """Give `child` the parent's blocks (parallel sampling, beam search), or raise UnsupportedKVFeatureError."""
 
     def take_block_copies(self) -> list[tuple[int, int]]: ...
 
@@ -63,7 +85,8 @@ class KVCacheManagerProtocol(Protocol):
     def is_swapped_out(self, request: Request) -> bool: ...
 
     def swap_in(self, request: Request, num_new_tokens: int,
-                num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None: ...
+                num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back (host -> device copies); None if it does not fit."""
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False if some are still in use."""

@@ -49,6 +49,11 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def num_free_blocks(self) -> int:
+        """Blocks free or holding only evictable cached KV: what an allocation can take now."""
+        return self.pool.num_free_blocks
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
 
@@ -125,7 +130,7 @@ class KVCacheManager:
 
         The freed blocks were new this step and private (proposals only ever write past the last
         computed token, into a private or copied block), never registered in the prefix cache.
-        Returns how many blocks were freed.
+        Returns the length of the request's block table afterwards (the runner cuts its copy to it).
         """
         blocks = self.req_to_blocks.get(request.req_id)
         if not blocks:
@@ -133,12 +138,12 @@ class KVCacheManager:
         num_keep = self.num_blocks_for_tokens(num_tokens)
         tail = blocks[num_keep:]
         if not tail:
-            return 0
+            return len(blocks)
         assert num_keep >= self._num_cached_blocks.get(request.req_id, 0), "rolled back into a cached block"
         assert all(block.ref_cnt == 1 for block in tail), "a rolled-back block is shared"
         del blocks[num_keep:]
         self.pool.free_blocks(reversed(tail))
-        return len(tail)
+        return num_keep
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's block table: every block shared, ref counts up, nothing copied.

@@ -102,7 +102,7 @@ class Request(EngineCoreRequest, eq=False):
     queue_time_sent: bool = False
     """True once an output carried queue_time to the front end (it is reported once per request)."""
     beam_group_id: str | None = None
-    """The beam-search request this is a beam of (core/beam_group.py); its beams are scheduled,
+    """The beam-search request this is a beam of (core/beam_selection.py); its beams are scheduled,
     preempted and resumed together."""
 
     @classmethod
@@ -147,6 +147,35 @@ class Request(EngineCoreRequest, eq=False):
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def append_output_tokens(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """Append sampled tokens up to the first that finishes the request; returns those appended."""
+        for i, token_id in enumerate(token_ids):
+            self.append_output_token(token_id)
+            if self.check_stop(max_model_len):
+                return token_ids[: i + 1]
+        return list(token_ids)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Finish the request if its last token ends it (EOS, a stop token, max_tokens or max_model_len).
+
+        Sets `status` (and `stop_reason` for a stop token); True if it finished. EOS and stop tokens
+        count only once min_tokens are out.
+        """
+        token_id = self.output_token_ids[-1]
+        params = self.sampling_params
+        if self.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in self.stop_token_id_set:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = token_id
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
 
     def take_queue_time(self) -> float | None:
         """queue_time the first time it is asked for once known, None otherwise (the first output carries it)."""

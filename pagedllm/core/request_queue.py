@@ -1,4 +1,4 @@
-"""The waiting queue, one per scheduling policy, and the rank that orders requests under 'priority'.
+"""The scheduling policy: the waiting queue, the order of `running`, and who is preempted first.
 
 Both queues speak the subset of `deque` the scheduler uses, so the scheduler reads the same
 under either policy:
@@ -84,6 +84,52 @@ class PriorityQueue:
     def __iter__(self) -> Iterator[Request]:
         """In admission order."""
         return (entry[-1] for entry in sorted(self._heap))
+
+
+class SchedulingPolicy:
+    """The scheduler's collaborator for order and victims under one policy ('fcfs' or 'priority').
+
+    'fcfs': `running` stays in arrival order, so the victim (its last request) is the newest.
+    'priority': `running` is sorted by rank, so the victim is the worst-ranked and never one this step
+    already scheduled; and a waiting head that could not be admitted for lack of blocks preempts, at
+    the start of the next step, the worst-ranked running request it outranks (one per step, while it
+    stays blocked). Either way a victim takes its whole beam group (its beams sit side by side).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._blocked_head: Request | None = None
+        """Priority policy: the waiting head the last step could not admit for lack of blocks."""
+
+    def order_running(self, running: list[Request]) -> None:
+        """Priority policy: best rank first, so the last is the worst (the newest among equals: the sort
+        is stable and requests join `running` in order). FCFS: arrival order, as it is."""
+        if self.name == "priority":
+            running.sort(key=priority_rank)
+
+    def note_blocked(self, request: Request) -> None:
+        """The waiting head `request` did not fit this step (remembered under 'priority' only)."""
+        if self.name == "priority":
+            self._blocked_head = request
+
+    def preempts_for_blocked_head(self, waiting: WaitingQueue, running: list[Request]) -> bool:
+        """Call once at the start of a step, with `running` ordered: True if last step's blocked head
+        still heads the queue and outranks the worst running request, which then makes room for it.
+        Nothing of this step is scheduled yet, so nothing is undone; if the head still does not fit,
+        it is noted again and the next victim goes in the next step."""
+        head, self._blocked_head = self._blocked_head, None
+        if head is None or not waiting or waiting[0] is not head or not running:
+            return False
+        return priority_rank(running[-1]) > priority_rank(head)
+
+    @staticmethod
+    def take_victims(running: list[Request]) -> list[Request]:
+        """Pop the next victims off `running`: its last request, with the rest of its beam group; newest first."""
+        victims = [running.pop()]
+        group_id = victims[0].beam_group_id
+        while group_id is not None and running and running[-1].beam_group_id == group_id:
+            victims.append(running.pop())
+        return victims
 
 
 def make_waiting_queue(policy: str) -> WaitingQueue:

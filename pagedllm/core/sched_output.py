@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -23,16 +25,29 @@ class NewRequestData:
     fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
     """Parallel samples to draw from this request's first sampling logits, one row each."""
 
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int], fork_children: Iterable[Request]) -> NewRequestData:
+        """Everything the runner needs about `request`, whose table is `block_ids`; num_computed_tokens is
+        the value before this step's tokens are added."""
+        return cls(request.req_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
+                   block_ids, request.num_computed_tokens, request.eos_token_ids,
+                   [(c.req_id, c.sampling_params) for c in fork_children])
+
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the runner already knows: only what changed."""
+    """A request the runner already knows: only what changed. The runner applies the fields in
+    order: cut its block table to `num_kept_block_ids`, replace, append `new_block_ids`."""
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    """Tokens whose KV is in the blocks before this step: the runner takes it as is."""
     replaced_block_ids: dict[int, int] = field(default_factory=dict)
     """Copy-on-write: block-table index -> the private block that replaces a shared one."""
+    num_kept_block_ids: int | None = None
+    """After a speculative step: the block table's length once the blocks holding only rejected
+    proposals were freed (core/spec_planner.py); None when nothing was rolled back."""
 
 
 @dataclass(slots=True)
@@ -57,20 +72,45 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> speculative proposals, scheduled after the request's last token and counted in
     num_scheduled_tokens (1 + len(proposals)). The runner scores every position and returns the
-    accepted prefix plus one token of its own (core/spec_decode.py)."""
+    accepted prefix plus one token of its own (core/spec_planner.py)."""
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     """req_id -> proposals the runner's draft model makes this step (method 'draft_model'): scheduled like
     `scheduled_spec_tokens` (1 + k slots in num_scheduled_tokens), their ids known only to the runner,
     which reports them in ModelRunnerOutput.spec_token_ids."""
     draft_keep_up: bool = True
     """Method 'draft_model': the runner's draft also runs over this step's prompt chunks, so its KV keeps
-    up with the target's. False while the engine-wide gate (core/spec_decode.py) finds the draft seldom
+    up with the target's. False while the engine-wide gate (core/spec_planner.py) finds the draft seldom
     right: the draft then runs only for the requests in num_draft_tokens (none while the gate is
     closed), each catching its draft KV up when it proposes (worker/draft_proposer.py)."""
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class StepBuilder:
+    """A SchedulerOutput being put together by `Scheduler.schedule`: what each request computes, from
+    the step's token budget, and what the runner must be told about it."""
+
+    token_budget: int
+    """Tokens still free this step."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, req_id: str, num_tokens: int) -> None:
+        """`req_id` computes `num_tokens` this step (its proposals' slots included)."""
+        self.num_scheduled_tokens[req_id] = num_tokens
+        self.token_budget -= num_tokens
+
+    def build(self, **fields) -> SchedulerOutput:
+        """The output; `fields`: the rest of SchedulerOutput (preemptions, copies, swaps, ...)."""
+        return SchedulerOutput(self.new_reqs, self.cached_reqs, self.num_scheduled_tokens,
+                               sum(self.num_scheduled_tokens.values()), scheduled_spec_tokens=self.scheduled_spec_tokens,
+                               num_draft_tokens=self.num_draft_tokens, **fields)
 
 
 @dataclass(slots=True)

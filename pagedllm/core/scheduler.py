@@ -3,22 +3,17 @@
 Each request has `num_computed_tokens` and `num_tokens`; a step gives each running request
 (oldest first), then each waiting one, as many of its missing tokens as the budget allows.
 A prompt, a chunk of a prompt, one decode token, or a preempted request's whole history
-are all the same kind of entry with different numbers.
+are all the same kind of entry with different numbers. When blocks run out, the newest running
+request is preempted (recomputed later, or swapped out) until the one being scheduled fits.
 
-Requests that start from another's blocks (parallel samples, beam candidates) are made by the
-Forker (core/forking.py); the scheduler only places them in `running` and tells the runner.
-The beams of a beam-search group (`Request.beam_group_id`, core/beam_group.py) sit side by side
-in `running` and in `waiting`, and move as one: scheduled in the same step or not at all,
-preempted and readmitted together, so a group never waits on half of its beams.
-Requests arrive validated against the model (InputProcessor); the scheduler refuses only what it
-alone can judge: more blocks than the whole KV cache, more sequences than max_num_seqs.
+The rest it asks of collaborators, which answer and never call back:
 
-The scheduling policy (core/request_queue.py) decides the order of the waiting queue and which
-running request is preempted first. Under 'fcfs' that is arrival order and the newest request.
-Under 'priority' `running` is kept sorted by rank (priority, arrival), so the last one is again
-the first preempted and a victim is never one this step already scheduled; and a waiting request
-that could not be admitted for lack of blocks preempts, at the start of the next step, the
-worst-ranked running request it outranks (one per step, while it stays blocked).
+    SchedulingPolicy   core/request_queue.py  the waiting queue, the order of `running`, the victims
+    admit_request      core/admission.py      blocks for a waiting request (prefix hits, swap-in), headroom
+    beam_gang          core/beam_gang.py      a beam group's beams scheduled as one, or not at all
+    SpecDecoder        core/spec_planner.py   speculative proposals: plan before the step, settle after
+    Forker             core/forking.py        parallel samples and beam candidates sharing blocks
+    KV cache manager   core/kv_cache_interface.py  blocks, through KVCacheManagerProtocol only
 """
 
 from __future__ import annotations
@@ -27,42 +22,33 @@ import time
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
-from pagedllm.core.beam_group import beam_group_token_counts, max_new_blocks, num_free_blocks
+from pagedllm.core.admission import Admission, Headroom, admit_request, refuse_if_never_fits
+from pagedllm.core.beam_gang import (admit_beam_group, allocate_running_group, beam_group_at,
+                                     beam_group_token_counts, group_block_bound)
 from pagedllm.core.forking import Forker
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.request_queue import WaitingQueue, make_waiting_queue, priority_rank
-from pagedllm.core.spec_decode import SpecDecoder
-from pagedllm.core.sched_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-from pagedllm.errors import InvalidRequestError
+from pagedllm.core.request_queue import SchedulingPolicy, WaitingQueue, make_waiting_queue
+from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                        SchedulerOutput, StepBuilder)
+from pagedllm.core.spec_planner import SpecDecoder
 
-HEADROOM_BLOCKS_PER_SEQ = 2
-"""Free blocks kept per running sequence when admitting. Simulated on a ShareGPT-like trace (64
-requests, 300 blocks of 16): 0 -> 92 preemptions, 58% of tokens computed twice; 1 -> 60, 44%;
-2 -> 33, 27%; 4 -> 20, 18% but 6% more steps (smaller batches). 2 balances the two."""
+Scheduled = tuple[Request, int, list[int]]  # (request, tokens this step, block ids appended to its table)
 
 
 class Scheduler:
     """Admission in policy order (FCFS or priority), chunked prefill, and preemption of the newest (or, by
     priority, the worst-ranked) request when blocks run out."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol,
                  preemption_mode: str = "recompute", speculative_config: SpeculativeConfig | None = None) -> None:
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        assert preemption_mode in ("recompute", "swap"), f"CacheConfig validates preemption_mode, got {preemption_mode!r}"
         self.preemption_mode = preemption_mode
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
+        self.policy = SchedulingPolicy(config.scheduling_policy)
         self.waiting: WaitingQueue = make_waiting_queue(config.scheduling_policy)
-        self._blocked_head: Request | None = None
-        """Priority policy: the waiting head the last step could not admit for lack of blocks."""
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
         self.forks = Forker(kv_cache_manager)
@@ -71,10 +57,12 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_beam_group_preemptions = 0
         """Beam groups preempted (each whole); their beams are also counted in num_preemptions."""
-        self._swap_out: list[tuple[int, int]] = []
-        self._swap_in: list[tuple[int, int]] = []
+        self._swap_out, self._swap_in = [], []  # (src, dst) block copies for this step's output
+        self._num_kept_block_ids: dict[str, int] = {}
+        """Speculative rollback: req_id -> its block table's length after `kv.trim`, sent once with its
+        next CachedRequestData."""
         self.spec = SpecDecoder(speculative_config) if speculative_config is not None else None
-        """Speculative decoding (core/spec_decode.py); None when off."""
+        """Speculative decoding (core/spec_planner.py); None when off."""
 
     # --- admission -------------------------------------------------------------------
 
@@ -88,21 +76,11 @@ class Scheduler:
         `parallel_samples` (n > 1) share the request's prompt: they are forked from it when its
         prompt is computed, each sampling its own first token from the same logits.
         """
-        final_len = request.num_prompt_tokens + request.max_tokens
-        assert 0 < request.num_prompt_tokens and final_len <= self.config.max_model_len, \
-            f"{request.req_id}: the front end admitted a request that cannot fit max_model_len"
+        assert 0 < request.num_prompt_tokens and request.num_prompt_tokens + request.max_tokens <= \
+            self.config.max_model_len, f"{request.req_id}: the front end admitted a request that cannot fit max_model_len"
         assert all(r.req_id not in self.requests for r in [request, *parallel_samples]), \
             f"{request.req_id}: request id already in use"
-        if len(parallel_samples) + 1 > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"{len(parallel_samples) + 1} parallel sequences exceed max_num_seqs ({self.config.max_num_seqs})"
-            )
-        num_blocks = self.kv.num_blocks_for_tokens(final_len)
-        if num_blocks > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"this request needs up to {num_blocks} KV blocks ({final_len} tokens) but the whole "
-                f"cache has {self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens"
-            )
+        refuse_if_never_fits(self.config, self.kv, request, num_sequences=1 + len(parallel_samples))
         for r in [request, *parallel_samples]:
             r.status = RequestStatus.WAITING
             self.requests[r.req_id] = r
@@ -110,14 +88,10 @@ class Scheduler:
         self.forks.add_samples(request, parallel_samples)
 
     def fork_request(self, parent_id: str, child_id: str, last_token_id: int) -> Request:
-        """Start `child_id` from a running parent's computed state with a different last token (beam search).
-
-        The parent's last token was sampled but not computed; the child replaces it with
-        `last_token_id` and shares every block of the parent (copy-on-write on its first write).
-        """
+        """Start `child_id` from a running parent whose last token was sampled, not computed, with
+        `last_token_id` in its place; it shares every block of the parent (copy-on-write on its first write)."""
         assert child_id not in self.requests, f"request id {child_id!r} is already in use"
         child = self.forks.fork(self.requests[parent_id], child_id, last_token_id)
-        child.priority = self.requests[parent_id].priority
         self.requests[child_id] = child
         self.running.append(child)
         return child
@@ -160,138 +134,115 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Running requests first (oldest first; by rank under 'priority'), then waiting ones."""
-        token_budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        num_draft_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        if self.config.scheduling_policy == "priority":
-            self._sort_running_by_rank()
-        preempted: list[Request] = self._preempt_for_blocked_head()
+        step = StepBuilder(self.config.max_num_batched_tokens)
+        self.policy.order_running(self.running)
+        preempted = self._preempt_newest() if self.policy.preempts_for_blocked_head(self.waiting, self.running) else []
         num_preempted_for_waiting = len(preempted)
         if self.spec is not None:
             self.spec.begin_step(len(self.running))
 
         i = 0
-        while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
-            if request.beam_group_id is not None:
-                members = self._beam_group_at(self.running, i)
-                entries = self._schedule_running_beams(members, token_budget, preempted)
-                if entries is None:
-                    break  # the group preempted itself, or waits for budget
+        while i < len(self.running) and step.token_budget > 0:
+            if self.running[i].beam_group_id is not None:
+                members = beam_group_at(self.running, i)
+                entries = self._schedule_running_group(members, step.token_budget, preempted)
             else:
-                num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-                assert num_new > 0, f"{request.req_id} is running with nothing to compute"
-                proposals, num_draft = self._propose(request, token_budget)
-                num_lookahead = len(proposals) or num_draft
-                new_block_ids = None
-                if num_lookahead:  # speculation never preempts: without room, the request runs plainly
-                    new_block_ids = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=num_lookahead)
-                    if new_block_ids is not None:
-                        if proposals:
-                            spec_tokens[request.req_id] = proposals
-                        else:
-                            num_draft_tokens[request.req_id] = num_draft
-                        num_new += num_lookahead
-                if new_block_ids is None:
-                    new_block_ids = self.kv.allocate_slots(request, num_new)
-                while new_block_ids is None:
-                    victims = self._preempt_newest()  # the newest request (with its beam group) goes first
-                    preempted.extend(victims)
-                    if victims[-1] is request:
-                        break
-                    new_block_ids = self.kv.allocate_slots(request, num_new)
-                if new_block_ids is None:
-                    break  # the request preempted itself; everything after it is gone too
-                members, entries = [request], [(request, num_new, new_block_ids)]
+                members = [self.running[i]]
+                entries = self._schedule_running_request(members[0], step, preempted)
+            if entries is None:
+                break  # it preempted itself (everything after it is gone too), or a group waits for budget
             for member, num_new, new_block_ids in entries:
-                num_scheduled[member.req_id] = num_new
-                token_budget -= num_new
+                step.add(member.req_id, num_new)
                 if self.forks.take_unsent(member.req_id):
                     self.kv.take_replaced_blocks(member.req_id)  # the full table goes out below
-                    new_reqs.append(self._new_request_data(member))
+                    step.new_reqs.append(self._new_request_data(member))
                 else:
-                    cached_reqs.append(
-                        CachedRequestData(member.req_id, new_block_ids, member.num_computed_tokens,
-                                          self.kv.take_replaced_blocks(member.req_id))
-                    )
+                    step.cached_reqs.append(CachedRequestData(
+                        member.req_id, new_block_ids, member.num_computed_tokens,
+                        self.kv.take_replaced_blocks(member.req_id), self._num_kept_block_ids.pop(member.req_id, None)))
             i += len(members)
 
         # Admitting new work in a step that had to preempt would just preempt it again.
-        if len(preempted) == num_preempted_for_waiting:
-            # Headroom: admission leaves free the blocks each running sequence needs for its next
-            # HEADROOM_BLOCKS_PER_SEQ * block_size tokens (capped at a quarter of the cache).
-            # Without it a full batch preempts its newest request, readmits it at once, and
-            # recomputes it over and over.
-            max_headroom = self.kv.num_blocks // 4
-            num_headroom = min(HEADROOM_BLOCKS_PER_SEQ * len(self.running), max_headroom)
-            while self.waiting and token_budget > 0:
-                request = self.waiting[0]
-                if request.beam_group_id is not None:
-                    admitted = self._admit_beams(token_budget, num_headroom)
-                    if admitted is None:
-                        break
-                    for member, num_new in admitted:
-                        num_scheduled[member.req_id] = num_new
-                        token_budget -= num_new
-                        new_reqs.append(self._new_request_data(member))
-                    num_headroom = min(num_headroom + HEADROOM_BLOCKS_PER_SEQ * len(admitted), max_headroom)
-                    continue
-                if len(self.running) + 1 + len(self.forks.samples_of(request)) > self.config.max_num_seqs:
-                    break
-                if self.kv.is_swapped_out(request):
-                    num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-                    mapping = self.kv.swap_in(request, num_new, num_headroom)
-                    if mapping is None:
-                        self._note_blocked(request)
-                        break
-                    self._swap_in.extend(mapping)
-                    num_hit_tokens = request.num_computed_tokens
-                else:
-                    hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-                    num_new = min(request.num_tokens - num_hit_tokens, token_budget)
-                    if self.kv.allocate_slots(request, num_new, hit_blocks, num_headroom) is None:
-                        self._note_blocked(request)
-                        break  # strict order: the head of the queue waits for blocks
-                    request.num_computed_tokens = num_hit_tokens
-                self.waiting.popleft()
-                if request.queue_time is None:
-                    request.queue_time = max(0.0, time.monotonic() - request.arrival_time)
-                request.status = RequestStatus.RUNNING
-                request.num_cached_tokens = num_hit_tokens
-                self.running.append(request)
-                num_headroom = min(num_headroom + HEADROOM_BLOCKS_PER_SEQ * (1 + len(self.forks.samples_of(request))),
-                                   max_headroom)
-                num_scheduled[request.req_id] = num_new
-                token_budget -= num_new
-                new_reqs.append(self._new_request_data(request))
+        headroom = Headroom(self.kv.num_blocks, len(self.running))
+        while len(preempted) == num_preempted_for_waiting and self.waiting and step.token_budget > 0:
+            head = self.waiting[0]
+            members = [head] if head.beam_group_id is None else beam_group_at(self.waiting, 0)
+            num_seqs = len(members) + len(self.forks.samples_of(head))
+            if len(self.running) + num_seqs > self.config.max_num_seqs:
+                break
+            if head.beam_group_id is not None:
+                admitted = admit_beam_group(self.kv, members, step.token_budget, headroom.num_blocks)
+            else:
+                admission = admit_request(self.kv, head, step.token_budget, headroom.num_blocks)
+                admitted = None if admission is None else [admission]
+                if admission is None:
+                    self.policy.note_blocked(head)
+            if admitted is None:
+                break  # strict order: the head of the queue waits for blocks
+            for admission in admitted:
+                self._start_running(admission)
+                step.add(admission.request.req_id, admission.num_new_tokens)
+                step.new_reqs.append(self._new_request_data(admission.request))
+            headroom.add_sequences(num_seqs)
 
-        for req_id, num in num_scheduled.items():
+        for req_id, num in step.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids,
-            preempted_req_ids={r.req_id for r in preempted},
-            block_copies=self.kv.take_block_copies(),
-            swap_out=self._swap_out,
-            swap_in=self._swap_in,
-            scheduled_spec_tokens=spec_tokens,
-            num_draft_tokens=num_draft_tokens,
-            draft_keep_up=self.spec is None or self.spec.keeps_draft_up,
-        )
-        self._swap_out, self._swap_in = [], []
-        self._finished_req_ids = set()
+        output = step.build(finished_req_ids=self._finished_req_ids, preempted_req_ids={r.req_id for r in preempted},
+                            block_copies=self.kv.take_block_copies(), swap_out=self._swap_out, swap_in=self._swap_in,
+                            draft_keep_up=self.spec is None or self.spec.keeps_draft_up)
+        self._swap_out, self._swap_in, self._finished_req_ids = [], [], set()
         return output
 
-    def update_from_output(
-        self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
+    def _schedule_running_request(self, request: Request, step: StepBuilder,
+                                  preempted: list[Request]) -> list[Scheduled] | None:
+        """Blocks for a running request's next tokens (and its proposals, if they fit), preempting the
+        newest requests until they fit; None if it had to preempt itself."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+        assert num_new > 0, f"{request.req_id} is running with nothing to compute"
+        new_block_ids = None
+        if self.spec is not None:
+            plan = self.spec.plan(request, step.token_budget, len(self.running), self.config.max_model_len,
+                                  bool(self.forks.samples_of(request)))
+            new_block_ids = self.spec.allocate(self.kv, request, num_new, plan, step)
+            num_new += plan.num_lookahead_tokens if new_block_ids is not None else 0
+        while new_block_ids is None:
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                victims = self._preempt_newest()  # the newest request (with its beam group) goes first
+                preempted.extend(victims)
+                if victims[-1] is request:
+                    return None
+        return [(request, num_new, new_block_ids)]
+
+    def _schedule_running_group(self, members: list[Request], token_budget: int,
+                                preempted: list[Request]) -> list[Scheduled] | None:
+        """Blocks for every running beam of a group, or none (core/beam_gang.py); None if the group waits
+        for budget or preempted itself."""
+        counts = beam_group_token_counts([m.num_tokens - m.num_computed_tokens for m in members],
+                                         token_budget, admitting=False)
+        if counts is None:
+            return None
+        num_blocks_needed = group_block_bound(self.kv, members, counts)
+        while num_blocks_needed > self.kv.num_free_blocks:
+            victims = self._preempt_newest()
+            preempted.extend(victims)
+            if any(v is members[0] for v in victims):
+                return None
+        return allocate_running_group(self.kv, members, counts)
+
+    def _start_running(self, admission: Admission) -> None:
+        """Move an admitted request from the head of `waiting` to the end of `running`."""
+        request = admission.request
+        head = self.waiting.popleft()
+        assert head is request, "admitted out of queue order"
+        self._swap_in.extend(admission.swap_in)
+        request.num_computed_tokens = request.num_cached_tokens = admission.num_computed_tokens
+        if request.queue_time is None:
+            request.queue_time = max(0.0, time.monotonic() - request.arrival_time)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def update_from_output(self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests and free their blocks at once."""
         outputs: list[EngineCoreOutput] = []
         for req_id in sched_output.num_scheduled_tokens:
@@ -308,30 +259,16 @@ class Scheduler:
                 continue  # a prompt chunk: nothing to tell yet
             if new_token_ids and self.forks.samples_of(request):
                 self._start_parallel_samples(request, runner_output, outputs)
-            accepted = []
-            for token_id in new_token_ids:
-                request.append_output_token(token_id)
-                accepted.append(token_id)
-                if self._check_stop(request):
-                    break
-            proposals = sched_output.scheduled_spec_tokens.get(req_id)
-            if req_id in sched_output.num_draft_tokens:  # the runner's draft model made them
-                proposals = runner_output.spec_token_ids[req_id]
-            if proposals is not None:
-                self._roll_back_rejected(request, proposals, new_token_ids)
+            accepted = request.append_output_tokens(new_token_ids, self.config.max_model_len)
+            num_computed = self.spec.settle(request, sched_output, runner_output) if self.spec is not None else None
+            if num_computed is not None:  # the rollback, computed once; the runner is told the table's length
+                request.num_computed_tokens = num_computed
+                self._num_kept_block_ids[req_id] = self.kv.trim(request, num_computed)
             logprobs = runner_output.logprobs.get(req_id)
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=accepted,
-                    new_logprobs=logprobs[: len(accepted)] if logprobs is not None else None,
-                    new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    queue_time=request.take_queue_time(),
-                )
-            )
+            outputs.append(EngineCoreOutput(
+                req_id, accepted, logprobs[: len(accepted)] if logprobs is not None else None, prompt_logprobs,
+                request.status.finish_reason, request.stop_reason, num_cached_tokens=request.num_cached_tokens,
+                queue_time=request.take_queue_time()))
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
@@ -350,106 +287,23 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def _check_stop(self, request: Request) -> bool:
-        """Finish the request if its last token ends it. True if it finished."""
-        token_id = request.output_token_ids[-1]
-        params = request.sampling_params
-        if request.num_output_tokens > params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token_id in request.stop_token_id_set:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    # --- speculative decoding (core/spec_decode.py) --------------------------------------
-
-    def _propose(self, request: Request, token_budget: int) -> tuple[list[int], int]:
-        """(n-gram proposals, number of draft-model proposals the runner makes) for a request at
-        decode; at most one of them non-empty. Never for beams, structured outputs (the runner
-        verifies proposals without the grammar's mask), a prompt still computing, or past max_tokens /
-        max_model_len (the accepted tokens plus the bonus must fit both)."""
-        if (self.spec is None or request.beam_group_id is not None
-                or request.sampling_params.structured_outputs is not None):
-            return [], 0
-        if request.num_tokens - request.num_computed_tokens != 1 or self.forks.samples_of(request):
-            return [], 0
-        max_k = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                    self.config.max_model_len - request.num_tokens - 1)
-        if self.spec.proposes_in_worker:
-            return [], self.spec.num_to_propose(request.req_id, max_k, batch_size=len(self.running))
-        return self.spec.propose(request.req_id, request.all_token_ids, max_k, batch_size=len(self.running)), 0
-
-    def _roll_back_rejected(self, request: Request, proposals: list[int], new_token_ids: list[int]) -> None:
-        """After a speculative step: the KV of the last token and of the accepted proposals stays;
-        the rejected positions are uncomputed again, and blocks holding only them are freed."""
-        num_accepted = len(new_token_ids) - 1
-        assert 0 <= num_accepted <= len(proposals) and new_token_ids[:num_accepted] == proposals[:num_accepted]
-        self.spec.record(request.req_id, len(proposals), num_accepted, len(new_token_ids))
-        if request.is_finished:
-            return  # its blocks are freed whole
-        request.num_computed_tokens = request.num_tokens - 1
-        self.kv.trim(request, request.num_computed_tokens)
+    # --- helpers ---------------------------------------------------------------------
 
     def _new_request_data(self, request: Request) -> NewRequestData:
-        """Everything the runner needs about a request it has no state for.
-
-        num_computed_tokens is the value before this step's tokens are added.
-        """
-        return NewRequestData(
-            req_id=request.req_id,
-            token_ids=list(request.all_token_ids),
-            num_prompt_tokens=request.num_prompt_tokens,
-            sampling_params=request.sampling_params,
-            block_ids=self.kv.get_block_ids(request.req_id),
-            num_computed_tokens=request.num_computed_tokens,
-            eos_token_ids=request.eos_token_ids,
-            fork_children=[(c.req_id, c.sampling_params) for c in self.forks.samples_of(request)],
-        )
+        """The whole of a request the runner has no state for (computed tokens before this step's)."""
+        return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id), self.forks.samples_of(request))
 
     def _start_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,
                                 outputs: list[EngineCoreOutput]) -> None:
         """The leader's prompt is computed and its samples drew their first tokens: run them."""
         for child in self.forks.fork_samples(leader, runner_output.sampled_token_ids):
             self.running.append(child)
-            self._check_stop(child)
-            outputs.append(EngineCoreOutput(child.req_id, list(child.output_token_ids[-1:]),
-                                            new_logprobs=runner_output.logprobs.get(child.req_id),
-                                            finish_reason=child.status.finish_reason,
-                                            stop_reason=child.stop_reason,
-                                            num_cached_tokens=leader.num_cached_tokens))
+            child.check_stop(self.config.max_model_len)
+            outputs.append(EngineCoreOutput(child.req_id, child.output_token_ids[-1:], runner_output.logprobs.get(
+                child.req_id), None, child.status.finish_reason, child.stop_reason, num_cached_tokens=leader.num_cached_tokens))
             if child.is_finished:
                 self.running.remove(child)
                 self._free_request(child)
-
-    def _sort_running_by_rank(self) -> None:
-        """Priority policy: best rank first, so `running.pop()` takes the worst (the newest among equals:
-        the sort is stable and requests join `running` in order)."""
-        self.running.sort(key=priority_rank)
-
-    def _note_blocked(self, request: Request) -> None:
-        if self.config.scheduling_policy == "priority":
-            self._blocked_head = request
-
-    def _preempt_for_blocked_head(self) -> list[Request]:
-        """Priority policy: if last step's blocked head still heads the queue and outranks the worst
-        running request (the last, `running` being sorted), preempt that one. Nothing of this step is
-        scheduled yet, so nothing is undone. Under 'fcfs' no head is ever noted: this does nothing.
-
-        One victim per step: the head is tried again this step with the freed blocks, and if it
-        still does not fit it is noted again and the next victim goes in the next step.
-        """
-        head, self._blocked_head = self._blocked_head, None
-        if head is None or not self.waiting or self.waiting[0] is not head or not self.running:
-            return []
-        if priority_rank(self.running[-1]) <= priority_rank(head):
-            return []
-        return self._preempt_newest()  # the worst-ranked request, with its whole beam group
 
     def _preempt(self, request: Request) -> None:
         """Free every device block of a running request; it goes back to the front of the queue (to its rank
@@ -466,98 +320,25 @@ class Scheduler:
             self.kv.free(request)
             request.num_computed_tokens = 0
         self.forks.take_unsent(request.req_id)  # it returns to the runner as new anyway
+        self._num_kept_block_ids.pop(request.req_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    # --- beam groups -----------------------------------------------------------------
-
-    @staticmethod
-    def _beam_group_at(queue, index: int) -> list[Request]:
-        """The beams of the group whose first beam is queue[index] (a group's beams sit side by side)."""
-        group_id = queue[index].beam_group_id
-        end = index + 1
-        while end < len(queue) and queue[end].beam_group_id == group_id:
-            end += 1
-        return [queue[j] for j in range(index, end)]
-
     def _preempt_newest(self) -> list[Request]:
-        """Preempt the newest running request, or the whole beam group it belongs to; returns them."""
-        victims = [self.running.pop()]
-        group_id = victims[0].beam_group_id
-        if group_id is not None:
-            while self.running and self.running[-1].beam_group_id == group_id:
-                victims.append(self.running.pop())
+        """Preempt the policy's victims: the last running request, or the whole beam group it belongs to."""
+        victims = self.policy.take_victims(self.running)
+        if victims[0].beam_group_id is not None:
             self.num_beam_group_preemptions += 1
         for victim in victims:  # newest first: appendleft leaves the group in its order at the queue's front
             self._preempt(victim)
         return victims
 
-    def _schedule_running_beams(self, members: list[Request], token_budget: int,
-                                preempted: list[Request]) -> list[tuple[Request, int, list[int]]] | None:
-        """Blocks for every running beam of a group, or none: (beam, tokens, new block ids) for the beams
-        that compute this step; None if the group must wait for budget or preempted itself."""
-        counts = beam_group_token_counts([m.num_tokens - m.num_computed_tokens for m in members],
-                                         token_budget, admitting=False)
-        if counts is None:
-            return None
-        # Checked for the whole group before any allocation: a copy-on-write decided for one beam
-        # must never be left pending for blocks the group's own preemption then frees.
-        while sum(max_new_blocks(self.kv, m, m.num_computed_tokens, n)
-                  for m, n in zip(members, counts) if n) > num_free_blocks(self.kv):
-            victims = self._preempt_newest()
-            preempted.extend(victims)
-            if any(v is members[0] for v in victims):
-                return None
-        entries = []
-        for member, num_new in zip(members, counts):
-            if num_new:
-                new_block_ids = self.kv.allocate_slots(member, num_new)
-                assert new_block_ids is not None, "the group's block bound was wrong"
-                entries.append((member, num_new, new_block_ids))
-        return entries
-
-    def _admit_beams(self, token_budget: int, num_headroom: int) -> list[tuple[Request, int]] | None:
-        """Admit every beam of the group at the head of `waiting` (swapped in or recomputed), or none.
-        Returns each beam with its tokens this step; the beams are running on return."""
-        members = self._beam_group_at(self.waiting, 0)
-        if len(self.running) + len(members) > self.config.max_num_seqs:
-            return None
-        counts = beam_group_token_counts([m.num_tokens - m.num_computed_tokens for m in members],
-                                         token_budget, admitting=True)
-        if counts is None:
-            return None
-        if sum(max_new_blocks(self.kv, m, m.num_computed_tokens, n)
-               for m, n in zip(members, counts)) + num_headroom > num_free_blocks(self.kv):
-            return None
-        # Prefix-cache hits only when every beam computes to its end; a hit would otherwise move a
-        # beam's stopping point. Each beam looks up its hits just before its own allocation, so an
-        # earlier beam's new blocks cannot evict them.
-        use_hits = counts == [m.num_tokens - m.num_computed_tokens for m in members]
-        admitted = []
-        for member, num_new in zip(members, counts):
-            if self.kv.is_swapped_out(member):
-                mapping = self.kv.swap_in(member, num_new)
-                assert mapping is not None, "the group's block bound was wrong"
-                self._swap_in.extend(mapping)
-                num_hit_tokens = member.num_computed_tokens
-            else:
-                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(member) if use_hits else ([], 0)
-                if use_hits:
-                    num_new = member.num_tokens - num_hit_tokens
-                assert self.kv.allocate_slots(member, num_new, hit_blocks) is not None, "the group's block bound was wrong"
-                member.num_computed_tokens = num_hit_tokens
-            self.waiting.popleft()
-            member.status = RequestStatus.RUNNING
-            member.num_cached_tokens = num_hit_tokens
-            self.running.append(member)
-            admitted.append((member, num_new))
-        return admitted
-
     def _free_request(self, request: Request) -> list[Request]:
         """Release a finished request; returns what finishing it finished too (samples that never started)."""
         self.kv.free(request)
+        self._num_kept_block_ids.pop(request.req_id, None)
         if self.spec is not None:
             self.spec.forget(request.req_id)
         self._finished_req_ids.add(request.req_id)

@@ -2,7 +2,7 @@
 
 Each prompt becomes one request with `SamplingParams(use_beam_search=True, n=num_returned,
 best_of=beam_width, temperature=0, ...)`. The engine core runs it as a beam group
-(pagedllm/core/beam_group.py, where HF's `_beam_search` conventions are stated): its beams are
+(pagedllm/core/beam_selection.py, where HF's `_beam_search` conventions are stated): its beams are
 core requests batched with every other request, forked copy-on-write from their parents, and
 preempted and resumed as a group. This module only builds those requests, steps the engine
 until they finish, and shapes the results as `BeamSearchOutput`s.
@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedllm.core.beam_group import BeamGroup, KVSharingStats
+from pagedllm.core.beam_selection import BeamGroup, KVSharingStats
 from pagedllm.core.forking import kv_block_usage  # noqa: F401  (bench.sharing reads it from here)
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.errors import InvalidRequestError

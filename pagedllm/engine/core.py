@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
-from pagedllm.core.beam_groups import BeamGroups
+from pagedllm.core.beam_registry import BeamGroups
 from pagedllm.core.forking import kv_block_usage
 from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManagerProtocol, paged_kv_cache_manager
 from pagedllm.core.request import Request, RequestStatus
@@ -54,8 +54,10 @@ class EngineCore:
             raise
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode,
                                    speculative_config=engine_args.speculative())
-        self.beams = BeamGroups(self.scheduler)
-        """Beam-search requests: stepped after each step from their beams' top logprobs."""
+        self.beams = BeamGroups(self.scheduler_config, self.kv_cache_manager.num_blocks,
+                                self.kv_cache_manager.num_blocks_for_tokens)
+        """Beam-search requests: stepped after each step from their beams' top logprobs; they decide,
+        this core tells the scheduler (`_step_beam_groups`)."""
         self.step_listeners: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
         """Called after each executed step with what ran and what came back (benchmarks record step shapes)."""
 
@@ -71,9 +73,9 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served.
 
-        A beam-search request becomes a beam group (core/beam_group.py), scheduled beside the others."""
+        A beam-search request becomes a beam group (core/beam_selection.py), scheduled beside the others."""
         if req.sampling_params.use_beam_search:
-            self.beams.add(req)
+            self.scheduler.add_request(self.beams.add(req))
             return
         requests = Request.for_sequences(req)
         self.scheduler.add_request(requests[0], parallel_samples=requests[1:])
@@ -81,7 +83,9 @@ class EngineCore:
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End requests now and free their blocks; unknown or finished ids are ignored.
         Any sequence id of a beam-search request ends its whole group."""
-        self.scheduler.finish_requests(self.beams.abort(req_ids), status)
+        others, beams = self.beams.abort(req_ids)
+        self.scheduler.finish_requests(beams, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(others, status)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one iteration; returns what each touched request produced."""
@@ -92,7 +96,20 @@ class EngineCore:
         runner_output = self.executor.execute_model(sched_output)
         for listener in self.step_listeners:
             listener(sched_output, runner_output)
-        return self.beams.update(self.scheduler.update_from_output(sched_output, runner_output))
+        return self._step_beam_groups(self.scheduler.update_from_output(sched_output, runner_output))
+
+    def _step_beam_groups(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Let the beam groups choose their next beams from this step's outputs, then have the scheduler
+        fork the children and finish the parents; returns the outputs for the front end."""
+        outputs, steps = self.beams.update(outputs)
+        for beam_step in steps:
+            if not beam_step.children:  # the group finished or failed: its beams end
+                self.scheduler.finish_requests(beam_step.parent_ids, RequestStatus.FINISHED_ABORTED)
+                continue
+            self.scheduler.replace_beams(beam_step.parent_ids, beam_step.children)
+            # What sharing saves, measured right after each fork.
+            beam_step.group.sharing.record(*kv_block_usage(self.kv_cache_manager, beam_step.group.beam_req_ids))
+        return outputs
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -106,7 +123,8 @@ class EngineCore:
 
         Counters (preemptions, swap-outs, prefix-cache queries and hits, evictions) only grow."""
         kv = self.kv_cache_manager
-        num_beam_blocks, num_beam_blocks_unshared = self.beams.kv_block_usage() if self.beams.groups else (0, 0)
+        num_beam_blocks, num_beam_blocks_unshared = (kv_block_usage(kv, self.beams.beam_req_ids())
+                                                      if self.beams.groups else (0, 0))
         return EngineStatsMsg(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

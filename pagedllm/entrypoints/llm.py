@@ -66,7 +66,7 @@ class LLM:
         """Beam search for every prompt (one params for all, or one per prompt), beams sharing KV blocks;
         a list of BeamSearchOutput in input order.
 
-        Greedy, with Hugging Face `generate(num_beams=...)`'s conventions (pagedllm/core/beam_group.py).
+        Greedy, with Hugging Face `generate(num_beams=...)`'s conventions (pagedllm/core/beam_selection.py).
         Each prompt is an ordinary request to the engine, batched with whatever else it runs;
         `generate()` takes beam search too, per prompt: `SamplingParams(use_beam_search=True, ...)`.
         """

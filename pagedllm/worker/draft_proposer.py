@@ -31,6 +31,7 @@ depend on it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,12 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.forward_context import set_forward_context
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedllm.worker.model_runner import RunnerRequestState
 
 logger = logging.getLogger(__name__)
+
+PrepareInputs = Callable[[list, list[int]], tuple]
+"""ModelRunner.prepare_inputs: (rows, tokens per row) -> (input ids, positions, attention metadata)."""
 
 MAX_CATCH_UP = 16
 """Most positions of missing draft KV one request recomputes in a step, before its own tokens. A
@@ -96,11 +101,16 @@ class DraftProposer:
             self._unverified.pop(req_id, None)
 
     @torch.inference_mode()
-    def propose(self, runner, sched: SchedulerOutput) -> dict[str, list[int]]:
+    def propose(self, states: Mapping[str, RunnerRequestState], sched: SchedulerOutput,
+                prepare_inputs: PrepareInputs) -> dict[str, list[int]]:
         """req_id -> the k proposals for each request in `sched.num_draft_tokens`; also catches the
-        draft KV up over the prompt chunks the target computes this step."""
+        draft KV up over the prompt chunks the target computes this step.
+
+        `states`: the runner's requests (their tokens, computed counts and block tables, as of this step);
+        `prepare_inputs`: the runner's input preparation (ModelRunner.prepare_inputs), so the draft's
+        slots and block tables are read exactly as the target's."""
         try:
-            return self._propose(runner, sched)
+            return self._propose(states, sched, prepare_inputs)
         except Exception:  # noqa: BLE001 - any proposal is lossless; a failing draft must not fail requests
             self.num_failures += 1
             logger.exception("the draft model failed; scoring placeholder proposals this step")
@@ -109,11 +119,12 @@ class DraftProposer:
                 self._unverified.pop(req_id, None)
             return {req_id: [0] * k for req_id, k in sched.num_draft_tokens.items()}
 
-    def _propose(self, runner, sched: SchedulerOutput) -> dict[str, list[int]]:
+    def _propose(self, states: Mapping[str, RunnerRequestState], sched: SchedulerOutput,
+                 prepare: PrepareInputs) -> dict[str, list[int]]:
         num_draft = sched.num_draft_tokens
         catch_up: list[tuple[str, _DraftRow, int]] = []  # (req_id, row, tokens to compute)
         for req_id, n in sched.num_scheduled_tokens.items():
-            state = runner.requests[req_id]
+            state = states[req_id]
             if req_id in num_draft:
                 end = len(state.token_ids)  # its proposals are not attached yet
             elif n > 1 and sched.draft_keep_up:
@@ -131,7 +142,6 @@ class DraftProposer:
             self._num_computed[req_id] = end
         if not catch_up:
             return {}
-        prepare = runner._prepare_inputs  # the target's slots and block tables, read the same way
         hidden, last_rows = self._forward(prepare, [row for _, row, _ in catch_up], [n for _, _, n in catch_up])
         proposals: dict[str, list[int]] = {}
         want = [(req_id, last_rows[i]) for i, (req_id, _, _) in enumerate(catch_up) if req_id in num_draft]
@@ -143,7 +153,7 @@ class DraftProposer:
             going = [req_id for req_id in proposals if num_draft[req_id] > j]
             rows = []
             for req_id in going:
-                state = runner.requests[req_id]
+                state = states[req_id]
                 tokens = state.token_ids + proposals[req_id]
                 rows.append(_DraftRow(tokens, len(tokens) - 1, state.block_ids))
             hidden, _ = self._forward(prepare, rows, [1] * len(rows))

@@ -2,17 +2,22 @@
 
 It keeps a copy of each running request's tokens and block table, updated from the
 scheduler's diffs, so a step's inputs are built from what changed, not resent in full.
+How many tokens are computed and how long the block table is are the scheduler's to say
+(CachedRequestData): the runner takes them as sent, and never works them out again.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Sequence
 from itertools import accumulate
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
@@ -21,8 +26,9 @@ from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
 from pagedllm.model.sampling.metadata import RequestTensors, SamplingMetadata, SamplingRow
 from pagedllm.model.sampling.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker import spec_decode
+from pagedllm.worker import spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedllm.worker.request_tensors import RequestTensorCache
 
 logger = logging.getLogger(__name__)
 
@@ -43,46 +49,12 @@ class RunnerRequestState:
     per step, for states made outside the runner)."""
 
 
-class RequestTensorCache:
-    """RequestTensors built once per user request and shared by all of its sequences.
+class InputRow(Protocol):
+    """What input preparation reads of a request (RunnerRequestState, or a draft proposer's row)."""
 
-    The sequences of an n > 1 request carry shallow copies of one SamplingParams (same logit_bias
-    dict, same stop_token_ids list), so those objects identify the request. Each entry keeps the
-    params it was built from (their ids cannot be reused while it lives) and counts its users.
-    """
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
-        self.device = device
-        self._entries: dict[tuple, list] = {}  # key -> [params, tensors, users]
-        self.num_builds = 0
-
-    @staticmethod
-    def _key(params: SamplingParams, eos_token_ids: list[int]) -> tuple:
-        return id(params.logit_bias), id(params.stop_token_ids), params.min_tokens > 0, tuple(eos_token_ids)
-
-    def acquire(self, params: SamplingParams, eos_token_ids: list[int]) -> RequestTensors:
-        entry = self._entries.get(self._key(params, eos_token_ids))
-        if entry is None:
-            self.num_builds += 1
-            tensors = RequestTensors.build(params, eos_token_ids, self.vocab_size, self.device)
-            entry = self._entries[self._key(params, eos_token_ids)] = [params, tensors, 0]
-        entry[2] += 1
-        return entry[1]
-
-    def peek(self, params: SamplingParams, eos_token_ids: list[int]) -> RequestTensors | None:
-        entry = self._entries.get(self._key(params, eos_token_ids))
-        return entry[1] if entry is not None else None
-
-    def release(self, params: SamplingParams, eos_token_ids: list[int]) -> None:
-        key = self._key(params, eos_token_ids)
-        entry = self._entries[key]
-        entry[2] -= 1
-        if entry[2] == 0:
-            del self._entries[key]
-
-    def __len__(self) -> int:
-        return len(self._entries)
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
 
 
 def _describe(error: BaseException) -> str:
@@ -90,12 +62,17 @@ def _describe(error: BaseException) -> str:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the per-request state needed to build inputs."""
+    """Owns the model, the KV cache tensors and the per-request state needed to build inputs.
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int,
-                 device: torch.device | str = "cpu", seed: int = 0, num_host_blocks: int = 0,
-                 attention_backend: str = "torch", enforce_eager: bool = True, max_num_seqs: int = 128,
-                 max_model_len: int = 2048, tokenizer=None, draft=None) -> None:
+    Every setting comes from the caller's configs (no defaults of its own): `seed` and
+    `attention_backend` from EngineArgs; `cuda_graphs`, the SchedulerConfig whose max_num_seqs and
+    max_model_len bound the decode steps captured as CUDA graphs, or None to run every step eagerly
+    (enforce_eager, or a tensor-parallel rank).
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int, *,
+                 num_host_blocks: int, device: torch.device | str, seed: int, attention_backend: str,
+                 cuda_graphs: SchedulerConfig | None, tokenizer=None, draft=None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
@@ -116,18 +93,18 @@ class ModelRunner:
         if draft is not None:
             set_attention_backend(draft.model, self.attn_backend)
         self.decode_graphs = None  # CUDA graphs of decode steps (CUDA, not enforce_eager)
-        if self.device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cuda_graphs:
+        if self.device.type == "cuda" and cuda_graphs is not None and self.attn_backend.supports_cuda_graphs:
             from pagedllm.worker.gpu import DecodeGraphRunner
 
-            self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, max_num_seqs, max_model_len,
-                                                   self.block_size, self.device)
+            self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, cuda_graphs.max_num_seqs,
+                                                   cuda_graphs.max_model_len, self.block_size, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         self.request_tensors = RequestTensorCache(vocab_size, self.device)
         # Seeded requests keep their generator across preemption; dropped only when finished.
         self.generators: dict[str, torch.Generator] = {}
         self._spec_tokens: dict[str, list[int]] = {}
-        """This step's speculative proposals (worker/spec_decode.py), req_id -> tokens."""
+        """This step's speculative proposals (worker/spec_verify.py), req_id -> tokens."""
         torch.manual_seed(seed)  # the shared stream of unseeded requests
         self.tokenizer = tokenizer  # structured outputs build their vocabulary from it
         self.structured_output = None  # a StructuredOutputManager, made at the first constrained request
@@ -163,14 +140,14 @@ class ModelRunner:
                 self._ensure_generator(child_id, child_params)
             if new.sampling_params.structured_outputs is not None:
                 self._add_structured(new, eos_token_ids)
-        for cached in sched.scheduled_cached_reqs:
+        for cached in sched.scheduled_cached_reqs:  # in CachedRequestData's order: cut, replace, append
             state = self.requests[cached.req_id]
+            if cached.num_kept_block_ids is not None:  # a speculative rollback freed the tail blocks
+                del state.block_ids[cached.num_kept_block_ids:]
             for index, block_id in cached.replaced_block_ids.items():
                 state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids)
-            assert state.num_computed_tokens == cached.num_computed_tokens, (
-                f"{cached.req_id}: runner at {state.num_computed_tokens}, scheduler at {cached.num_computed_tokens}"
-            )
+            state.num_computed_tokens = cached.num_computed_tokens
 
     def _add_structured(self, new, eos_token_ids: list[int]) -> None:
         """Start compiling the request's grammar now, off the step: its first sampling step waits for it."""
@@ -223,9 +200,9 @@ class ModelRunner:
         self._spec_tokens = sched.scheduled_spec_tokens
         if self.draft is not None:
             self.draft.update(sched)
-            if not sched.is_empty:
-                self._spec_tokens = self.draft.propose(self, sched)  # fills sched.num_draft_tokens' slots
-        spec_decode.attach_proposals(self.requests, self._spec_tokens)
+            if not sched.is_empty:  # fills sched.num_draft_tokens' slots
+                self._spec_tokens = self.draft.propose(self.requests, sched, self.prepare_inputs)
+        spec_verify.attach_proposals(self.requests, self._spec_tokens)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
 
@@ -260,8 +237,9 @@ class ModelRunner:
         return merged
 
     def _execute(self, states: list[RunnerRequestState], num_scheduled: list[int]) -> ModelRunnerOutput:
-        """Forward, sample, and only then update the request states (so a failure changes nothing)."""
-        input_ids, positions, metadata = self._prepare_inputs(states, num_scheduled)
+        """Forward, sample, and only then append the sampled tokens (so a failure changes nothing). The
+        computed counts move on with the scheduler's next CachedRequestData."""
+        input_ids, positions, metadata = self.prepare_inputs(states, num_scheduled)
         if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
             hidden_states = self.decode_graphs.run(input_ids, positions, metadata)
         else:
@@ -277,19 +255,16 @@ class ModelRunner:
         kept_by_state: dict[str, list[int]] = {}
         if spec_rows:
             sampling_rows = [i for i in sampling_rows if states[i].req_id not in self._spec_tokens]
-            kept_by_state = spec_decode.verify_rows(self, states, spec_rows, self._spec_tokens, metadata,
+            kept_by_state = spec_verify.verify_rows(self, states, spec_rows, self._spec_tokens, metadata,
                                                     hidden_states, output)
         sampled_by_state: dict[str, int] = {}
         if sampling_rows:
             sampled_by_state = self._sample(states, sampling_rows, metadata, hidden_states, output)
 
-        for state, n in zip(states, num_scheduled):
+        for state in states:
             if state.req_id in kept_by_state:
-                spec_decode.commit(state, len(self._spec_tokens[state.req_id]), kept_by_state[state.req_id],
-                                   self.block_size)
-                continue
-            state.num_computed_tokens += n
-            if state.req_id in sampled_by_state:
+                spec_verify.commit(state, len(self._spec_tokens[state.req_id]), kept_by_state[state.req_id])
+            elif state.req_id in sampled_by_state:
                 state.token_ids.append(sampled_by_state[state.req_id])
                 state.fork_children = []  # they drew their first tokens from these logits
         return output
@@ -361,8 +336,9 @@ class ModelRunner:
                 ]
         return sampled_by_state
 
-    def _prepare_inputs(self, states: list[RunnerRequestState], num_scheduled: list[int]):
-        """Flat token ids, positions and attention metadata, built with tensor ops.
+    def prepare_inputs(self, states: Sequence[InputRow], num_scheduled: list[int]):
+        """Flat token ids, positions and attention metadata for `num_scheduled[i]` tokens of states[i]
+        from its num_computed_tokens, built with tensor ops; the draft proposer reads its inputs here too.
 
             query_start_loc: [0, n0, n0+n1, ...]      tokens of request i: qsl[i]:qsl[i+1]
             position of token t of request i = num_computed[i] + (t - qsl[i])

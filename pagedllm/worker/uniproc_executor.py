@@ -55,8 +55,7 @@ class UniprocExecutor(Executor):
         self.runner = ModelRunner(
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager, max_num_seqs=scheduler_config.max_num_seqs,
-            max_model_len=scheduler_config.max_model_len, tokenizer=self.loaded.tokenizer, draft=draft,
+            cuda_graphs=None if args.enforce_eager else scheduler_config, tokenizer=self.loaded.tokenizer, draft=draft,
         )
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec)
 

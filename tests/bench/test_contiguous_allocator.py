@@ -126,3 +126,68 @@ def test_admission_fails_when_no_hole_fits_though_enough_blocks_are_free():
 def test_max_policy_refuses_a_cache_smaller_than_max_model_len():
     with pytest.raises(ValueError, match="max_model_len"):
         ContiguousKVCacheManager(num_blocks=4, block_size=16, policy="max", max_model_len=128)
+
+
+def test_manager_has_every_method_of_the_protocol_the_scheduler_calls():
+    """Every member of KVCacheManagerProtocol exists with the protocol's parameters, so a scheduler or a
+    collaborator never meets an AttributeError or a TypeError deep in a step."""
+    import inspect
+
+    from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
+
+    kv = ContiguousKVCacheManager(num_blocks=8, block_size=4, policy="oracle", max_model_len=32)
+    members = [n for n in vars(KVCacheManagerProtocol) if not n.startswith("_")]
+    assert {"allocate_slots", "trim", "num_free_blocks", "fork", "swap_in"} <= set(members)
+    for name in members:
+        assert hasattr(kv, name), name
+        wanted = getattr(KVCacheManagerProtocol, name)
+        if inspect.isfunction(wanted):
+            assert list(inspect.signature(getattr(kv, name)).parameters) == \
+                list(inspect.signature(wanted).parameters)[1:], name
+
+
+def test_forking_and_swapping_are_refused_with_a_typed_error_naming_the_feature():
+    from pagedllm.core.kv_cache_interface import UnsupportedKVFeatureError
+
+    kv = ContiguousKVCacheManager(num_blocks=8, block_size=4, policy="pow2", max_model_len=32)
+    a = _request("a", 4, 4)
+    assert kv.allocate_slots(a, 4) == [0]
+    with pytest.raises(UnsupportedKVFeatureError, match="does not support forking") as info:
+        kv.fork(a, _request("b", 4, 4))
+    assert info.value.feature == "forking"
+    assert kv.swap_out(a) is None  # declined: the scheduler recomputes instead
+    with pytest.raises(UnsupportedKVFeatureError, match="does not support swapping"):
+        kv.swap_in(a, 1)
+
+
+def test_speculative_slots_are_handed_out_and_trimmed_back_inside_the_region():
+    kv = ContiguousKVCacheManager(num_blocks=8, block_size=4, policy="oracle", max_model_len=32)
+    a = _request("a", 5, 7)  # final length 12: a region of 3 blocks
+    assert kv.allocate_slots(a, 5) == [0, 1]
+    a.num_computed_tokens = 5
+    assert kv.allocate_slots(a, 1, num_lookahead_tokens=3) == [2]  # 9 slots
+    assert kv.num_free_blocks == 5
+    assert kv.trim(a, 6) == 2  # the rollback: block 2 held only rejected proposals
+    assert kv.get_block_ids("a") == [0, 1]
+    assert kv.allocate_slots(a, 1, num_lookahead_tokens=7) is None  # past the region: run plainly
+    assert kv.allocate_slots(a, 1) == []
+
+
+def test_the_scheduler_speculates_over_a_contiguous_manager():
+    """n-gram speculation end to end with the baseline: proposals scheduled, rejected ones rolled back."""
+    from pagedllm.config import SchedulerConfig, SpeculativeConfig
+    from pagedllm.core.sched_output import ModelRunnerOutput
+    from pagedllm.core.scheduler import Scheduler
+
+    kv = ContiguousKVCacheManager(num_blocks=16, block_size=4, policy="oracle", max_model_len=64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64), kv,
+                      speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    req = Request("a", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=8, ignore_eos=True), frozenset(), 8)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [6]}))
+    out = sched.schedule()
+    assert out.scheduled_spec_tokens == {"a": [7, 5, 6]} and out.num_scheduled_tokens == {"a": 4}
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [7, 9]}))  # one kept, then 9
+    assert req.num_computed_tokens == req.num_tokens - 1 == 9
+    assert kv.get_block_ids("a") == [0, 1, 2]

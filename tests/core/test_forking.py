@@ -69,3 +69,15 @@ def test_a_beam_fork_replaces_the_last_token_and_shares_every_block():
     assert kv.allocate_slots(child, 1) == []
     assert kv.take_block_copies() == [(1, 2)] and kv.get_block_ids("C") == [0, 2]
     assert kv_block_usage(kv, ["P", "C"]) == (3, 4)
+
+
+def test_a_beam_candidate_keeps_its_parents_rank():
+    """Under 'priority' a beam group is ranked by its request: a forked candidate keeps the parent's
+    priority and arrival time (it once came out with priority 0, outranking its own group)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = _computed_leader(kv, 5, req_id="P")
+    parent.priority = 3
+    parent.append_output_token(9)  # sampled, not computed
+    child = Forker(kv).fork(parent, "C", last_token_id=11)
+    assert (child.priority, child.arrival_time) == (parent.priority, parent.arrival_time)
+    assert child.all_token_ids == parent.all_token_ids[:-1] + [11] and child.num_computed_tokens == 5

@@ -45,3 +45,29 @@ def test_prefix_cache_hit_reuses_blocks_but_never_the_last_token():
     assert kv.allocate_slots(second, 4, hits) == [0, 1, 3]
     assert [b.ref_cnt for b in kv.pool.blocks[:4]] == [2, 2, 1, 1]
     assert kv.prefix_cache_queries == 12 and kv.prefix_cache_hits == 8
+
+
+def test_core_calls_only_what_the_protocol_lists():
+    """The scheduler and its collaborators reach a KV cache manager only through KVCacheManagerProtocol
+    (so the bench baselines, which implement the protocol, plug in): checked on the source."""
+    import ast
+    from pathlib import Path
+
+    from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
+
+    allowed = {n for n in dir(KVCacheManagerProtocol) if not n.startswith("_")} | set(
+        KVCacheManagerProtocol.__annotations__)
+    core = Path(__file__).resolve().parents[2] / "pagedllm" / "core"
+    used: dict[str, set[str]] = {}
+    for path in core.glob("*.py"):
+        if path.name in ("kv_cache_manager.py", "block_pool.py"):
+            continue  # the paged manager itself
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+            if name in ("kv", "kv_cache_manager"):
+                used.setdefault(node.attr, set()).add(path.name)
+    assert {"allocate_slots", "trim", "num_free_blocks", "fork"} <= set(used)  # the check sees the calls
+    assert {attr: files for attr, files in used.items() if attr not in allowed} == {}

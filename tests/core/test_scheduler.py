@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.scheduler import HEADROOM_BLOCKS_PER_SEQ
+from pagedllm.core.admission import HEADROOM_BLOCKS_PER_SEQ
 from pagedllm.errors import InvalidRequestError
 
 from .helpers import EOS, make_request, make_scheduler, sample_for, step

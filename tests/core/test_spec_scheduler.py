@@ -26,7 +26,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.spec_decode import NgramProposer
+from pagedllm.core.spec_planner import NgramProposer
 from pagedllm.sampling_params import SamplingParams
 from tests.core.test_scheduler import _check_block_invariants
 
@@ -211,7 +211,7 @@ def test_no_proposal_past_max_tokens_or_for_a_prompt_chunk():
 
 
 def test_low_acceptance_backs_off_longer_each_time_and_success_resets_it():
-    from pagedllm.core.spec_decode import SpecDecoder
+    from pagedllm.core.spec_planner import SpecDecoder
 
     spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4))
     tokens = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1]
@@ -239,7 +239,7 @@ def test_low_acceptance_backs_off_longer_each_time_and_success_resets_it():
 
 
 def test_at_large_batches_only_requests_that_keep_most_proposals_speculate():
-    from pagedllm.core.spec_decode import PROBE_INTERVAL, SpecDecoder
+    from pagedllm.core.spec_planner import PROBE_INTERVAL, SpecDecoder
 
     spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4))
     tokens = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1]
@@ -309,7 +309,7 @@ def test_draft_model_slots_are_counted_and_rolled_back_against_the_runners_propo
 def test_a_draft_model_that_is_seldom_right_stops_the_whole_batch_for_longer_each_time():
     """The draft's cost is per pass, not per request: below the bar engine-wide, no request proposes
     for 8, then 16, ... 64 steps; a step that clears the bar reopens it at once."""
-    from pagedllm.core.spec_decode import MAX_GATE_INTERVAL, PROBE_INTERVAL, SpecDecoder
+    from pagedllm.core.spec_planner import MAX_GATE_INTERVAL, PROBE_INTERVAL, SpecDecoder
 
     spec = SpecDecoder(SpeculativeConfig(method="draft_model", model=DRAFT_DIR, num_speculative_tokens=4))
     ids = [f"r{i}" for i in range(16)]

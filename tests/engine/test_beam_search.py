@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.beam_group import BeamSelection
+from pagedllm.core.beam_selection import BeamSelection
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import BeamSearchParams
 from tests.model.tiny_models import make_hf_model, save_hf_model

@@ -109,6 +109,32 @@ def test_greedy_identical_under_memory_and_budget_pressure(copy_model_dir, name)
         assert stats.num_swap_outs > 0
 
 
+def test_the_runner_takes_tables_and_computed_counts_from_the_scheduler_through_rollbacks(copy_model_dir):
+    """The rollback is computed once, by the scheduler: after each step's diffs the runner's block tables
+    and computed counts are the scheduler's, and rollbacks that freed blocks reach it as num_kept_block_ids."""
+    reference = _run(LLM(model=copy_model_dir, block_size=4), GREEDY)
+    llm = LLM(model=copy_model_dir, speculative_config=_spec(4), block_size=4)
+    core = llm.engine.core
+    runner = core.executor.runner
+    real_update_states = runner._update_states
+    seen = {"checked": 0, "cut": 0}
+
+    def update_states(sched):
+        before = {c.req_id: len(runner.requests[c.req_id].block_ids) for c in sched.scheduled_cached_reqs}
+        real_update_states(sched)
+        seen["cut"] += sum(c.num_kept_block_ids is not None and c.num_kept_block_ids < before[c.req_id]
+                           for c in sched.scheduled_cached_reqs)
+        for req_id, n in sched.num_scheduled_tokens.items():
+            state, request = runner.requests[req_id], core.scheduler.requests[req_id]
+            assert state.block_ids == core.kv_cache_manager.get_block_ids(req_id), req_id
+            assert state.num_computed_tokens + n == request.num_computed_tokens, req_id  # the scheduler counts ahead
+            seen["checked"] += 1
+
+    runner._update_states = update_states
+    assert _run(llm, GREEDY) == reference
+    assert seen["checked"] > 0 and seen["cut"] > 0, seen
+
+
 def test_greedy_identical_with_parallel_samples(copy_model_dir):
     params = SamplingParams(n=3, temperature=0, max_tokens=40, ignore_eos=True)
     reference = _run(LLM(model=copy_model_dir), params)

@@ -197,13 +197,13 @@ class _DraftLog:
             calls["schedule"] += 1
             return schedule()
 
-        def logged_propose(runner, sched):
+        def logged_propose(states, sched, prepare_inputs):
             self.steps.append(dict(open=core.scheduler.spec.step_open, keep_up=sched.draft_keep_up,
                                    proposing=dict(sched.num_draft_tokens),
                                    prompt=any(n > 1 and r not in sched.num_draft_tokens
                                               for r, n in sched.num_scheduled_tokens.items()),
                                    passes=[]))
-            return propose(runner, sched)
+            return propose(states, sched, prepare_inputs)
 
         def logged_forward(prepare, rows, counts):
             self.steps[-1]["passes"].append(list(counts))

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.beam_group import beam_group_token_counts
-from pagedllm.core.beam_groups import BeamGroups
+from pagedllm.core.beam_gang import beam_group_token_counts
+from pagedllm.core.beam_registry import BeamGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.core.sched_output import ModelRunnerOutput, TokenLogprobs
@@ -59,13 +59,33 @@ def _fake_runner(sched: Scheduler, out, vocab=range(2, 40)) -> ModelRunnerOutput
     return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
+def _groups(sched: Scheduler) -> BeamGroups:
+    return BeamGroups(sched.config, sched.kv.num_blocks, sched.kv.num_blocks_for_tokens)
+
+
+def _update(sched: Scheduler, groups: BeamGroups, out, runner_output) -> list:
+    """One step's update as EngineCore._step_beam_groups makes it: the groups decide, the scheduler
+    forks the children and finishes the parents."""
+    outputs, steps = groups.update(sched.update_from_output(out, runner_output))
+    for step in steps:
+        if step.children:
+            sched.replace_beams(step.parent_ids, step.children)
+        else:
+            sched.finish_requests(step.parent_ids, RequestStatus.FINISHED_ABORTED)
+    return outputs
+
+
+def _add(sched: Scheduler, groups: BeamGroups, request: EngineCoreRequest) -> None:
+    sched.add_request(groups.add(request))
+
+
 def _run(num_blocks: int, preemption_mode: str = "recompute", max_num_batched_tokens: int = 64, check=None,
          policy: str = "fcfs", priorities: dict[str, int] | None = None):
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=128,
                              scheduling_policy=policy)
     kv = KVCacheManager(num_blocks, 4, enable_caching=False, num_host_blocks=256)
     sched = Scheduler(config, kv, preemption_mode)
-    groups = BeamGroups(sched)
+    groups = _groups(sched)
     requests = [make_request(6, max_tokens=16, req_id="A", ignore_eos=True),
                 _beam_request("G", [50, 51, 52, 53, 54], width=3, max_tokens=8),
                 make_request(5, max_tokens=16, req_id="B", ignore_eos=True),
@@ -73,7 +93,7 @@ def _run(num_blocks: int, preemption_mode: str = "recompute", max_num_batched_to
     for request in requests:
         request.priority = (priorities or {}).get(request.req_id, 0)
         if request.sampling_params.use_beam_search:
-            groups.add(request)
+            _add(sched, groups, request)
         else:
             sched.add_request(request)
     results = {}
@@ -81,7 +101,7 @@ def _run(num_blocks: int, preemption_mode: str = "recompute", max_num_batched_to
         out = sched.schedule()
         if check is not None:
             check(sched, groups, out)
-        for o in groups.update(sched.update_from_output(out, _fake_runner(sched, out))):
+        for o in _update(sched, groups, out, _fake_runner(sched, out)):
             results.setdefault(o.req_id, []).extend(o.new_token_ids)
     assert kv.check_no_leaks() == []
     return sched, results
@@ -149,7 +169,7 @@ def test_priority_preempts_and_readmits_groups_whole(mode):
 
 def test_a_group_that_could_never_fit_is_refused():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
-    groups = BeamGroups(Scheduler(config, KVCacheManager(10, 4, enable_caching=False)))
+    groups = _groups(Scheduler(config, KVCacheManager(10, 4, enable_caching=False)))
     with pytest.raises(InvalidRequestError, match="KV blocks"):
         groups.add(_beam_request("G", [5] * 8, width=3, max_tokens=8))  # 3 x 4 blocks > 10
     with pytest.raises(InvalidRequestError, match="max_num_seqs"):
@@ -163,10 +183,10 @@ def test_a_group_that_could_never_fit_is_refused():
 def _started_group(width: int = 2):
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     sched = Scheduler(config, KVCacheManager(32, 4, enable_caching=False))
-    groups = BeamGroups(sched)
-    groups.add(_beam_request("G", [5, 6, 7, 8, 9], width=width, max_tokens=6))
+    groups = _groups(sched)
+    _add(sched, groups, _beam_request("G", [5, 6, 7, 8, 9], width=width, max_tokens=6))
     out = sched.schedule()
-    assert groups.update(sched.update_from_output(out, _fake_runner(sched, out))) == []
+    assert _update(sched, groups, out, _fake_runner(sched, out)) == []
     return sched, groups
 
 
@@ -174,8 +194,11 @@ def test_an_abort_under_any_sequence_id_ends_the_whole_group():
     sched, groups = _started_group(width=3)
     beam_ids = list(groups.groups["G"].beam_req_ids)
     assert len(beam_ids) == 3 and all(sched.requests[b].status == RequestStatus.RUNNING for b in beam_ids)
-    assert groups.abort(["G#1", "other"]) == ["other"]
+    others, beams = groups.abort(["G#1", "other"])
+    assert others == ["other"] and beams == beam_ids
     assert not groups.groups and groups.num_beams_running == 0
+    assert all(sched.requests[b].status == RequestStatus.RUNNING for b in beam_ids)  # the registry only decides
+    sched.finish_requests(beams, RequestStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished_requests() and sched.kv.check_no_leaks() == []
 
 
@@ -186,6 +209,6 @@ def test_a_failed_beam_fails_its_group_and_frees_the_others():
     runner = _fake_runner(sched, out)
     del runner.sampled_token_ids[failing], runner.logprobs[failing]
     runner.failed[failing] = "boom"
-    outputs = groups.update(sched.update_from_output(out, runner))
+    outputs = _update(sched, groups, out, runner)
     assert [(o.req_id, o.finish_reason, o.error) for o in outputs] == [("G#0", "abort", "boom"), ("G#1", "abort", "boom")]
     assert not groups.groups and not sched.has_unfinished_requests() and sched.kv.check_no_leaks() == []

@@ -4,8 +4,9 @@ The scheduler sends proposals in `SchedulerOutput.scheduled_spec_tokens` and sch
 prompt tokens. `attach_proposals` appends them to the runner's copy of each request's tokens, so
 input preparation writes their KV like any other token; `verify_rows` computes the logits of all
 k + 1 positions (the LM head over those rows only) and verifies them (model/sampling/rejection_sampler.py);
-`commit` replaces the proposals by what was kept and rolls `num_computed_tokens` back to the
-scheduler's value (the KV of the last token and of the kept proposals stays).
+`commit` replaces the proposals by what was kept. The rollback (how many tokens stay computed, how
+long the block table stays) is computed once, by the scheduler's SpecDecoder.settle
+(core/spec_planner.py), and arrives with the request's next CachedRequestData.
 """
 
 from __future__ import annotations
@@ -80,11 +81,8 @@ def _logprobs(states, rows, requests, kept_lists, logits, output) -> None:
         cursor += len(kept)
 
 
-def commit(state, num_proposals: int, kept: list[int], block_size: int) -> None:
-    """Replace the proposals in the runner's tokens by the kept tokens; the KV of every token but the
-    new last one is computed. The same rollback as the scheduler's (`Scheduler._roll_back_rejected`):
-    the tail blocks holding only rejected positions leave the block table (the scheduler freed them)."""
+def commit(state, num_proposals: int, kept: list[int]) -> None:
+    """Replace the proposals in the runner's tokens by the kept tokens (the accepted prefix and the
+    model's own). The computed count and block table are left to the scheduler's next diff."""
     del state.token_ids[len(state.token_ids) - num_proposals:]
     state.token_ids.extend(kept)
-    state.num_computed_tokens = len(state.token_ids) - 1
-    del state.block_ids[-(-state.num_computed_tokens // block_size):]

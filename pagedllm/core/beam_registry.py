@@ -1,27 +1,46 @@
 """The engine core's live beam groups: admitted, stepped after each engine step, reported, aborted.
 
-EngineCore hands every beam-search request here and passes each step's outputs through
-`update`: the outputs of beams (internal core requests) are consumed, and a group's final
-beams come out, under the front end's sequence ids, in the step the group finishes.
+The engine core hands every beam-search request here and passes each step's outputs through
+`update`: the outputs of beams (internal core requests) are consumed, and a group's final beams
+come out, under the front end's sequence ids, in the step the group finishes. This registry only
+decides: `update` and `abort` return what the scheduler must do (`BeamStep`: fork these children,
+finish those parents) and the engine core tells the scheduler. Nothing here calls the scheduler or
+reads the KV cache manager.
+
+    EngineCore.step:  scheduler.update_from_output -> outputs -> BeamGroups.update -> (outputs, steps)
+                      for each step: scheduler.replace_beams(step.parent_ids, step.children)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from pagedllm.core.beam_group import BeamGroup
-from pagedllm.core.forking import kv_block_usage
-from pagedllm.core.request import EngineCoreRequest, RequestStatus
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.beam_selection import BeamGroup
+from pagedllm.core.request import EngineCoreRequest, Request
 from pagedllm.core.sched_output import EngineCoreOutput
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class BeamStep:
+    """What one group's step asks of the scheduler: fork `children` from `parent_ids`, then finish the
+    parents (a group that finished or failed has no children: its beams just end)."""
+
+    group: BeamGroup
+    parent_ids: list[str]
+    children: list[tuple[int, str, int]]
+    """(index into parent_ids, child id, the child's last token), in the group's new beam order."""
 
 
 class BeamGroups:
     """Every beam group of one engine core, by request id and by beam id."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, num_blocks_for_tokens: Callable[[int], int]) -> None:
+        self.config = config
+        self.num_kv_blocks = num_kv_blocks
+        self.num_blocks_for_tokens = num_blocks_for_tokens
         self.groups: dict[str, BeamGroup] = {}
         self._group_of_output: dict[str, BeamGroup] = {}
         """Front-end sequence id -> its group (aborts arrive under these ids)."""
@@ -29,11 +48,11 @@ class BeamGroups:
         self.finished_listeners: list[Callable[[BeamGroup], None]] = []
         """Called with each group that finished (offline beam_search reads its KV sharing here)."""
 
-    def add(self, request: EngineCoreRequest) -> None:
-        """Start a group with its prompt as the only beam; InvalidRequestError if this engine could never run it."""
+    def add(self, request: EngineCoreRequest) -> Request:
+        """Start a group with its prompt as the only beam, returned for the scheduler to queue;
+        InvalidRequestError (nothing registered) if this engine could never run it."""
         group = BeamGroup(request)
-        config = self.scheduler.config
-        kv = self.scheduler.kv
+        config = self.config
         width = group.beam_width
         if width > config.max_num_seqs or width > config.max_num_batched_tokens:
             raise InvalidRequestError(
@@ -42,35 +61,39 @@ class BeamGroups:
             )
         # A group resumed by recomputation shares no blocks until its beams fork again: the whole
         # cache must hold every beam at full length, unshared.
-        num_blocks = width * kv.num_blocks_for_tokens(len(request.prompt_token_ids) + request.max_tokens)
-        if num_blocks > kv.num_blocks:
+        num_tokens = len(request.prompt_token_ids) + request.max_tokens
+        num_blocks = width * self.num_blocks_for_tokens(num_tokens)
+        if num_blocks > self.num_kv_blocks:
             raise InvalidRequestError(
-                f"{width} beams of up to {len(request.prompt_token_ids) + request.max_tokens} tokens need up to "
-                f"{num_blocks} KV blocks but the whole cache has {kv.num_blocks}; raise kv_cache_memory, "
-                f"lower max_tokens or the beam width"
+                f"{width} beams of up to {num_tokens} tokens need up to {num_blocks} KV blocks but the whole "
+                f"cache has {self.num_kv_blocks}; raise kv_cache_memory, lower max_tokens or the beam width"
             )
         if request.req_id in self.groups or any(i in self._group_of_output for i in group.output_ids):
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
         beam = group.first_beam()
-        self.scheduler.add_request(beam)
         self._register(group, [beam.req_id])
+        return beam
 
-    def abort(self, req_ids: Iterable[str]) -> list[str]:
-        """Abort the groups named by any of their sequence ids; returns the ids that name no group."""
-        others = []
+    def abort(self, req_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Drop the groups named by any of their sequence ids. Returns (the ids that name no group, the
+        beams of the dropped groups): the caller finishes both."""
+        others, beams = [], []
         for req_id in req_ids:
             group = self._group_of_output.get(req_id)
             if group is None:
                 others.append(req_id)
             elif group.req_id in self.groups:
-                self._drop(group)
-        return others
+                beams.extend(group.beam_req_ids)
+                self._unregister(group)
+        return others, beams
 
-    def update(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Consume the beams' outputs of one step; returns the others, plus the groups that finished."""
+    def update(self, outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[BeamStep]]:
+        """Consume the beams' outputs of one step. Returns the other outputs plus those of the groups
+        that finished, and the steps the scheduler must take, in order (the new beams are registered)."""
         if not self.groups:
-            return outputs
+            return outputs, []
         passed: list[EngineCoreOutput] = []
+        steps: list[BeamStep] = []
         by_group: dict[str, dict[str, EngineCoreOutput]] = {}
         for out in outputs:
             group = self._group_of_beam.get(out.req_id)
@@ -82,7 +105,8 @@ class BeamGroups:
             group = self.groups[group_id]
             failed = next((o for o in beam_outputs.values() if o.finish_reason == "abort"), None)
             if failed is not None:
-                self._drop(group)
+                steps.append(BeamStep(group, list(group.beam_req_ids), []))
+                self._unregister(group)
                 passed.extend(group.failed_outputs(failed.error or "a beam of this request failed"))
                 continue
             sampled = [beam_outputs.get(req_id) for req_id in group.beam_req_ids]
@@ -94,17 +118,15 @@ class BeamGroups:
             parents = group.beam_req_ids
             for req_id in parents:
                 del self._group_of_beam[req_id]
+            steps.append(BeamStep(group, parents, [] if group.done else children))
             if group.done:
-                self.scheduler.finish_requests(parents, RequestStatus.FINISHED_ABORTED)
                 self._unregister(group)
                 passed.extend(group.final_outputs())
                 for listener in self.finished_listeners:
                     listener(group)
                 continue
-            kids = self.scheduler.replace_beams(parents, children)
-            self._register(group, [kid.req_id for kid in kids])
-            group.sharing.record(*kv_block_usage(self.scheduler.kv, group.beam_req_ids))
-        return passed
+            self._register(group, [child_id for _, child_id, _ in children])
+        return passed, steps
 
     # --- state ---------------------------------------------------------------------------
 
@@ -112,9 +134,9 @@ class BeamGroups:
     def num_beams_running(self) -> int:
         return len(self._group_of_beam)
 
-    def kv_block_usage(self) -> tuple[int, int]:
-        """(distinct KV blocks every group's beams hold, the sum of their block-table lengths)."""
-        return kv_block_usage(self.scheduler.kv, self._group_of_beam)
+    def beam_req_ids(self) -> list[str]:
+        """The core request ids of every group's live beams."""
+        return list(self._group_of_beam)
 
     def _register(self, group: BeamGroup, beam_req_ids: list[str]) -> None:
         self.groups[group.req_id] = group
@@ -131,8 +153,3 @@ class BeamGroups:
         for req_id in group.beam_req_ids:
             self._group_of_beam.pop(req_id, None)
         group.beam_req_ids = []
-
-    def _drop(self, group: BeamGroup) -> None:
-        beams = list(group.beam_req_ids)
-        self._unregister(group)
-        self.scheduler.finish_requests(beams, RequestStatus.FINISHED_ABORTED)

@@ -1,4 +1,9 @@
-"""Speculative decoding, the scheduler's side: who proposes what, when to stop trying, what it earned.
+"""Speculative decoding, the scheduler's side: plan before the step, settle after.
+
+`SpecDecoder.plan` decides, per request, what it proposes this step (n-gram token ids, or a number
+of draft-model slots); `SpecDecoder.settle` counts what the runner kept and says where the request's
+computed tokens roll back to. The rollback is computed there once: the scheduler trims the blocks and
+tells the runner the block table's new length (`CachedRequestData.num_kept_block_ids`).
 
 A running request at decode may carry up to k proposed tokens. They are scheduled like prompt
 tokens after its last sampled token, so one forward pass scores all k + 1 positions:
@@ -20,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.config import SpeculativeConfig
+from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
+from pagedllm.core.request import Request
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, StepBuilder
 
 
 class NgramProposer:
@@ -89,11 +97,11 @@ PROBE_INTERVAL = 8
 
 
 MAX_BACKOFF_EXPONENT = 6
-
-
-
+"""A request whose proposals keep failing pauses for at most 2**6 - 1 steps."""
 MAX_GATE_INTERVAL = 64
+"""The draft gate stays closed for at most this many steps at a time."""
 GATE_MAX_BAR = 0.5
+"""The draft gate never asks for more than half of the proposals kept."""
 
 
 @dataclass(slots=True)
@@ -168,6 +176,24 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class SpecPlan:
+    """What one request proposes this step; at most one of the two is non-empty."""
+
+    proposals: list[int]
+    """n-gram proposals (SchedulerOutput.scheduled_spec_tokens)."""
+    num_draft_tokens: int = 0
+    """Slots for the runner's draft model to fill (SchedulerOutput.num_draft_tokens)."""
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past the request's last token that the step scores."""
+        return len(self.proposals) or self.num_draft_tokens
+
+
+NO_PROPOSALS = SpecPlan([])
+
+
 class SpecDecoder:
     """The scheduler's collaborator: proposals for requests at decode, backoff, and the counters.
 
@@ -205,6 +231,56 @@ class SpecDecoder:
     def begin_step(self, batch_size: int) -> None:
         """Called once per scheduled step, before any `num_to_propose`: the draft model's gate."""
         self._step_open = self._gate is None or self._gate.is_open(batch_size)
+
+    def plan(self, request: Request, token_budget: int, batch_size: int, max_model_len: int,
+             has_waiting_samples: bool) -> SpecPlan:
+        """What `request` proposes this step: nothing for beams, structured outputs (the runner verifies
+        proposals without the grammar's mask), a prompt still computing or a leader whose parallel
+        samples still wait for its first token; never past max_tokens / max_model_len (the accepted
+        tokens plus the bonus must fit both) or the step's `token_budget`. Call once per request-step
+        (it counts backoff); `batch_size`: the requests running this step (see FLAT_BATCH_SIZE)."""
+        if (request.beam_group_id is not None or request.sampling_params.structured_outputs is not None
+                or request.num_tokens - request.num_computed_tokens != 1 or has_waiting_samples):
+            return NO_PROPOSALS
+        max_k = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                    max_model_len - request.num_tokens - 1)
+        if self.proposes_in_worker:
+            return SpecPlan([], self.num_to_propose(request.req_id, max_k, batch_size))
+        return SpecPlan(self.propose(request.req_id, request.all_token_ids, max_k, batch_size))
+
+    def allocate(self, kv: KVCacheManagerProtocol, request: Request, num_new_tokens: int, plan: SpecPlan,
+                 step: StepBuilder) -> list[int] | None:
+        """Blocks for the request's `num_new_tokens` and the plan's proposals, whose tokens (or draft slots)
+        are entered into `step`; None, with nothing entered, if they do not fit. Speculation never
+        preempts: without room the request runs plainly."""
+        if not plan.num_lookahead_tokens:
+            return None
+        new_block_ids = kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=plan.num_lookahead_tokens)
+        if new_block_ids is not None:
+            if plan.proposals:
+                step.scheduled_spec_tokens[request.req_id] = plan.proposals
+            else:
+                step.num_draft_tokens[request.req_id] = plan.num_draft_tokens
+        return new_block_ids
+
+    def settle(self, request: Request, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> int | None:
+        """After a step: if it scored proposals of `request` (n-gram ones from `sched_output`, draft ones
+        reported in `runner_output`), count what was kept and return the computed count the request
+        rolls back to; None if it scored none, or the request finished (its blocks are freed whole).
+
+        The runner returned the kept prefix plus one token of the model's own, already appended to
+        `request`. The KV of the last token and of the kept proposals stays; the rejected positions are
+        uncomputed again: num_computed_tokens = num_tokens - 1 (see the diagram above)."""
+        req_id = request.req_id
+        proposals = (runner_output.spec_token_ids[req_id] if req_id in sched_output.num_draft_tokens
+                     else sched_output.scheduled_spec_tokens.get(req_id))
+        if proposals is None:
+            return None
+        new_token_ids = runner_output.sampled_token_ids[req_id]
+        num_accepted = len(new_token_ids) - 1
+        assert 0 <= num_accepted <= len(proposals) and new_token_ids[:num_accepted] == proposals[:num_accepted]
+        self.record(req_id, len(proposals), num_accepted, len(new_token_ids))
+        return None if request.is_finished else request.num_tokens - 1
 
     def propose(self, req_id: str, token_ids: list[int], max_k: int, batch_size: int = 1) -> list[int]:
         """At most min(k, max_k) proposals for a request whose only uncomputed token is its last;

@@ -5,7 +5,8 @@ A request with `use_beam_search` becomes a `BeamGroup`. Its beams are ordinary c
 batches as every other request. After each step in which the group's beams sampled, the group
 chooses the next beams with Hugging Face's rules (`BeamSelection`), and each chosen (parent,
 token) becomes a child forked copy-on-write from its parent; the parents are finished, so a
-pruned beam's blocks are free at once (`Scheduler.replace_beams`).
+pruned beam's blocks are free at once (`Scheduler.replace_beams`, called by the engine core with
+what `BeamGroups.update` decided: core/beam_registry.py).
 
     step t:   beams P, Q (P's last token computed now) -> top-K logprobs of P and Q
               -> HF selection -> (P, a), (P, b), (Q, c)
@@ -14,7 +15,7 @@ pruned beam's blocks are free at once (`Scheduler.replace_beams`).
 
 The scheduler keeps the beams of a group together (`Request.beam_group_id`): they are scheduled
 in the same step or not at all, no beam samples unless all of them do, and a group is preempted
-and resumed as a whole (`Scheduler`, with `beam_group_token_counts` below).
+and resumed as a whole (`Scheduler`, asking core/beam_gang.py).
 
 HF `_beam_search` conventions (greedy), matched exactly:
 
@@ -259,45 +260,3 @@ class BeamGroup:
 
     def failed_outputs(self, error: str | None) -> list[EngineCoreOutput]:
         return [EngineCoreOutput(out_id, [], finish_reason="abort", error=error) for out_id in self.output_ids]
-
-
-# --- scheduling a group as a unit ------------------------------------------------------------
-
-
-def beam_group_token_counts(remaining: Sequence[int], token_budget: int, admitting: bool) -> list[int] | None:
-    """Tokens for each beam of a group this step, or None if the group cannot run now.
-
-    A beam samples when it computes its last missing token, and the group can only choose its
-    next beams once every beam has sampled: so either every beam finishes this step, or none
-    does (each stops one token short; this only happens while a preempted group is recomputed
-    in chunks). `admitting`: every beam must get a token (a beam admitted with nothing to
-    compute would be unknown to the runner next step).
-    """
-    if sum(remaining) <= token_budget:
-        return list(remaining)
-    counts = [0] * len(remaining)
-    budget = token_budget
-    if admitting:
-        if any(r < 2 for r in remaining) or budget < len(remaining):
-            return None
-        counts = [1] * len(remaining)
-        budget -= len(remaining)
-    for i, r in enumerate(remaining):
-        more = min(r - 1 - counts[i], budget)
-        if more > 0:
-            counts[i] += more
-            budget -= more
-    return counts if any(counts) else None
-
-
-def max_new_blocks(kv, request: Request, num_computed: int, num_new_tokens: int) -> int:
-    """An upper bound on the free blocks `request` takes to compute `num_new_tokens` more tokens
-    from `num_computed` (copy-on-write of a shared partial last block counted as one)."""
-    held = len(kv.get_block_ids(request.req_id))
-    needed = kv.num_blocks_for_tokens(num_computed + num_new_tokens) - held
-    partial_last_block = held > 0 and num_computed % kv.block_size != 0
-    return max(needed, 0) + int(partial_last_block)
-
-
-def num_free_blocks(kv) -> int:
-    return kv.pool.num_free_blocks
