@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.model.sampler import RequestTensors
+from pagedllm.model.sampling.metadata import RequestTensors
 from pagedllm.sampling_params import SamplingParams
 
 
