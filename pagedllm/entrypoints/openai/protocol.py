@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -204,29 +205,6 @@ class CompletionRequest(SamplingFields):
             self.max_tokens, self.logprobs, best_of=self.best_of,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
         )
-
-
-class ContentPart(OpenAIModel):
-    type: str
-    text: Optional[str] = None
-
-
-class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise InvalidRequestError(f"only text content parts are supported, got type {part.type!r}")
-            parts.append(part.text)
-        return "".join(parts)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -24,6 +24,8 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_INNER_FIELD = re.compile(r"([a-z_][a-z0-9_.]*): ")
+"""How a model validator's error names a field of the model it checks (see parse_model)."""
 _PARSE_ON_LOOP_BYTES = 64 * 1024
 """Smaller bodies are parsed on the event loop (a thread hop costs more than the parse)."""
 
@@ -147,7 +149,12 @@ def parse_model(model_cls: type[ModelT], data: Any) -> ModelT:
         return model_cls.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        loc = [str(part) for part in first["loc"]]
         message = first["msg"].removeprefix("Value error, ")
+        inner = _INNER_FIELD.match(message) if first["type"] == "value_error" else None
+        if inner:  # a model's own rule names the field inside it ("content: ..." at messages.2)
+            loc.append(inner.group(1))
+            message = message[inner.end():]
+        param = ".".join(loc) or None
         more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
         raise APIError(400, f"{param}: {message}{more}" if param else message + more, param=param) from None
