@@ -140,6 +140,23 @@ def test_chat_messages_openai_accepts_are_read_as_text():
     assert [m.text() for m in request.messages] == ["Be brief.", "", "I won't", "ab"]
 
 
+@pytest.mark.parametrize("extra,field", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: only allowed when stream is true
+    ({"min_tokens": 2, "structured_outputs": {"choice": ["yes"]}}, "min_tokens"),  # the audit's 500
+    ({"min_tokens": 1, "response_format": {"type": "json_object"}}, "min_tokens"),
+    ({"use_beam_search": True, "length_penalty": 1e308}, "length_penalty"),  # killed the engine core
+    ({"use_beam_search": True, "length_penalty": -1e5}, "length_penalty"),
+])
+def test_fields_the_fuzzer_broke_are_a_400_naming_them(extra, field):
+    for model, base in ((ChatCompletionRequest, {"messages": [USER]}), (CompletionRequest, {"prompt": "hi"})):
+        with pytest.raises((APIError, InvalidRequestError)) as info:
+            parse_model(model, {**base, **extra}).to_sampling_params()
+        error = api_error_from(info.value)
+        assert error.status == 400 and error.param == field, error.message
+    assert parse_model(CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True},
+                                           "use_beam_search": True, "length_penalty": -10}).to_sampling_params()
+
+
 def test_strict_json_bodies():
     from pagedllm.entrypoints.openai.request_body import parse_json_body
 

@@ -19,6 +19,10 @@ MAX_N = 64
 """Most sequences one request may ask for (n and best_of)."""
 MAX_PROMPTS = 64
 """Most prompts in one /v1/completions request."""
+MAX_LENGTH_PENALTY = 10.0
+"""Largest |length_penalty|: a beam's score divides by length ** length_penalty, which at 1e308 overflowed
+(and at -1e5 underflowed to a division by zero) inside the engine core and killed it. 10 is far past any
+useful value (HF's examples use 0.6 to 2) and keeps length ** 10 finite for any context length."""
 _INT64 = 2**63 - 1
 
 
@@ -87,7 +91,7 @@ class SamplingFields(OpenAIModel):
     """vLLM's extra: lower runs sooner; needs a server started with --scheduling-policy priority."""
     # beam search, as vLLM: max(n, best_of) beams, the best n returned, each beam's text once final
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: Union[bool, Literal["never"]] = False
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsField] = None
@@ -128,8 +132,15 @@ class SamplingFields(OpenAIModel):
         if self.use_beam_search:  # greedy by nature: an unset temperature means 0, not OpenAI's 1
             extra.update(use_beam_search=True, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
         default_temperature = 0.0 if self.use_beam_search else 1.0
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options must be left out unless stream is true (as OpenAI's API says)")
         try:
             structured_outputs = self.structured_outputs_params()
+            if structured_outputs is not None and self.min_tokens:
+                # the grammar's end allows only EOS, which min_tokens forbids: no token would be left to sample
+                raise InvalidRequestError("min_tokens must be 0 with structured outputs (response_format or "
+                                          "structured_outputs): a constrained output ends with EOS when its "
+                                          "grammar is complete")
             return SamplingParams(
                 n=self.n,
                 best_of=extra.pop("best_of", None),
