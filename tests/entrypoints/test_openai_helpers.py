@@ -131,6 +131,19 @@ def test_chat_messages_this_server_cannot_serve_are_refused_clearly(name, messag
     assert info.value.status == 400 and info.value.param == param and words in info.value.message
 
 
+@pytest.mark.parametrize("body,param,words", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "str or list[ContentPart]"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages.0.content.0.type", "Field required"),
+    ({"messages": [USER], "stop": 5}, "stop", "str or list[str]"),
+])
+def test_a_field_of_several_types_is_named_without_the_type_names(body, param, words):
+    """pydantic fails once per type (`content.str`, `content.list[ContentPart].0.type`): the 400 names
+    the field as the client wrote it, and the types when the value matched none."""
+    with pytest.raises(APIError) as info:
+        parse_model(ChatCompletionRequest, body)
+    assert info.value.param == param and words in info.value.message and "more problems" not in info.value.message
+
+
 def test_chat_messages_openai_accepts_are_read_as_text():
     messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
                 {"role": "user", "content": "", "name": "ann"},
