@@ -25,7 +25,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer
 
@@ -165,9 +170,12 @@ def check_answer(server, path: str, body: dict, response: httpx.Response) -> Non
             f"{response.status_code} names no field for {json.dumps(body)}: {error}"
 
 
+MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
 def _schema_fields(path: str) -> list[str]:
-    model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
-    return list(model.model_json_schema()["properties"])
+    return list(MODELS[path].model_json_schema()["properties"])
 
 
 def assert_up(server) -> None:
@@ -184,6 +192,16 @@ def test_fuzz_chat_bodies(server, body):
 @given(body=bodies(CompletionRequest, COMPLETION_SCENARIOS))
 def test_fuzz_completion_bodies(server, body):
     check_answer(server, "/v1/completions", body, send(server, "/v1/completions", body))
+
+
+@settings(FUZZ, max_examples=40)
+@given(case=st.one_of(
+    st.tuples(st.just("/tokenize"), bodies(TokenizeRequest, [("prompt", {"prompt": "hi"}, None),
+                                                             ("messages", {"messages": [USER]}, None)])),
+    st.tuples(st.just("/detokenize"), bodies(DetokenizeRequest, [("ids", {"tokens": [1, 2]}, None)]))))
+def test_fuzz_tokenizer_bodies(server, case):
+    path, body = case
+    check_answer(server, path, body, send(server, path, body))
 
 
 # ---- chat messages against OpenAI's rules ----
