@@ -3,6 +3,12 @@
 Field names and defaults follow OpenAI's API; the extras (top_k, min_p, ...) follow vLLM.
 Range checks that SamplingParams already makes are left to it, so each rule lives once;
 only bounds SamplingParams has no notion of (n, best_of, seed, list lengths) are here.
+Chat messages follow OpenAI's per-role rules (chat_message.py).
+
+Where OpenAI's API refuses more, this server follows vLLM on purpose: up to 64 stop strings
+(OpenAI: 4), completion logprobs up to 20 (OpenAI: 5), best_of up to 64 (OpenAI: 20),
+temperature up to 100 (OpenAI: 2). Where it refuses more than OpenAI: n up to 64 (OpenAI: 128),
+top_p above 0, and what it cannot serve (tools, images; see chat_message.py).
 """
 
 from __future__ import annotations
