@@ -103,6 +103,19 @@ HOSTILE = [
      400, "invalid JSON schema"),
     ("chat min_tokens beyond the resolved max_tokens", "/v1/chat/completions",
      json.dumps({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5000}), 400, "min_tokens"),
+    # found by tests/entrypoints/test_fuzz_api.py (the outside audit's two, and the crash beside them)
+    ("a chat message without content (OpenAI: 400)", "/v1/chat/completions",
+     '{"messages": [{"role": "system"}], "max_tokens": 1}', 400, "messages.0.content"),
+    ("min_tokens past a grammar's end (was a 500)", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "structured_outputs": {"choice": ["yes", "no"]},
+        "min_tokens": 2}), 400, "min_tokens"),
+    ("a length_penalty overflowing a beam's score (killed the engine)", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "use_beam_search": True,
+        "length_penalty": 1e308}), 400, "length_penalty"),
+    ("a length_penalty underflowing a beam's score (killed the engine)", "/v1/completions",
+     '{"prompt": "hi", "max_tokens": 2, "use_beam_search": true, "length_penalty": -1e5}', 400, "length_penalty"),
+    ("stream_options without stream (OpenAI: 400)", "/v1/completions",
+     '{"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": true}}', 400, "stream_options"),
     ("JSON nested 100k deep", "/v1/completions", "[" * 100_000 + "]" * 100_000, 400, "nested"),
     ("a prompt longer than the context", "/v1/completions", json.dumps({"prompt": [1] * 2000}), 400,
      "max_model_len"),

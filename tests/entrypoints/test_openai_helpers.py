@@ -79,6 +79,97 @@ def test_request_models_validate_and_convert():
         parse_model(CompletionRequest, {"prompt": "x", "best_of": 3, "stream": True}).to_sampling_params()
 
 
+USER = {"role": "user", "content": "hi"}
+# (name, messages, the field named): each refused by OpenAI's Chat Completions API with a 400 (its OpenAPI spec)
+REFUSED_MESSAGES = [
+    ("user without content (the audit's 200)", [{"role": "user"}], "messages.0.content"),
+    ("system with null content", [{"role": "system", "content": None}], "messages.0.content"),
+    ("developer without content", [{"role": "developer"}], "messages.0.content"),
+    ("assistant without content or tool_calls", [USER, {"role": "assistant"}], "messages.1.content"),
+    ("an empty list of parts", [{"role": "user", "content": []}], "messages.0.content"),
+    ("a text part without text", [{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text"),
+    ("an image in a system message", [{"role": "system", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages.0.content.0.type"),
+    ("a refusal part from the user", [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}],
+     "messages.0.content.0.type"),
+    ("a tool message without tool_call_id", [USER, {"role": "tool", "content": "42"}], "messages.1.tool_call_id"),
+    ("a tool message answering no tool_calls", [USER, {"role": "tool", "content": "42", "tool_call_id": "c"}],
+     "messages.1.role"),
+    ("a function message without name", [USER, {"role": "function", "content": "42"}], "messages.1.name"),
+    ("a function message without content", [USER, {"role": "function", "name": "f"}], "messages.1.content"),
+    ("an empty tool_calls list", [USER, {"role": "assistant", "content": "x", "tool_calls": []}],
+     "messages.1.tool_calls"),
+    ("a name that is no string", [{"role": "user", "content": "hi", "name": 5}], "messages.0.name"),
+    ("an unknown role", [{"role": "wizard", "content": "hi"}], "messages.0.role"),
+]
+# accepted by OpenAI, but this server cannot serve them: a 400 saying so
+UNSERVED_MESSAGES = [
+    ("an image", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+     "messages.0.content.0.type", "not supported"),
+    ("tool_calls", [USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                "function": {"name": "f", "arguments": "{}"}}]}],
+     "messages.1.tool_calls", "no tool calling"),
+    ("function_call", [USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": ""}}],
+     "messages.1.function_call", "no tool calling"),
+    ("a function message", [USER, {"role": "function", "name": "f", "content": None}], "messages.1.role",
+     "no tool calling"),
+]
+
+
+@pytest.mark.parametrize("name,messages,param", REFUSED_MESSAGES, ids=[m[0] for m in REFUSED_MESSAGES])
+def test_chat_messages_follow_openai_rules(name, messages, param):
+    with pytest.raises(APIError) as info:
+        parse_model(ChatCompletionRequest, {"messages": messages})
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert info.value.message.startswith(f"{param}: "), info.value.message
+
+
+@pytest.mark.parametrize("name,messages,param,words", UNSERVED_MESSAGES, ids=[m[0] for m in UNSERVED_MESSAGES])
+def test_chat_messages_this_server_cannot_serve_are_refused_clearly(name, messages, param, words):
+    with pytest.raises(APIError) as info:
+        parse_model(ChatCompletionRequest, {"messages": messages})
+    assert info.value.status == 400 and info.value.param == param and words in info.value.message
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "str or list[ContentPart]"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages.0.content.0.type", "Field required"),
+    ({"messages": [USER], "stop": 5}, "stop", "str or list[str]"),
+])
+def test_a_field_of_several_types_is_named_without_the_type_names(body, param, words):
+    """pydantic fails once per type (`content.str`, `content.list[ContentPart].0.type`): the 400 names
+    the field as the client wrote it, and the types when the value matched none."""
+    with pytest.raises(APIError) as info:
+        parse_model(ChatCompletionRequest, body)
+    assert info.value.param == param and words in info.value.message and "more problems" not in info.value.message
+
+
+def test_chat_messages_openai_accepts_are_read_as_text():
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": "", "name": "ann"},
+                {"role": "assistant", "content": [{"type": "text", "text": "I "}, {"type": "refusal", "refusal": "won't"}]},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    request = parse_model(ChatCompletionRequest, {"messages": messages})
+    assert [m.text() for m in request.messages] == ["Be brief.", "", "I won't", "ab"]
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: only allowed when stream is true
+    ({"min_tokens": 2, "structured_outputs": {"choice": ["yes"]}}, "min_tokens"),  # the audit's 500
+    ({"min_tokens": 1, "response_format": {"type": "json_object"}}, "min_tokens"),
+    ({"use_beam_search": True, "length_penalty": 1e308}, "length_penalty"),  # killed the engine core
+    ({"use_beam_search": True, "length_penalty": -1e5}, "length_penalty"),
+])
+def test_fields_the_fuzzer_broke_are_a_400_naming_them(extra, field):
+    for model, base in ((ChatCompletionRequest, {"messages": [USER]}), (CompletionRequest, {"prompt": "hi"})):
+        with pytest.raises((APIError, InvalidRequestError)) as info:
+            parse_model(model, {**base, **extra}).to_sampling_params()
+        error = api_error_from(info.value)
+        assert error.status == 400 and error.param == field, error.message
+    assert parse_model(CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True},
+                                           "use_beam_search": True, "length_penalty": -10}).to_sampling_params()
+
+
 def test_strict_json_bodies():
     from pagedllm.entrypoints.openai.request_body import parse_json_body
 

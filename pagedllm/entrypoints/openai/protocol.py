@@ -3,6 +3,12 @@
 Field names and defaults follow OpenAI's API; the extras (top_k, min_p, ...) follow vLLM.
 Range checks that SamplingParams already makes are left to it, so each rule lives once;
 only bounds SamplingParams has no notion of (n, best_of, seed, list lengths) are here.
+Chat messages follow OpenAI's per-role rules (chat_message.py).
+
+Where OpenAI's API refuses more, this server follows vLLM on purpose: up to 64 stop strings
+(OpenAI: 4), completion logprobs up to 20 (OpenAI: 5), best_of up to 64 (OpenAI: 20),
+temperature up to 100 (OpenAI: 2). Where it refuses more than OpenAI: n up to 64 (OpenAI: 128),
+top_p above 0, and what it cannot serve (tools, images; see chat_message.py).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -18,6 +25,10 @@ MAX_N = 64
 """Most sequences one request may ask for (n and best_of)."""
 MAX_PROMPTS = 64
 """Most prompts in one /v1/completions request."""
+MAX_LENGTH_PENALTY = 10.0
+"""Largest |length_penalty|: a beam's score divides by length ** length_penalty, which at 1e308 overflowed
+(and at -1e5 underflowed to a division by zero) inside the engine core and killed it. 10 is far past any
+useful value (HF's examples use 0.6 to 2) and keeps length ** 10 finite for any context length."""
 _INT64 = 2**63 - 1
 
 
@@ -86,7 +97,7 @@ class SamplingFields(OpenAIModel):
     """vLLM's extra: lower runs sooner; needs a server started with --scheduling-policy priority."""
     # beam search, as vLLM: max(n, best_of) beams, the best n returned, each beam's text once final
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: Union[bool, Literal["never"]] = False
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsField] = None
@@ -127,8 +138,15 @@ class SamplingFields(OpenAIModel):
         if self.use_beam_search:  # greedy by nature: an unset temperature means 0, not OpenAI's 1
             extra.update(use_beam_search=True, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
         default_temperature = 0.0 if self.use_beam_search else 1.0
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options must be left out unless stream is true (as OpenAI's API says)")
         try:
             structured_outputs = self.structured_outputs_params()
+            if structured_outputs is not None and self.min_tokens:
+                # the grammar's end allows only EOS, which min_tokens forbids: no token would be left to sample
+                raise InvalidRequestError("min_tokens must be 0 with structured outputs (response_format or "
+                                          "structured_outputs): a constrained output ends with EOS when its "
+                                          "grammar is complete")
             return SamplingParams(
                 n=self.n,
                 best_of=extra.pop("best_of", None),
@@ -204,29 +222,6 @@ class CompletionRequest(SamplingFields):
             self.max_tokens, self.logprobs, best_of=self.best_of,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
         )
-
-
-class ContentPart(OpenAIModel):
-    type: str
-    text: Optional[str] = None
-
-
-class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise InvalidRequestError(f"only text content parts are supported, got type {part.type!r}")
-            parts.append(part.text)
-        return "".join(parts)
 
 
 class ChatCompletionRequest(SamplingFields):

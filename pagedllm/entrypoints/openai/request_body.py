@@ -24,6 +24,8 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_INNER_FIELD = re.compile(r"([a-z_][a-z0-9_.]*): ")
+"""How a model validator's error names a field of the model it checks (see parse_model)."""
 _PARSE_ON_LOOP_BYTES = 64 * 1024
 """Smaller bodies are parsed on the event loop (a thread hop costs more than the parse)."""
 
@@ -146,8 +148,36 @@ def parse_model(model_cls: type[ModelT], data: Any) -> ModelT:
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
-        more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
+        loc, message, num_problems = _first_problem(e.errors())
+        param = ".".join(loc) or None
+        more = f" (and {num_problems - 1} more problems)" if num_problems > 1 else ""
         raise APIError(400, f"{param}: {message}{more}" if param else message + more, param=param) from None
+
+
+def _first_problem(errors: list[dict]) -> tuple[list[str], str, int]:
+    """(location, message, number of fields with problems) of a validation failure.
+
+    A field of several types (`str | list[ContentPart]`) fails once per type, each error located
+    under the type's name (`content.str`, `content.list[ContentPart].0.type`): the one that got
+    deepest into the value is the one the client meant; when none got past the type, the message
+    lists the types. Type names are left out of the location."""
+    def field_of(error: dict) -> tuple:
+        tag = next((i for i, part in enumerate(error["loc"]) if _is_type_tag(part)), len(error["loc"]))
+        return error["loc"][:tag]
+
+    first_field = field_of(errors[0])
+    alternatives = [error for error in errors if field_of(error) == first_field]
+    chosen = max(alternatives, key=lambda error: len(error["loc"]))
+    loc = [str(part) for part in chosen["loc"] if not _is_type_tag(part)]
+    message = chosen["msg"].removeprefix("Value error, ")
+    if len(alternatives) > 1 and len(chosen["loc"]) == len(first_field) + 1:  # no type got past the top
+        message = "Input should be " + " or ".join(str(error["loc"][-1]) for error in alternatives)
+    inner = _INNER_FIELD.match(message) if chosen["type"] == "value_error" else None
+    if inner:  # a model's own rule names the field inside it ("content: ..." at messages.2)
+        loc.append(inner.group(1))
+        message = message[inner.end():]
+    return loc, message, len({field_of(error) for error in errors})
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)

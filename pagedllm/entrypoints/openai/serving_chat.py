@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
 from pagedllm.entrypoints.openai.errors import APIError, check_failed
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.chat_message import ChatMessage
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 
