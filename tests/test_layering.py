@@ -1,4 +1,4 @@
-"""Imports only point down the layers of DESIGN.md: checked on the source, file by file."""
+"""Imports only point down the layers of docs/design.md: checked on the source, file by file."""
 
 from __future__ import annotations
 
