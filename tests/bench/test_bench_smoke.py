@@ -10,6 +10,8 @@ import pytest
 from pagedllm.bench.workloads import TRACE_STATS, WorkloadSpec, make_workload, trace_stats
 from pagedllm.entrypoints.cli import main
 
+pytestmark = pytest.mark.slow  # bench all --smoke runs every benchmark
+
 
 def test_workloads_are_seeded_and_shaped_like_the_published_traces():
     a = make_workload(WorkloadSpec("sharegpt", 2000, seed=7))

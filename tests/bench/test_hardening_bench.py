@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.entrypoints.cli import main
+
+pytestmark = pytest.mark.slow  # a real server in a subprocess
 
 
 def test_hardening_bench_smoke(tiny_engine_args, tmp_path):

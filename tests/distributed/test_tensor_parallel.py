@@ -28,6 +28,8 @@ from pagedllm.errors import EngineDeadError
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks in worker processes
+
 MAX_NEW_TOKENS = 8
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Chunked prefill (an odd 37-token budget, as in tests/engine) and preemption (few KV blocks) at once.

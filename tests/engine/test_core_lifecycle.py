@@ -16,6 +16,8 @@ import pytest
 from pagedllm.engine import ipc_dirs
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 
+pytestmark = pytest.mark.slow  # engine cores in their own processes, killed and restarted
+
 
 class SlowSteps:
     """A KV cache manager factory (picklable) whose every step takes `delay_s`: a busy core, whatever the CPU."""

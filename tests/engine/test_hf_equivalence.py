@@ -89,6 +89,7 @@ DEFAULT_PROMPTS = [
 ]
 
 
+# The default model is the slow tier's: loading it and running HF beside it takes most of a minute.
 @pytest.fixture(scope="module")
 def default_setup():
     llm = LLM()  # the embedded default model, converted once into the cache
@@ -103,11 +104,13 @@ def default_setup():
     return llm, prompts, references
 
 
+@pytest.mark.slow
 def test_default_model_matches_hf_in_one_batch(default_setup):
     llm, prompts, references = default_setup
     _check_all(llm, prompts, references, "default model")
 
 
+@pytest.mark.slow
 def test_default_model_matches_hf_through_the_greedy_head(default_setup, monkeypatch):
     """No logprobs asked: steps of 4+ rows take the exact bfloat16-candidates LM head
     (model/layers/greedy_head.py) where the CPU has AMX-BF16, and must still match HF."""
@@ -130,6 +133,7 @@ def test_default_model_matches_hf_through_the_greedy_head(default_setup, monkeyp
         pytest.param(dict(num_kv_blocks=30, max_num_batched_tokens=128), id="preemption"),
     ],
 )
+@pytest.mark.slow
 def test_default_model_matches_hf_under_pressure(default_setup, engine_kwargs):
     _, prompts, references = default_setup
     llm = LLM(**engine_kwargs)

@@ -8,6 +8,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # HF equivalence on the default model
+
 PASSAGE = ("The quick brown fox jumps over the lazy dog. Paged attention stores the key-value cache in "
            "fixed-size blocks, so memory is allocated on demand and shared between sequences.")
 PROMPTS = [

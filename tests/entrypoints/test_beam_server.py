@@ -20,6 +20,8 @@ from tests.engine.test_beam_search import SCORE_ATOL, hf_beam_search
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 MODEL = "tiny-beams"
 GREEDY_TOKENS = 60
 """Long enough that the greedy requests alone outgrow the 40-block cache while the beams run."""

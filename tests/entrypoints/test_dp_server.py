@@ -20,6 +20,8 @@ from pagedllm import LLM, SamplingParams
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer, child_pids
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 # One sequence at a time per replica: of four long requests, two run and two wait in the cores' queues,
 # which makes "started" and "not started yet" exact when a replica dies.
 SERVER_ARGS = ["--num-kv-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "1", "-dp", "2"]

@@ -15,6 +15,8 @@ from pagedllm import LLM, SamplingParams
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer, pid_alive
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 MAX_MODEL_LEN = 512
 BODY_LIMIT = 65536

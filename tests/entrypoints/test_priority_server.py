@@ -14,6 +14,8 @@ import pytest
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 MODEL_NAME = "tiny"
 NUM_LOW = 4
 LOW_PRIORITY, HIGH_PRIORITY = 10, 0

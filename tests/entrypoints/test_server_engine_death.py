@@ -16,6 +16,8 @@ import pytest
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer, pid_alive
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -17,6 +17,8 @@ from pagedllm.model.loader import resolve_hf_dir
 from tests.entrypoints.server_helpers import RemoteServer
 from tests.entrypoints.test_structured_outputs_offline import CHOICES, PERSON, PHONE, RATING, TAGS
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

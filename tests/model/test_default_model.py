@@ -6,6 +6,8 @@ import torch
 from pagedllm.model import gguf_loader, load_model
 from tests.model.paged_kv_helpers import PagedRunner
 
+pytestmark = pytest.mark.slow  # HF equivalence on the default model
+
 
 @pytest.fixture(scope="module")
 def hf_reference(default_model):
