@@ -224,8 +224,14 @@ def test_padded_decode_buffers_match_eager_decode():
             eager = model(input_ids, positions)
     assert padded.shape == eager.shape
     assert_matches(padded, eager)
-    for a, b in zip(kv_padded, runner.kv_caches):  # padding rows wrote no KV
-        assert torch.equal(a, b)
+    # Padding rows wrote no KV: every slot but the three real ones is bit-identical. The real slots hold
+    # K/V projected in a batch of 4 rows instead of 3, which the GEMM may sum in another order.
+    real = torch.zeros(runner.kv_caches[0].shape[1] * 4, dtype=torch.bool)
+    real[metadata.slot_mapping] = True
+    for a, b in zip(kv_padded, runner.kv_caches):
+        a_slots, b_slots = a.flatten(1, 2), b.flatten(1, 2)  # [2, num_slots, heads, dim]
+        assert torch.equal(a_slots[:, ~real], b_slots[:, ~real])
+        torch.testing.assert_close(a_slots[:, real], b_slots[:, real], rtol=1e-5, atol=1e-5)
 
 
 def test_decode_float16_within_half_precision():
