@@ -6,7 +6,7 @@
 // and quants interleaved so one k-step of 16 rows is one contiguous load:
 //
 //   Q8_0  [d: 16 x fp16][q: 32 k x 16 rows, int8]                          544 bytes
-//   Q4_0  [d: 16 x fp16][q: 16 k-pairs x 16 rows, byte = q(2i) | q(2i+1) << 4]  288 bytes
+//   Q4_0  [d: 16 x fp16][q: 16 bytes j x 16 rows, byte = q(j) | q(j+16) << 4 as in GGUF]  288 bytes
 //   Q4_1  [d: 16 x fp16][m: 16 x fp16][q: as Q4_0]                          320 bytes
 //
 // (the GGUF sizes per weight exactly: 8.5, 4.5 and 5 bits). Weight = d * q (Q8_0), d * (q - 8)

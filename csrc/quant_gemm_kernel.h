@@ -65,6 +65,7 @@ void micro(const Args& a, const uint8_t* __restrict panel, const float* __restri
         }
       }
     } else {
+// byte kp holds k = kp (low nibble) and k = kp + 16 (high), as in GGUF
 #pragma GCC unroll 16
       for (int kp = 0; kp < kBlockK / 2; ++kp) {
         const int s0 = (2 * kp) % S, s1 = (2 * kp + 1) % S;
@@ -75,8 +76,8 @@ void micro(const Args& a, const uint8_t* __restrict panel, const float* __restri
           const vf w1 = vfma(vcvt(vshr4(bytes)), d[v], mn[v]);
 #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
-            acc[s0][r][v] = vfma(vset1(xb[r * lda + 2 * kp]), w0, acc[s0][r][v]);
-            acc[s1][r][v] = vfma(vset1(xb[r * lda + 2 * kp + 1]), w1, acc[s1][r][v]);
+            acc[s0][r][v] = vfma(vset1(xb[r * lda + kp]), w0, acc[s0][r][v]);
+            acc[s1][r][v] = vfma(vset1(xb[r * lda + kp + 16]), w1, acc[s1][r][v]);
           }
         }
       }

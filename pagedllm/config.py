@@ -372,6 +372,8 @@ class EngineArgs:
                                    "SmolLM2-135M-Instruct).")
     dtype: str = flag("auto", "Weight and activation dtype; auto = float32 on the CPU (bf16 matmuls are far "
                               "slower there), bfloat16 on CUDA.", choices=("auto", "float32", "float16", "bfloat16"))
+    gguf_dequantize: bool = flag(False, "Dequantize a GGUF's quantized weights (Q8_0, Q4_0, Q4_1) to float32 at load "
+                                        "instead of running them quantized through the compiled CPU kernel.")
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
     block_size: int = flag(16, "Tokens per KV block.")
     kv_cache_dtype: str = flag("auto", "Element type of the KV cache; auto = the model's dtype. float16 or bfloat16 "
