@@ -34,7 +34,7 @@ import zmq
 from pagedllm.config import DISTRIBUTED_SECRET_ENV, CacheConfig, EngineArgs, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
-from pagedllm.model.loader import load_model, load_model_info
+from pagedllm.model.loader import gguf_source, load_model, load_model_info
 from pagedllm.worker import tp_protocol as proto
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
 from pagedllm.worker.gpu import profile_num_kv_blocks, resolve_device, resolve_dtype
@@ -57,6 +57,11 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
                            engine_args.attention_backend)
     if parallel_config.tensor_parallel_size == 1:
         return UniprocExecutor(engine_args, device, dtype)
+    if not engine_args.gguf_dequantize and gguf_source(engine_args.model) is not None:
+        # The ranks load the converted float32 checkpoint; the quantized layers shard (tested) but
+        # the ranks are not handed the GGUF yet.
+        logger.warning("tensor_parallel_size > 1 runs a GGUF's weights dequantized to float32: quantized "
+                       "weights run at tensor_parallel_size 1 only so far (--gguf-dequantize silences this)")
     speculative = engine_args.speculative()
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError('speculative decoding with a draft model ("method": "draft_model") is not supported '

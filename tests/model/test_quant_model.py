@@ -129,3 +129,26 @@ def test_mixed_shard_types_fall_back_to_float():
     assert layer.quant_weight is None
     expected = torch.cat([_quant(GGMLQuantizationType.Q4_0, 64, 64, 2)[1], _quant(GGMLQuantizationType.Q8_0, 32, 64, 3)[1], v])
     assert torch.equal(layer.weight.detach(), expected)
+
+
+@needs_kernel
+def test_default_model_runs_from_its_shipped_q4_1_blocks(default_model, monkeypatch):
+    loaded, cache, _ = default_model
+    model = loaded.model
+    layers = linears(model)
+    assert len(layers) == 30 * 4 and all(l.quant_weight.qtype == GGMLQuantizationType.Q4_1 for l in layers)
+    assert model.lm_head.quant_weight is model.model.embed_tokens.quant_weight  # tied, Q8_0 in the file
+    assert model.lm_head.quant_weight.qtype == GGMLQuantizationType.Q8_0
+    float_params = sum(p.numel() for p in model.parameters())
+    assert float_params < 100_000  # the norms only: no float32 copy of any weight
+    packed = sum(l.quant_weight.nbytes for l in layers) + model.lm_head.quant_weight.nbytes
+    assert packed < 105e6  # the GGUF file is 98 MB; float32 would be 538 MB
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(cache))
+    dense = load_model(None, gguf_dequantize=True).model
+    messages = [{"role": "user", "content": "Name three colours."}]
+    text = loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    tokens_q, logits_q = greedy(model, prompt, 24)
+    tokens_d, logits_d = greedy(dense, prompt, 24)
+    torch.testing.assert_close(logits_q, logits_d, atol=1e-3, rtol=0)
+    assert tokens_q == tokens_d

@@ -45,6 +45,10 @@ way there: OpenMP waits on the oversubscribed cores, not comparable). The AVX2 k
 4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on an AVX2-only CPU, where
 MKL would be AVX2 too).
 
+A GGUF weight loaded still quantized (Q8_0, Q4_0, Q4_1: ``quantized.py``) gets neither: the weight
+loaders stage its blocks (``store_rows``), ``process_weights_after_loading`` repacks them once for
+the compiled quantized kernel and empties the float parameter, and ``matmul`` runs that kernel.
+
 Otherwise (no library, no AVX2, switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once;
 ``mkl_pack``) that calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
 distinct weight per layer (so nothing stays in cache, as in a real step), the packed GEMM took 0.53-0.73x the
