@@ -16,6 +16,7 @@ the GGUF's path, size and mtime, so a changed file is reconverted and processes 
 same cache directory never see a half-written one.
 """
 
+import ctypes
 import hashlib
 import importlib.util
 import json
@@ -278,7 +279,19 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()  # CPU GEMM layouts, once the dtype and device are final
     tokenizer, chat_template = _load_tokenizer(hf_dir)
+    if gguf_path is not None:
+        _release_free_heap()
     return LoadedModel(model, config, tokenizer, str(hf_dir), chat_template)
+
+
+def _release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc only; elsewhere a no-op). Repacking
+    leaves many freed 1-30 MB temporaries in glibc's heap, which it keeps: the default model's
+    load measured 253 MB of resident growth before this, 155 MB after (the weights are ~100 MB)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _read_config(hf_dir: Path) -> tuple[PretrainedConfig, type[nn.Module]]:
