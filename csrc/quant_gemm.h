@@ -9,7 +9,12 @@
 //   Q4_0  [d: 16 x fp16][q: 16 bytes j x 16 rows, byte = q(j) | q(j+16) << 4 as in GGUF]  288 bytes
 //   Q4_1  [d: 16 x fp16][m: 16 x fp16][q: as Q4_0]                          320 bytes
 //
-// (the GGUF sizes per weight exactly: 8.5, 4.5 and 5 bits). Weight = d * q (Q8_0), d * (q - 8)
+//   QX    [scale: 2 halves x 16 rows, fp32][min: the same][q: 32 k x 16 rows, int8]  768 bytes
+//
+// (the GGUF sizes per weight exactly for the first three: 8.5, 4.5 and 5 bits). QX is what the
+// K-quants (Q4_K, Q5_K, Q6_K) are expanded into at load: their per-16 or per-32 weight scale and
+// min (d * sc, -dmin * m) as float32, products exact in float32 as gguf computes them, and the
+// 4-6 bit values as int8; 12 bits per weight, weight = fma(q, scale, min), one rounding as gguf's. Weight = d * q (Q8_0), d * (q - 8)
 // (Q4_0: computed as fma(q, d, -8 d), exact since every term fits float32's mantissa), d * q + m
 // (Q4_1, one rounding as in gguf's numpy): bit for bit the float32 the dequantize path holds, so
 // the result differs from it only in summation order. Rows past N are zero blocks.
@@ -20,13 +25,14 @@
 namespace pagedllm {
 namespace quant {
 
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGMLQuantizationType values
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQX = 100 };  // GGMLQuantizationType values; QX ours
 
 constexpr int kPanelRows = 16;
 constexpr int kBlockK = 32;
 
 constexpr int64_t block_bytes(int qtype) {
-  return qtype == kQ8_0 ? 32 + 32 * 16 : qtype == kQ4_0 ? 32 + 16 * 16 : qtype == kQ4_1 ? 64 + 16 * 16 : 0;
+  return qtype == kQ8_0 ? 32 + 32 * 16 : qtype == kQ4_0 ? 32 + 16 * 16 : qtype == kQ4_1 ? 64 + 16 * 16
+         : qtype == kQX ? 256 + 32 * 16 : 0;
 }
 
 struct Args {

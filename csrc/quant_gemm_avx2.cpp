@@ -45,6 +45,7 @@ void quant_panels_avx2(const Args& a, int64_t p_begin, int64_t p_end) {
     case kQ8_0: panels_for<kQ8_0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
     case kQ4_0: panels_for<kQ4_0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
     case kQ4_1: panels_for<kQ4_1, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
+    case kQX: panels_for<kQX, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
   }
 }
 }  // namespace quant

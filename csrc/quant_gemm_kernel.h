@@ -22,7 +22,7 @@ void micro(const Args& a, const uint8_t* __restrict panel, const float* __restri
            const float* bias, int cols) {
   constexpr int S = k_split<MR>();
   constexpr int64_t BB = block_bytes(QT);
-  constexpr int QOFF = QT == kQ4_1 ? 64 : 32;
+  constexpr int QOFF = QT == kQX ? 256 : QT == kQ4_1 ? 64 : 32;
   const int64_t lda = a.lda, nb = a.k / kBlockK;
   vf acc[S][MR][NV];
 #pragma GCC unroll 4
@@ -34,16 +34,33 @@ void micro(const Args& a, const uint8_t* __restrict panel, const float* __restri
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * BB;
     const float* xb = x + b * kBlockK;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 256), _MM_HINT_T0);
-    if (QT == kQ8_0) {
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 320), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 384), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 448), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + 512), _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int64_t line = 0; line < BB; line += 64)  // the block 4 ahead, whole
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * BB + line), _MM_HINT_T0);
+    const uint8_t* q = blk + QOFF;
+    if (QT == kQX) {
+      const float* scale = reinterpret_cast<const float*>(blk);
+      const float* minv = reinterpret_cast<const float*>(blk + 128);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        vf sc[NV], mn[NV];
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) {
+          sc[v] = vload(scale + h * 16 + v * VW);
+          mn[v] = vload(minv + h * 16 + v * VW);
+        }
+#pragma GCC unroll 16
+        for (int kk = h * 16; kk < h * 16 + 16; ++kk) {
+          const int s = kk % S;
+#pragma GCC unroll 2
+          for (int v = 0; v < NV; ++v) {
+            const vf w = vfma(vcvt(load_i8(q + kk * 16, v)), sc[v], mn[v]);
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; ++r) acc[s][r][v] = vfma(vset1(xb[r * lda + kk]), w, acc[s][r][v]);
+          }
+        }
+      }
+      continue;
     }
     vf d[NV], mn[NV];
 #pragma GCC unroll 2
@@ -52,7 +69,6 @@ void micro(const Args& a, const uint8_t* __restrict panel, const float* __restri
       if (QT == kQ4_1) mn[v] = load_f16(blk + 32, v);
       if (QT == kQ4_0) mn[v] = vmul(d[v], vset1(-8.0f));
     }
-    const uint8_t* q = blk + QOFF;
     if (QT == kQ8_0) {
 #pragma GCC unroll 32
       for (int kk = 0; kk < kBlockK; ++kk) {

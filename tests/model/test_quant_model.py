@@ -152,3 +152,35 @@ def test_default_model_runs_from_its_shipped_q4_1_blocks(default_model, monkeypa
     tokens_d, logits_d = greedy(dense, prompt, 24)
     torch.testing.assert_close(logits_q, logits_d, atol=1e-3, rtol=0)
     assert tokens_q == tokens_d
+
+
+@needs_kernel
+def test_k_quant_model_runs_expanded_and_equals_dequantized(tmp_path):
+    """Q4_K / Q5_K / Q6_K tensors (random blocks: the gguf package cannot quantize to them) run
+    through the expanded QX panels and equal the dequantized float32 path."""
+    from tests.model.test_quant_kernels import random_k_quant
+
+    hf = make_hf_model("llama", seed=7, hidden_size=256, intermediate_size=512, head_dim=64)
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K", "ffn_gate": "Q5_K",
+             "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q4_K", "output": "Q6_K"}
+    rng = np.random.default_rng(0)
+    override = {}
+    for name, tensor in hf.state_dict().items():
+        if tensor.dim() != 2:
+            continue
+        from tests.model.gguf_writer_helpers import gguf_name
+
+        target = gguf_name(name)
+        qtype = GGMLQuantizationType[types[target.split(".")[-2]]]
+        override[target] = (random_k_quant(int(qtype), tensor.shape[0], tensor.shape[1], rng, scale=(1e-5, 1e-4)), qtype)
+    path = tmp_path / "tiny-kquants.gguf"
+    write_llama_gguf(hf, path, GGMLQuantizationType.F32, override=override)
+    quant = load_model(str(path)).model
+    dense = load_model(str(path), gguf_dequantize=True).model
+    for layer in linears(quant) + [quant.model.embed_tokens, quant.lm_head]:
+        assert layer.quant_weight is not None and layer.quant_weight.kernel_type == quantized.QX
+    assert quant.model.layers[0].mlp.down_proj.quant_weight.qtype == GGMLQuantizationType.Q6_K
+    tokens_q, logits_q = greedy(quant, IDS, 8)
+    tokens_d, logits_d = greedy(dense, IDS, 8)
+    torch.testing.assert_close(logits_q, logits_d, atol=1e-4 * float(logits_d.abs().max()), rtol=0)
+    assert tokens_q == tokens_d

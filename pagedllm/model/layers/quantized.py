@@ -1,5 +1,5 @@
-"""GGUF-quantized weights kept quantized in memory (Q8_0, Q4_0, Q4_1), multiplied by the compiled
-kernel of ``csrc/quant_gemm*.cpp``.
+"""GGUF-quantized weights kept quantized in memory (Q8_0, Q4_0, Q4_1 in their own size; Q4_K, Q5_K,
+Q6_K expanded to 12 bits a weight), multiplied by the compiled kernel of ``csrc/quant_gemm*.cpp``.
 
 The loader hands a linear's weight loader a ``QuantTensor`` (the GGUF rows, still quantized)
 instead of a float tensor; the loader stores it with ``stage`` (on the parameter, at the row
@@ -14,6 +14,11 @@ so one k-step of 16 output rows is one contiguous vector load, widened and scale
 (``csrc/quant_gemm.h``). The repacked weight is the GGUF size exactly; no float32 copy is kept,
 and the float parameter is left empty (``[out, 0]``). The dequantized values are bit for bit
 gguf's numpy ones, so the product equals the dequantize-then-float32 path up to summation order.
+
+The K-quants (256-weight super-blocks, 6-bit sub-block scales) are expanded once at load into the
+kernel's QX panels: per 16 weights a float32 scale ``d * sc`` and min ``-dmin * m`` (each product
+exact in float32, as gguf's numpy forms it) and the 4-6 bit values as int8, so the weights are
+again gguf's float32 bit for bit, at 12 bits a weight (the files hold 4.5-6.6; float32 is 32).
 
 Tensor parallelism narrows a ``QuantTensor`` like a float tensor: rows freely, columns (a row-
 parallel shard) in whole 32-wide blocks. Embedding tables stay quantized too: a lookup
@@ -36,12 +41,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGMLQuantizationType values
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-GGUF_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-"""Bytes of one 32-weight block in the GGUF file."""
-PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512}
-"""Bytes of one K-block of a 16-row panel once repacked (csrc/quant_gemm.h)."""
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # GGMLQuantizationType values
+QX = 100  # the kernel's expanded layout for the K-quants (csrc/quant_gemm.h), no GGUF type
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+"""(weights, bytes) of one block in the GGUF file."""
+KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q4_K: QX, Q5_K: QX, Q6_K: QX}
+PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 512}
+"""Bytes of one K-block of a 16-row panel once repacked (csrc/quant_gemm.h), by kernel type."""
 BLOCK_K = 32
 PANEL_ROWS = 16
 SUPPORTED = frozenset(NAMES)
@@ -57,7 +64,7 @@ class QuantTensor:
 
     def __init__(self, qtype: int, raw: torch.Tensor, k: int) -> None:
         assert qtype in SUPPORTED and raw.dtype == torch.uint8 and raw.dim() == 2
-        assert raw.shape[1] * BLOCK_K == k * GGUF_BLOCK_BYTES[qtype], (raw.shape, k)
+        assert raw.shape[1] * GGUF_BLOCKS[qtype][0] == k * GGUF_BLOCKS[qtype][1], (raw.shape, k)
         self.qtype, self.raw, self.shape = qtype, raw, torch.Size((raw.shape[0], k))
 
     def dim(self) -> int:
@@ -66,11 +73,11 @@ class QuantTensor:
     def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
         if dim == 0:
             return QuantTensor(self.qtype, self.raw.narrow(0, start, length), self.shape[1])
-        if start % BLOCK_K or length % BLOCK_K:
-            raise ValueError(f"a {NAMES[self.qtype]} weight splits its columns in blocks of {BLOCK_K}; "
+        bk, bb = GGUF_BLOCKS[self.qtype]
+        if start % bk or length % bk:
+            raise ValueError(f"a {NAMES[self.qtype]} weight splits its columns in blocks of {bk}; "
                              f"columns [{start}, {start + length}) cut a block")
-        bb = GGUF_BLOCK_BYTES[self.qtype]
-        return QuantTensor(self.qtype, self.raw.narrow(1, start // BLOCK_K * bb, length // BLOCK_K * bb), length)
+        return QuantTensor(self.qtype, self.raw.narrow(1, start // bk * bb, length // bk * bb), length)
 
     def materialize(self) -> torch.Tensor:
         from gguf.quants import dequantize
@@ -83,8 +90,10 @@ def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
     """GGUF rows ``[n, K/32 * block bytes]`` -> the kernel's panels ``[ceil(n/16), K/32, packed
     block bytes]`` (rows past n are zero blocks: they compute zeros the op never stores). In numpy:
     torch's byte-wise strided copies ran ~100x slower here (0.2 s for one 1536 x 576 weight)."""
+    if KERNEL_TYPE[qtype] == QX:
+        return _repack_expanded(*expand_k_quant(qtype, raw.numpy()))
     n = raw.shape[0]
-    bb = GGUF_BLOCK_BYTES[qtype]
+    bb = GGUF_BLOCKS[qtype][1]
     nb = raw.shape[1] // bb
     num_panels = -(-n // PANEL_ROWS)
     num_scales = 2 if qtype == Q4_1 else 1
@@ -99,8 +108,58 @@ def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(packed)
 
 
+def expand_k_quant(qtype: int, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF K-quant rows ``[n, K/256 * block bytes]`` -> ``(q int8 [n, K], scale, min float32
+    [n, K/16])`` with weight = q * scale + min, each term formed as gguf's numpy dequantize does."""
+    from gguf.quants import Q4_K as GGUF_Q4_K
+
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, GGUF_BLOCKS[qtype][1])  # [n * K/256, bytes]
+    num = blocks.shape[0]
+    if qtype in (Q4_K, Q5_K):
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = GGUF_Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        scale = d * sc.astype(np.float32)  # [num, 8 sub-blocks of 32]
+        minv = -(dmin * m.astype(np.float32))
+        qs = blocks[:, -128:].reshape(num, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & np.uint8(15)).reshape(num, 8, 32)
+        if qtype == Q5_K:
+            qh = blocks[:, 16:48].reshape(num, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & np.uint8(1)).reshape(num, 8, 32) << np.uint8(4))
+        scale, minv = np.repeat(scale, 2, axis=1), np.repeat(minv, 2, axis=1)  # per 16 weights
+    else:  # Q6_K
+        scale = blocks[:, 192:208].copy().view(np.int8).astype(np.float32) * \
+            blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [num, 16]
+        minv = np.zeros_like(scale)
+        ql = blocks[:, :128].reshape(num, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = blocks[:, 128:192].reshape(num, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((ql & np.uint8(15)).reshape(num, 8, 32) | ((qh & np.uint8(3)).reshape(num, 8, 32) << np.uint8(4)))
+        q = q.astype(np.int8) - np.int8(32)
+    return q.astype(np.int8).reshape(n, -1), scale.reshape(n, -1), minv.reshape(n, -1)
+
+
+def _repack_expanded(q: np.ndarray, scale: np.ndarray, minv: np.ndarray) -> torch.Tensor:
+    """(q [n, K], scale, min [n, K/16]) -> QX panels ``[ceil(n/16), K/32, 768]``: per K-block the
+    16 rows' scales of both halves, their mins, then 32 k-steps of 16 rows' int8 values."""
+    n, k = q.shape
+    nb = k // BLOCK_K
+    num_panels = -(-n // PANEL_ROWS)
+
+    def panels(a: np.ndarray, per_block: int) -> np.ndarray:  # [n, nb * per_block] -> [P, nb, per_block x 16 rows]
+        padded = np.zeros((num_panels * PANEL_ROWS, nb, per_block), dtype=a.dtype)
+        padded[:n] = a.reshape(n, nb, per_block)
+        out = padded.reshape(num_panels, PANEL_ROWS, nb, per_block).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(out).reshape(num_panels, nb, -1).view(np.uint8)
+
+    packed = np.concatenate([panels(scale, 2), panels(minv, 2), panels(q, BLOCK_K)], axis=-1)
+    assert packed.shape[-1] == PACKED_BLOCK_BYTES[QX]
+    return torch.from_numpy(packed)
+
+
 def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of a repacked weight as float32 ``[len(ids), K]`` (values bit for bit gguf's)."""
+    """Rows ``ids`` of a repacked weight as float32 ``[len(ids), K]`` (values bit for bit gguf's);
+    ``qtype`` is the kernel type (``KERNEL_TYPE``)."""
     num_panels, nb, _ = packed.shape
     lane = (ids % PANEL_ROWS).view(-1, 1, 1)
     blocks = packed[ids // PANEL_ROWS]  # [T, nb, block bytes]
@@ -115,6 +174,13 @@ def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torc
         picked = part.gather(2, lane.unsqueeze(-1).expand(t, nb, 1, 2))  # [T, nb, 1, 2]
         return picked.reshape(t, nb, 2).contiguous().view(torch.float16).float()
 
+    if qtype == QX:
+        def halves(start: int) -> torch.Tensor:  # [T, nb, 2, 1] float32 of each row's lane
+            part = blocks[:, :, start : start + 128].contiguous().view(torch.float32).reshape(t, nb, 2, PANEL_ROWS)
+            return part.gather(3, lane.unsqueeze(-1).expand(t, nb, 2, 1))
+
+        q = per_row(256, 512).view(torch.int8).float().reshape(t, nb, 2, 16)
+        return (q * halves(0) + halves(128)).reshape(t, nb * BLOCK_K)
     d = scale(0)
     if qtype == Q8_0:
         q = per_row(32, 512).view(torch.int8).float()  # [T, nb, 32]
@@ -146,10 +212,10 @@ def kernel_available() -> bool:
 class QuantizedWeight:
     """One repacked ``[n, k]`` weight and its product ``x W^T (+ bias)``."""
 
-    __slots__ = ("qtype", "packed", "n", "k", "isa", "_op")
+    __slots__ = ("qtype", "kernel_type", "packed", "n", "k", "isa", "_op")
 
     def __init__(self, qtype: int, raw: torch.Tensor, k: int) -> None:
-        self.qtype, self.n, self.k = qtype, raw.shape[0], k
+        self.qtype, self.kernel_type, self.n, self.k = qtype, KERNEL_TYPE[qtype], raw.shape[0], k
         self.packed = repack(qtype, raw)
         self.isa = kernel_isa()
         overload = torch.ops.pagedllm.quant_gemm_cpu.default
@@ -163,13 +229,14 @@ class QuantizedWeight:
         """``x [..., k] @ W^T (+ bias)`` -> ``[..., n]`` float32."""
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != torch.float32:
             shape = x.shape
-            y = self._op(x.reshape(-1, self.k).float().contiguous(), self.packed, self.qtype, self.n, bias, self.isa)
+            y = self._op(x.reshape(-1, self.k).float().contiguous(), self.packed, self.kernel_type, self.n, bias,
+                         self.isa)
             return y.view(*shape[:-1], self.n)
-        return self._op(x, self.packed, self.qtype, self.n, bias, self.isa)
+        return self._op(x, self.packed, self.kernel_type, self.n, bias, self.isa)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` dequantized to float32 ``[len(ids), k]``."""
-        return dequantize_rows(self.qtype, self.packed, ids)
+        return dequantize_rows(self.kernel_type, self.packed, ids)
 
 
 def stage(param: nn.Parameter, row_offset: int, loaded: QuantTensor) -> None:
