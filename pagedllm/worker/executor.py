@@ -57,11 +57,6 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
                            engine_args.attention_backend)
     if parallel_config.tensor_parallel_size == 1:
         return UniprocExecutor(engine_args, device, dtype)
-    if not engine_args.gguf_dequantize and gguf_source(engine_args.model) is not None:
-        # The ranks load the converted float32 checkpoint; the quantized layers shard (tested) but
-        # the ranks are not handed the GGUF yet.
-        logger.warning("tensor_parallel_size > 1 runs a GGUF's weights dequantized to float32: quantized "
-                       "weights run at tensor_parallel_size 1 only so far (--gguf-dequantize silences this)")
     speculative = engine_args.speculative()
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError('speculative decoding with a draft model ("method": "draft_model") is not supported '
@@ -152,9 +147,14 @@ def _stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 2.0) ->
 class MultiprocTPExecutor(Executor):
     """N tensor-parallel ranks in worker processes; ranks >= num_local_workers join from elsewhere."""
 
+    gguf_path: str | None = None
+    """The GGUF the ranks read their quantized shards from (as load_model would), or None."""
+
     def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
         # The weights live in the workers: this process reads only the config and tokenizer.
         self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model))
+        gguf = None if engine_args.gguf_dequantize or dtype != torch.float32 else gguf_source(engine_args.model)
+        self.gguf_path = None if gguf is None else str(gguf.resolve())
         self.parallel_config = parallel_config
         self.seed = engine_args.seed
         self.dtype = dtype
@@ -252,7 +252,7 @@ class MultiprocTPExecutor(Executor):
                     hosts[hello.rank] = hello.hostname
         init = proto.InitWorkerMsg(model_dir=model_dir, dtype=dtype, num_blocks=num_blocks,
                                    num_host_blocks=num_host_blocks, block_size=kv_spec.block_size,
-                                   seed=seed, timeout_s=self.timeout_s)
+                                   seed=seed, timeout_s=self.timeout_s, gguf_path=self.gguf_path)
         self._broadcast(proto.encoder.encode(init))
         ready: set[int] = set()
         deadline = time.monotonic() + self.timeout_s

@@ -74,9 +74,10 @@ class QuantTensor:
         if dim == 0:
             return QuantTensor(self.qtype, self.raw.narrow(0, start, length), self.shape[1])
         bk, bb = GGUF_BLOCKS[self.qtype]
-        if start % bk or length % bk:
-            raise ValueError(f"a {NAMES[self.qtype]} weight splits its columns in blocks of {bk}; "
-                             f"columns [{start}, {start + length}) cut a block")
+        if start % bk or length % bk:  # e.g. a K-quant's 256-wide blocks over 2 ranks of 288 columns
+            logger.warning("columns [%d, %d) of a %s weight cut its %d-wide blocks: this shard is dequantized "
+                           "to float32", start, start + length, NAMES[self.qtype], bk)
+            return self.materialize().narrow(1, start, length)
         return QuantTensor(self.qtype, self.raw.narrow(1, start // bk * bb, length // bk * bb), length)
 
     def materialize(self) -> torch.Tensor:
