@@ -92,6 +92,42 @@ def linears_batch1(model_q, model_f, rounds: int) -> dict:
             "engine_f32_over_quant": round(best["engine_f32"] / best["quant_kernel"], 2), "num_matmuls": len(lq)}
 
 
+def per_shape(model_q, model_f, rows_list=(1, 8, 32), reps: int = 20) -> dict:
+    """Layer 0's four linears and the LM head, each timed alone (best of 3 x reps calls), at a few
+    row counts: the kernel, torch's F.linear on the float32 weight, and the engine's float32 path."""
+    import torch
+
+    def pick(model):
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj,
+                "lm_head": model.lm_head}
+
+    q, f = pick(model_q), pick(model_f)
+    out = {}
+    for name in q:
+        wq = q[name].quant_weight
+        for rows in rows_list:
+            x = torch.randn(rows, wq.k)
+            fns = {"quant": lambda: wq.matmul(x),
+                   "torch_f32": lambda: torch.nn.functional.linear(x, f[name].weight),
+                   "engine_f32": (lambda: f[name].compute_logits(x)) if name == "lm_head"
+                   else (lambda: f[name].matmul(x, None))}
+            best = {}
+            for _ in range(3):
+                for key, fn in fns.items():
+                    fn()
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        fn()
+                    best[key] = min(best.get(key, 1e9), (time.perf_counter() - start) / reps * 1e6)
+            out[f"{name} {wq.n}x{wq.k} rows={rows}"] = {
+                "us_quant": round(best["quant"]), "us_torch_f32": round(best["torch_f32"]),
+                "us_engine_f32": round(best["engine_f32"]),
+                "torch/quant": round(best["torch_f32"] / best["quant"], 2),
+                "engine/quant": round(best["engine_f32"] / best["quant"], 2)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
@@ -123,6 +159,7 @@ def main() -> None:
     result["same_greedy_tokens"] = tokens["quantized"] == tokens["float32"]
     result["linears_batch1"] = linears_batch1(llm_q.engine.core.executor.runner.model,
                                               llm_f.engine.core.executor.runner.model, args.rounds + 2)
+    result["per_shape"] = per_shape(llm_q.engine.core.executor.runner.model, llm_f.engine.core.executor.runner.model)
     result["args"] = vars(args)
     print(json.dumps(result, indent=1))
 

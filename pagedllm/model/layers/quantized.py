@@ -216,6 +216,8 @@ class QuantizedWeight:
     __slots__ = ("qtype", "kernel_type", "packed", "n", "k", "isa", "_op")
 
     def __init__(self, qtype: int, raw: torch.Tensor, k: int) -> None:
+        if not kernel_available():  # loads the library, which registers the op
+            raise RuntimeError("the compiled quantized kernel is unavailable here (see cpu_op.unavailable_reason())")
         self.qtype, self.kernel_type, self.n, self.k = qtype, KERNEL_TYPE[qtype], raw.shape[0], k
         self.packed = repack(qtype, raw)
         self.isa = kernel_isa()
