@@ -50,6 +50,9 @@ class EngineArgs:
                                    "SmolLM2-135M-Instruct).")
     dtype: str = flag("auto", "Weight and activation dtype; auto = float32 on the CPU (bf16 matmuls are far "
                               "slower there), bfloat16 on CUDA.", choices=DTYPES)
+    gguf_dequantize: bool = flag(False, "Dequantize a GGUF's quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) to "
+                                        "float32 at load instead of running them quantized through the compiled CPU "
+                                        "kernels.")
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
     block_size: int = setting(CacheConfig, "block_size")
     kv_cache_dtype: str = flag("auto", "Element type of the KV cache; auto = the model's dtype. float16 or bfloat16 "

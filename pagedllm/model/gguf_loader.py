@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, LlamaConfig
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.model.layers import quantized
+from pagedllm.model.layers.quantized import QuantTensor
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TENSOR_TYPES = tuple(
@@ -135,8 +137,12 @@ def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig:
     )
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor, dequantized and with Q/K rows un-permuted."""
+def iter_gguf_tensors(reader: GGUFReader, config: LlamaConfig,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """(HF name, float32 tensor) for every tensor, dequantized and with Q/K rows un-permuted.
+    ``keep_quantized``: 2-D tensors of a type the quantized kernel reads (Q8_0, Q4_0, Q4_1) come
+    as ``QuantTensor`` instead (rows un-permuted as they are, still quantized; the bytes are a
+    view of the reader's memory map until a weight loader repacks them)."""
     for tensor in reader.tensors:
         qtype = tensor.tensor_type
         if qtype not in SUPPORTED_TENSOR_TYPES:
@@ -146,6 +152,14 @@ def iter_gguf_tensors(reader: GGUFReader, config: LlamaConfig) -> Iterator[tuple
             )
         name = hf_tensor_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if keep_quantized and len(shape) == 2 and int(qtype) in quantized.SUPPORTED:
+            raw = np.asarray(tensor.data).reshape(shape[0], -1)  # [rows, row bytes], one row per output
+            if name.endswith("q_proj.weight"):
+                raw = _unpermute(raw, config.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                raw = _unpermute(raw, config.num_key_value_heads)
+            yield name, QuantTensor(int(qtype), torch.from_numpy(np.array(raw, order="C")), shape[1])  # a copy: the map is read-only
+            continue
         try:
             array = dequantize(tensor.data, qtype).reshape(shape)
         except Exception as e:

@@ -29,7 +29,7 @@ import zmq
 from pagedllm.config import DISTRIBUTED_SECRET_ENV, CacheConfig, EngineArgs, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
-from pagedllm.model.loader import load_model_info
+from pagedllm.model.loader import gguf_source, load_model_info
 from pagedllm.worker import tp_protocol as proto
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks
@@ -63,9 +63,14 @@ def _stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 2.0) ->
 class MultiprocTPExecutor(Executor):
     """N tensor-parallel ranks in worker processes; ranks >= num_local_workers join from elsewhere."""
 
+    gguf_path: str | None = None
+    """The GGUF the ranks read their quantized shards from (as load_model would), or None."""
+
     def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
         # The weights live in the workers: this process reads only the config and tokenizer.
         self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model))
+        gguf = None if engine_args.gguf_dequantize or dtype != torch.float32 else gguf_source(engine_args.model)
+        self.gguf_path = None if gguf is None else str(gguf.resolve())
         self.parallel_config = parallel_config
         self.seed = engine_args.seed
         self.dtype = dtype
@@ -163,7 +168,7 @@ class MultiprocTPExecutor(Executor):
                     hosts[hello.rank] = hello.hostname
         init = proto.InitWorkerMsg(model_dir=model_dir, dtype=dtype, num_blocks=num_blocks,
                                    num_host_blocks=num_host_blocks, block_size=kv_spec.block_size,
-                                   seed=seed, timeout_s=self.timeout_s)
+                                   seed=seed, timeout_s=self.timeout_s, gguf_path=self.gguf_path)
         self._broadcast(proto.encoder.encode(init))
         ready: set[int] = set()
         deadline = time.monotonic() + self.timeout_s

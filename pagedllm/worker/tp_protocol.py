@@ -79,6 +79,9 @@ class InitWorkerMsg(msgspec.Struct, tag="init"):
     seed: int
     timeout_s: float
     """Collective timeout: a peer silent for this long makes the waiting ranks fail."""
+    gguf_path: str | None = None
+    """The GGUF model_dir was converted from: the rank reads its shard of the weights from it, the
+    quantized ones kept quantized (the same path on every host); None: model_dir's safetensors."""
 
 
 class ReadyMsg(msgspec.Struct, tag="ready"):

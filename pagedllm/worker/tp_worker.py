@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from urllib.parse import urlparse
 
 import zmq
@@ -162,7 +163,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
         init_tensor_parallel(rank, args.world_size, dist.PrefixStore(proto.STORE_PREFIX_TP, store), init.timeout_s)
         dtype = getattr(torch, init.dtype)
-        loaded = load_hf_dir(init.model_dir, dtype)  # only this rank's shard is built and read
+        gguf_path = None if init.gguf_path is None else Path(init.gguf_path)
+        loaded = load_hf_dir(init.model_dir, dtype, gguf_path=gguf_path)  # only this rank's shard is built and read
         model = loaded.model
         kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, init.block_size, dtype)
         runner = ModelRunner(model, vocab_size=loaded.hf_config.vocab_size, kv_spec=kv_spec,

@@ -23,7 +23,8 @@ class UniprocExecutor(Executor):
         self.dtype = dtype
         if engine_args.num_threads is not None:  # before loading: weight conversion runs on these threads
             torch.set_num_threads(engine_args.num_threads)
-        self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device))
+        self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device),
+                                 gguf_dequantize=engine_args.gguf_dequantize)
         self.model_info = ModelInfo.from_loaded(self.loaded)
         speculative = engine_args.speculative()
         self.draft_loaded = None

@@ -122,7 +122,7 @@ def test_default_model_matches_hf_through_the_greedy_head(default_setup, monkeyp
     greedy_token_ids = model.greedy_token_ids
     monkeypatch.setattr(model, "greedy_token_ids", lambda h: used.append(greedy_token_ids(h)) or used[-1])
     _check_all(llm, prompts, references, "default model, greedy head", with_logprobs=False)
-    if cpu_has_fast_bf16():
+    if cpu_has_fast_bf16() and model.lm_head.quant_weight is None:  # a quantized head keeps no bfloat16 copy
         assert any(ids is not None for ids in used), "no step took the greedy head"
 
 

@@ -14,6 +14,10 @@ slice's size, kept even when the head is tied to the embedding, whose table it t
 Where the compiled GEMM is on (``pagedllm.model.layers.cpu_gemm``), the head packs for it instead
 (one copy the size of the slice, no MKL copy) and uses it for 1-256 rows, as the linears do.
 Without either (a build without MKL, another architecture) the head uses ``F.linear``.
+
+A GGUF table loaded still quantized (``pagedllm.model.layers.quantized``) stays so: a lookup
+dequantizes only the looked-up rows, and the head (its own table, or the embedding's when tied:
+the ``QuantizedWeight`` rides on the shared parameter) runs the quantized kernel.
 """
 
 import torch
@@ -22,10 +26,14 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
 from pagedllm.model.layers.greedy_head import GreedyHead
+from pagedllm.model.layers import quantized
 from pagedllm.model.layers.linear import pack_for_cpu, packed_linear
+from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
 
 
 class VocabEmbedding(nn.Module):
+    quant_weight: QuantizedWeight | None = None  # the table still quantized (GGUF), or None
+
     def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.vocab_size = vocab_size
@@ -38,18 +46,29 @@ class VocabEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         num_rows = max(0, min(self.num_embeddings_per_partition, self.vocab_size - self.vocab_start))
         assert loaded.shape[1] == param.shape[1], f"hidden size {loaded.shape[1]} != {param.shape[1]}"
+        if isinstance(loaded, QuantTensor):  # padding rows: zero bytes dequantize to zeros in every type
+            rows = loaded.narrow(0, self.vocab_start, num_rows).raw
+            padded = torch.zeros(param.shape[0], rows.shape[1], dtype=torch.uint8)
+            padded[:num_rows] = rows
+            quantized.stage(param, 0, QuantTensor(loaded.qtype, padded, param.shape[1]))
+            return
         param.data[num_rows:].zero_()  # padding rows (last rank only)
         param.data[:num_rows].copy_(loaded.narrow(0, self.vocab_start, num_rows))
 
     def process_weights_after_loading(self) -> None:
-        pass  # the lookup wants the rows as they are
+        self.quant_weight = quantized.finalize(self.weight)  # else the lookup wants the rows as they are
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:
+            return self.quant_weight.rows(ids.reshape(-1)).view(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.num_embeddings_per_partition)
-        embedded = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        embedded = self._lookup(local_ids.masked_fill(outside, 0))  # [T, hidden]
         embedded.masked_fill_(outside.unsqueeze(-1), 0.0)
         return tp_all_reduce(embedded)
 
@@ -62,6 +81,9 @@ class LMHead(VocabEmbedding):
     greedy_head: GreedyHead | None = None  # bfloat16 copy for exact greedy tokens (greedy_head.py), or None
 
     def process_weights_after_loading(self) -> None:
+        self.quant_weight = quantized.finalize(self.weight)  # tied: the embedding's, finalized first
+        if self.quant_weight is not None:
+            return  # no float copies, no bfloat16 greedy head: the logits come from the kernel
         self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
         self.greedy_head = GreedyHead.build(self.weight) if self.tp_size == 1 else None
 
@@ -74,7 +96,9 @@ class LMHead(VocabEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight
-        if self.gemm_weight is not None:
+        if self.quant_weight is not None:
+            logits = self.quant_weight.matmul(hidden_states)
+        elif self.gemm_weight is not None:
             logits = packed_linear(hidden_states, self.weight, None, self.gemm_weight, None)
         elif packed is not None and hidden_states.is_cpu and hidden_states.dtype == torch.float32:
             # The op uses the packed copy only when the row count equals the batch size it is

@@ -45,6 +45,10 @@ way there: OpenMP waits on the oversubscribed cores, not comparable). The AVX2 k
 4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on an AVX2-only CPU, where
 MKL would be AVX2 too).
 
+A GGUF weight loaded still quantized (Q8_0, Q4_0, Q4_1: ``quantized.py``) gets neither: the weight
+loaders stage its blocks (``store_rows``), ``process_weights_after_loading`` repacks them once for
+the compiled quantized kernel and empties the float parameter, and ``matmul`` runs that kernel.
+
 Otherwise (no library, no AVX2, switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once;
 ``mkl_pack``) that calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
 distinct weight per layer (so nothing stays in cache, as in a real step), the packed GEMM took 0.53-0.73x the
@@ -63,7 +67,8 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_reduce
 from pagedllm.distributed.shapes import tp_shape
-from pagedllm.model.layers import cpu_gemm
+from pagedllm.model.layers import cpu_gemm, quantized
+from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +112,12 @@ class LinearBase(nn.Module):
 
     gemm_weight: torch.Tensor | None = None  # ``weight`` packed for the compiled GEMM, or None
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
+    quant_weight: QuantizedWeight | None = None  # a GGUF-quantized weight (layers/quantized.py), or None
 
     def process_weights_after_loading(self) -> None:
+        self.quant_weight = quantized.finalize(self.weight)
+        if self.quant_weight is not None:  # the float parameter is empty: nothing to lay out
+            return
         to_column_major_on_cpu(self.weight)
         self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
         if self.gemm_weight is not None:  # the op's C++ callable, bound once (skips OpOverload.__call__)
@@ -117,6 +126,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the fastest call for ``x``'s row count."""
+        if self.quant_weight is not None:
+            return self.quant_weight.matmul(x, bias)
         gemm_weight = self.gemm_weight
         # packed_linear's compiled-GEMM branch inlined, the op called without its wrappers: at
         # decode the four Python frames and parameter lookups between a layer and the op cost
@@ -140,7 +151,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
+        store_rows(param, 0, loaded.narrow(0, self.tp_rank * shard, shard))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -153,7 +164,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         shard = _divide(self.output_sizes[shard_id], self.tp_size)
         offset = sum(_divide(s, self.tp_size) for s in self.output_sizes[:shard_id])
-        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp_rank * shard, shard))
+        store_rows(param, offset, loaded.narrow(0, self.tp_rank * shard, shard))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -188,7 +199,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             "k": (self.q_size, self.kv_size, self.kv_head_start * self.head_dim),
             "v": (self.q_size + self.kv_size, self.kv_size, self.kv_head_start * self.head_dim),
         }[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        store_rows(param, offset, loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -204,7 +215,7 @@ class RowParallelLinear(LinearBase):
             param.data.copy_(materialize(loaded))
             return
         shard = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * shard, shard))
+        store_rows(param, 0, loaded.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
@@ -213,6 +224,15 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def store_rows(param: nn.Parameter, offset: int, rows) -> None:
+    """Rows ``[offset, offset + len(rows))`` of ``param`` from ``rows``: a tensor is copied in; a
+    still-quantized GGUF shard is staged for ``quantized.finalize`` (at process_weights_after_loading)."""
+    if isinstance(rows, QuantTensor):
+        quantized.stage(param, offset, rows)
+    else:
+        param.data.narrow(0, offset, rows.shape[0]).copy_(rows)
 
 
 def to_column_major_on_cpu(weight: nn.Parameter) -> None:
@@ -259,4 +279,4 @@ def mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     assert param.shape == loaded.shape, f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}"
-    param.data.copy_(materialize(loaded))
+    param.data.copy_(materialize(loaded))  # a QuantTensor here (no quantized path) is dequantized

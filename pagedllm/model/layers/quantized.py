@@ -1,0 +1,276 @@
+"""GGUF-quantized weights kept quantized in memory (Q8_0, Q4_0, Q4_1 in their own size; Q4_K, Q5_K,
+Q6_K expanded to 12 bits a weight), multiplied by the compiled kernel of ``csrc/quant_gemm*.cpp``.
+
+The loader hands a linear's weight loader a ``QuantTensor`` (the GGUF rows, still quantized)
+instead of a float tensor; the loader stores it with ``stage`` (on the parameter, at the row
+offset a fused QKV / gate-up shard goes to), and ``finalize`` (from
+``process_weights_after_loading``) repacks the staged rows once into the kernel's layout::
+
+    GGUF, row-major:     row n = K/32 blocks [d (m) q-bytes]   (Q8: byte j = q_j; Q4: q_j | q_(j+16) << 4)
+    repacked, panels:    panel p = rows 16p..16p+15; per K-block:
+                         [d x16][m x16 (Q4_1)][byte 0 of 16 rows][byte 1 of 16 rows]...
+
+so one k-step of 16 output rows is one contiguous vector load, widened and scaled in registers
+(``csrc/quant_gemm.h``). The repacked weight is the GGUF size exactly; no float32 copy is kept,
+and the float parameter is left empty (``[out, 0]``). The dequantized values are bit for bit
+gguf's numpy ones, so the product equals the dequantize-then-float32 path up to summation order.
+
+The K-quants (256-weight super-blocks, 6-bit sub-block scales) are expanded once at load into the
+kernel's QX panels: per 16 weights a float32 scale ``d * sc`` and min ``-dmin * m`` (each product
+exact in float32, as gguf's numpy forms it) and the 4-6 bit values as int8, so the weights are
+again gguf's float32 bit for bit, at 12 bits a weight (the files hold 4.5-6.6; float32 is 32).
+
+Tensor parallelism narrows a ``QuantTensor`` like a float tensor: rows freely, columns (a row-
+parallel shard) in whole 32-wide blocks. Embedding tables stay quantized too: a lookup
+dequantizes only the looked-up rows (``dequantize_rows``, plain torch); a tied LM head multiplies
+by the embedding's ``QuantizedWeight`` (found on the shared parameter).
+
+Where the compiled op is unavailable (not built, ``PAGEDLLM_DISABLE_CPU_OP=1``, no AVX2 + FMA +
+F16C), ``finalize`` dequantizes the staged rows into the float parameter instead, with a log line:
+the model then runs today's float32 path, just as ``--gguf-dequantize`` would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # GGMLQuantizationType values
+QX = 100  # the kernel's expanded layout for the K-quants (csrc/quant_gemm.h), no GGUF type
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+"""(weights, bytes) of one block in the GGUF file."""
+KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q4_K: QX, Q5_K: QX, Q6_K: QX}
+PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 512}
+"""Bytes of one K-block of a 16-row panel once repacked (csrc/quant_gemm.h), by kernel type."""
+BLOCK_K = 32
+PANEL_ROWS = 16
+SUPPORTED = frozenset(NAMES)
+ISA_ENV = "PAGEDLLM_CPU_GEMM_ISA"  # the float32 GEMM's switch; forces this kernel's ISA too
+ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
+
+
+class QuantTensor:
+    """A GGUF weight ``[rows, K]`` still quantized: ``raw`` is ``[rows, K / 32 * block bytes]`` uint8.
+    ``narrow`` keeps it quantized (columns in whole blocks); ``materialize`` dequantizes."""
+
+    __slots__ = ("qtype", "raw", "shape")
+
+    def __init__(self, qtype: int, raw: torch.Tensor, k: int) -> None:
+        assert qtype in SUPPORTED and raw.dtype == torch.uint8 and raw.dim() == 2
+        assert raw.shape[1] * GGUF_BLOCKS[qtype][0] == k * GGUF_BLOCKS[qtype][1], (raw.shape, k)
+        self.qtype, self.raw, self.shape = qtype, raw, torch.Size((raw.shape[0], k))
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
+        if dim == 0:
+            return QuantTensor(self.qtype, self.raw.narrow(0, start, length), self.shape[1])
+        bk, bb = GGUF_BLOCKS[self.qtype]
+        if start % bk or length % bk:  # e.g. a K-quant's 256-wide blocks over 2 ranks of 288 columns
+            logger.warning("columns [%d, %d) of a %s weight cut its %d-wide blocks: this shard is dequantized "
+                           "to float32", start, start + length, NAMES[self.qtype], bk)
+            return self.materialize().narrow(1, start, length)
+        return QuantTensor(self.qtype, self.raw.narrow(1, start // bk * bb, length // bk * bb), length)
+
+    def materialize(self) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        array = dequantize(self.raw.contiguous().numpy(), self.qtype)  # [rows, K] float32
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(self.shape))
+
+
+def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
+    """GGUF rows ``[n, K/32 * block bytes]`` -> the kernel's panels ``[ceil(n/16), K/32, packed
+    block bytes]`` (rows past n are zero blocks: they compute zeros the op never stores). In numpy:
+    torch's byte-wise strided copies ran ~100x slower here (0.2 s for one 1536 x 576 weight)."""
+    if KERNEL_TYPE[qtype] == QX:
+        return _repack_expanded(*expand_k_quant(qtype, raw.numpy()))
+    n = raw.shape[0]
+    bb = GGUF_BLOCKS[qtype][1]
+    nb = raw.shape[1] // bb
+    num_panels = -(-n // PANEL_ROWS)
+    num_scales = 2 if qtype == Q4_1 else 1
+    blocks = np.zeros((num_panels * PANEL_ROWS, nb, bb), dtype=np.uint8)
+    blocks[:n] = raw.numpy().reshape(n, nb, bb)
+    blocks = blocks.reshape(num_panels, PANEL_ROWS, nb, bb)
+    scales = np.ascontiguousarray(blocks[..., : 2 * num_scales]).view(np.uint16)  # [P, 16 rows, nb, d (m)]
+    scales = np.ascontiguousarray(scales.transpose(0, 2, 3, 1)).reshape(num_panels, nb, -1).view(np.uint8)  # [P, nb, d x16 (m x16)]
+    q = blocks[..., 2 * num_scales :].transpose(0, 2, 3, 1).reshape(num_panels, nb, -1)  # [P, nb, byte j x 16 rows]
+    packed = np.concatenate([scales, q], axis=-1)
+    assert packed.shape[-1] == PACKED_BLOCK_BYTES[qtype]
+    return torch.from_numpy(packed)
+
+
+def expand_k_quant(qtype: int, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF K-quant rows ``[n, K/256 * block bytes]`` -> ``(q int8 [n, K], scale, min float32
+    [n, K/16])`` with weight = q * scale + min, each term formed as gguf's numpy dequantize does."""
+    from gguf.quants import Q4_K as GGUF_Q4_K
+
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, GGUF_BLOCKS[qtype][1])  # [n * K/256, bytes]
+    num = blocks.shape[0]
+    if qtype in (Q4_K, Q5_K):
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = GGUF_Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        scale = d * sc.astype(np.float32)  # [num, 8 sub-blocks of 32]
+        minv = -(dmin * m.astype(np.float32))
+        qs = blocks[:, -128:].reshape(num, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & np.uint8(15)).reshape(num, 8, 32)
+        if qtype == Q5_K:
+            qh = blocks[:, 16:48].reshape(num, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & np.uint8(1)).reshape(num, 8, 32) << np.uint8(4))
+        scale, minv = np.repeat(scale, 2, axis=1), np.repeat(minv, 2, axis=1)  # per 16 weights
+    else:  # Q6_K
+        scale = blocks[:, 192:208].copy().view(np.int8).astype(np.float32) * \
+            blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [num, 16]
+        minv = np.zeros_like(scale)
+        ql = blocks[:, :128].reshape(num, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = blocks[:, 128:192].reshape(num, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((ql & np.uint8(15)).reshape(num, 8, 32) | ((qh & np.uint8(3)).reshape(num, 8, 32) << np.uint8(4)))
+        q = q.astype(np.int8) - np.int8(32)
+    return q.astype(np.int8).reshape(n, -1), scale.reshape(n, -1), minv.reshape(n, -1)
+
+
+def _repack_expanded(q: np.ndarray, scale: np.ndarray, minv: np.ndarray) -> torch.Tensor:
+    """(q [n, K], scale, min [n, K/16]) -> QX panels ``[ceil(n/16), K/32, 768]``: per K-block the
+    16 rows' scales of both halves, their mins, then 32 k-steps of 16 rows' int8 values."""
+    n, k = q.shape
+    nb = k // BLOCK_K
+    num_panels = -(-n // PANEL_ROWS)
+
+    def panels(a: np.ndarray, per_block: int) -> np.ndarray:  # [n, nb * per_block] -> [P, nb, per_block x 16 rows]
+        padded = np.zeros((num_panels * PANEL_ROWS, nb, per_block), dtype=a.dtype)
+        padded[:n] = a.reshape(n, nb, per_block)
+        out = padded.reshape(num_panels, PANEL_ROWS, nb, per_block).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(out).reshape(num_panels, nb, -1).view(np.uint8)
+
+    packed = np.concatenate([panels(scale, 2), panels(minv, 2), panels(q, BLOCK_K)], axis=-1)
+    assert packed.shape[-1] == PACKED_BLOCK_BYTES[QX]
+    return torch.from_numpy(packed)
+
+
+def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a repacked weight as float32 ``[len(ids), K]`` (values bit for bit gguf's);
+    ``qtype`` is the kernel type (``KERNEL_TYPE``)."""
+    num_panels, nb, _ = packed.shape
+    lane = (ids % PANEL_ROWS).view(-1, 1, 1)
+    blocks = packed[ids // PANEL_ROWS]  # [T, nb, block bytes]
+    t = blocks.shape[0]
+
+    def per_row(start: int, width: int) -> torch.Tensor:  # [T, nb, width / 16] bytes of each row's lane
+        part = blocks[:, :, start : start + width].reshape(t, nb, width // PANEL_ROWS, PANEL_ROWS)
+        return part.gather(3, lane.unsqueeze(-1).expand(t, nb, width // PANEL_ROWS, 1)).squeeze(-1)
+
+    def scale(start: int) -> torch.Tensor:  # [T, nb, 1] float32: the fp16 of each row's lane
+        part = blocks[:, :, start : start + 32].reshape(t, nb, PANEL_ROWS, 2)
+        picked = part.gather(2, lane.unsqueeze(-1).expand(t, nb, 1, 2))  # [T, nb, 1, 2]
+        return picked.reshape(t, nb, 2).contiguous().view(torch.float16).float()
+
+    if qtype == QX:
+        def halves(start: int) -> torch.Tensor:  # [T, nb, 2, 1] float32 of each row's lane
+            part = blocks[:, :, start : start + 128].contiguous().view(torch.float32).reshape(t, nb, 2, PANEL_ROWS)
+            return part.gather(3, lane.unsqueeze(-1).expand(t, nb, 2, 1))
+
+        q = per_row(256, 512).view(torch.int8).float().reshape(t, nb, 2, 16)
+        return (q * halves(0) + halves(128)).reshape(t, nb * BLOCK_K)
+    d = scale(0)
+    if qtype == Q8_0:
+        q = per_row(32, 512).view(torch.int8).float()  # [T, nb, 32]
+        return (q * d).reshape(t, nb * BLOCK_K)
+    b = per_row(64 if qtype == Q4_1 else 32, 256)  # [T, nb, 16 bytes]: k = j low, j + 16 high
+    q = torch.cat([b & 15, b >> 4], dim=-1).float()  # [T, nb, 32]
+    if qtype == Q4_0:
+        return ((q - 8) * d).reshape(t, nb * BLOCK_K)
+    m = scale(32)
+    return (d * q + m).reshape(t, nb * BLOCK_K)
+
+
+def kernel_isa() -> int:
+    """The ISA code this process asks the op for (``PAGEDLLM_CPU_GEMM_ISA``), 0 = the best."""
+    name = os.environ.get(ISA_ENV, "").lower()
+    if name not in ISA_CODES:
+        raise ValueError(f"{ISA_ENV}={name!r}: expected one of avx512, avx2, best")
+    return ISA_CODES[name]
+
+
+def kernel_available() -> bool:
+    """Whether the compiled quantized kernel runs here (library loaded, an ISA it supports)."""
+    from pagedllm.model.attention import cpu_op
+
+    return (cpu_op.load() and hasattr(torch.ops.pagedllm, "quant_gemm_isa")
+            and int(torch.ops.pagedllm.quant_gemm_isa(kernel_isa())) != 0)
+
+
+class QuantizedWeight:
+    """One repacked ``[n, k]`` weight and its product ``x W^T (+ bias)``."""
+
+    __slots__ = ("qtype", "kernel_type", "packed", "n", "k", "isa", "_op")
+
+    def __init__(self, qtype: int, raw: torch.Tensor, k: int) -> None:
+        if not kernel_available():  # loads the library, which registers the op
+            raise RuntimeError("the compiled quantized kernel is unavailable here (see cpu_op.unavailable_reason())")
+        self.qtype, self.kernel_type, self.n, self.k = qtype, KERNEL_TYPE[qtype], raw.shape[0], k
+        self.packed = repack(qtype, raw)
+        self.isa = kernel_isa()
+        overload = torch.ops.pagedllm.quant_gemm_cpu.default
+        self._op = getattr(overload, "_op", overload)  # the C++ callable, without OpOverload's wrapper
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., k] @ W^T (+ bias)`` -> ``[..., n]`` float32."""
+        if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != torch.float32:
+            shape = x.shape
+            y = self._op(x.reshape(-1, self.k).float().contiguous(), self.packed, self.kernel_type, self.n, bias,
+                         self.isa)
+            return y.view(*shape[:-1], self.n)
+        return self._op(x, self.packed, self.kernel_type, self.n, bias, self.isa)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` dequantized to float32 ``[len(ids), k]``."""
+        return dequantize_rows(self.kernel_type, self.packed, ids)
+
+
+def stage(param: nn.Parameter, row_offset: int, loaded: QuantTensor) -> None:
+    """Keep ``loaded`` (rows ``[row_offset, row_offset + rows)`` of ``param``) for ``finalize``."""
+    if loaded.shape[1] != param.shape[1]:
+        raise ValueError(f"a quantized shard of {loaded.shape[1]} columns for a weight of {param.shape[1]}")
+    shards = param.__dict__.setdefault("quant_shards", [])
+    shards.append((row_offset, loaded))
+
+
+def finalize(param: nn.Parameter) -> QuantizedWeight | None:
+    """The staged shards of ``param`` repacked into one ``QuantizedWeight`` (the float parameter
+    emptied to ``[out, 0]``); None when nothing was staged. Shards of mixed types, rows also loaded
+    as floats, or no kernel here: the staged rows are dequantized into the float parameter."""
+    shards = param.__dict__.pop("quant_shards", None)
+    if not shards:
+        return getattr(param, "quant", None)  # e.g. a tied LM head: the embedding finalized it
+    shards.sort(key=lambda s: s[0])
+    rows = param.shape[0]
+    covered = sum(s[1].shape[0] for s in shards)
+    contiguous = all(a[0] + a[1].shape[0] == b[0] for a, b in zip(shards, shards[1:])) and shards[0][0] == 0
+    qtypes = {s[1].qtype for s in shards}
+    if len(qtypes) == 1 and covered == rows and contiguous and kernel_available():
+        qtype = qtypes.pop()
+        raw = torch.cat([s[1].raw for s in shards]) if len(shards) > 1 else shards[0][1].raw
+        quant = QuantizedWeight(qtype, raw, param.shape[1])
+        param.data = torch.empty(rows, 0)
+        param.quant = quant
+        return quant
+    reason = "the compiled kernel is unavailable" if len(qtypes) == 1 and covered == rows else "mixed shard types"
+    logger.warning("quantized weight %s dequantized to float32 (%s)", tuple(param.shape), reason)
+    for offset, shard in shards:
+        param.data.narrow(0, offset, shard.shape[0]).copy_(shard.materialize())
+    return None
