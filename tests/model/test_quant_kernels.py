@@ -85,7 +85,7 @@ def test_narrow_columns_in_whole_blocks_else_dequantized():
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 64), (200, 576), (16, 96)])
 def test_kernel_matches_float64_reference(qtype, isa, n, k, monkeypatch):
-    monkeypatch.setenv(quantized.ISA_ENV, isa)
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM_ISA", isa)
     if qtype in K_QUANTS:
         k = k // 32 * 256  # whole super-blocks
     qt, w_deq = quantized_weight(qtype, n, k, seed=n * 1000 + k)

@@ -33,11 +33,12 @@ the model then runs today's float32 path, just as ``--gguf-dequantize`` would.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
 from torch import nn
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 
 BLOCK_K = 32
 PANEL_ROWS = 16
 SUPPORTED = frozenset(NAMES)
-ISA_ENV = "PAGEDLLM_CPU_GEMM_ISA"  # the float32 GEMM's switch; forces this kernel's ISA too
 ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
 
 
@@ -196,10 +196,7 @@ def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torc
 
 def kernel_isa() -> int:
     """The ISA code this process asks the op for (``PAGEDLLM_CPU_GEMM_ISA``), 0 = the best."""
-    name = os.environ.get(ISA_ENV, "").lower()
-    if name not in ISA_CODES:
-        raise ValueError(f"{ISA_ENV}={name!r}: expected one of avx512, avx2, best")
-    return ISA_CODES[name]
+    return ISA_CODES[envs.PAGEDLLM_CPU_GEMM_ISA]  # envs refuses any other name
 
 
 def kernel_available() -> bool:
