@@ -1,0 +1,109 @@
+"""Sparse mixture-of-experts MLP: a softmax router picks ``top_k`` experts per token.
+
+Per step, the (token, expert) pairs are sorted by expert so each expert's rows are contiguous;
+each chosen expert then runs its gated MLP once over all its rows (two GEMMs), and the outputs are
+weighted and summed back into their tokens. No per-token loop and no work for an expert no token
+chose::
+
+    tokens x top_k pairs --sort by expert--> [e0 e0 e0 | e2 | e3 e3 ]   (e1 unchosen: skipped)
+                                              GEMM(e0)  GEMM(e2) GEMM(e3)
+    out[token] = sum over its k pairs of  weight * expert_out   (index_add_)
+
+Routing follows HF: softmax over all experts in float32, top-k of the probabilities, renormalised
+to sum to 1 when ``renormalize`` (Mixtral always; Qwen3-MoE when ``norm_topk_prob``), cast back to
+the activations' dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.layers.activation import gated_activation
+from pagedllm.model.layers.linear import materialize
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, activation: str = "silu"):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.intermediate_size = intermediate_size
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.gate.weight.requires_grad_(False)
+        self.experts = _StackedExperts(hidden_size, intermediate_size, num_experts)
+        self.act = gated_activation(activation)
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in the activations' dtype, expert ids [T, k] int64) as HF routes."""
+        router_logits = self.gate(hidden_states)  # [T, E]
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(hidden_states.dtype), expert_ids
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        num_tokens, hidden = hidden_states.shape
+        weights, expert_ids = self.route(hidden_states)
+        flat_experts = expert_ids.reshape(-1)  # [T*k]: pair p is token p // k's choice p % k
+        order = torch.argsort(flat_experts, stable=True)  # pairs grouped by expert
+        token_of = order // self.top_k  # [T*k]
+        # One host read per layer: how many rows each expert has (the GEMM shapes).
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        rows = hidden_states.index_select(0, token_of)  # [T*k, hidden], expert-sorted
+        out_rows = torch.empty_like(rows)
+        w13, w2 = self.experts.w13, self.experts.w2
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate_up = F.linear(rows[start:end], w13[expert])  # [n, 2 * I]
+            out_rows[start:end] = F.linear(self.act(gate_up), w2[expert])  # [n, hidden]
+            start = end
+        out_rows.mul_(weights.reshape(-1, 1).index_select(0, order))
+        return torch.zeros_like(hidden_states).index_add_(0, token_of, out_rows)
+
+    def forward_dense(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, unchosen ones weighted 0: the benchmark's dense baseline
+        (same routing, so the same result up to rounding)."""
+        weights, expert_ids = self.route(hidden_states)
+        dense = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=weights.dtype)
+        dense.scatter_(1, expert_ids, weights)  # [T, E]
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            h = F.linear(self.act(F.linear(hidden_states, self.experts.w13[expert])), self.experts.w2[expert])
+            out += dense[:, expert : expert + 1] * h
+        return out
+
+
+class _StackedExperts(nn.Module):
+    """All experts' weights, stacked: ``w13`` [E, 2*I, hidden] (gate rows, then up rows) and
+    ``w2`` [E, hidden, I]. Checkpoints store them per expert; each loads into its slice."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.w13.weight_loader = self._load_w13
+        self.w2.weight_loader = self._load_w2
+        # The keys load_weights records per loaded slice (LlamaForCausalLM.expected_weight_keys).
+        self.w13.shard_ids = [(e, part) for e in range(num_experts) for part in (0, 1)]
+        self.w2.shard_ids = [(e,) for e in range(num_experts)]
+
+    def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        expert, part = shard_id  # part 0 = gate_proj, 1 = up_proj
+        I = self.intermediate_size
+        target = param.data[expert, part * I : (part + 1) * I]
+        assert target.shape == loaded.shape, (target.shape, loaded.shape)
+        target.copy_(materialize(loaded))
+
+    def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int]) -> None:
+        target = param.data[shard_id[0]]
+        assert target.shape == loaded.shape, (target.shape, loaded.shape)
+        target.copy_(materialize(loaded))
