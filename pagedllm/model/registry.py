@@ -9,11 +9,13 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
