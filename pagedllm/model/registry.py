@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.model.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -16,6 +17,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -28,8 +28,11 @@ PROMPT_LENGTHS = [1, 5, 16, 17, 33, 47, 64, 100, 129]
 
 KINDS = {  # tiny model kind -> the class the registry must pick
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_moe_unnormalized": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
-WINDOWED: set[str] = set()
+WINDOWED = {"mixtral"}
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
