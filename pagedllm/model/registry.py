@@ -8,6 +8,7 @@ weights through the engine (tests/engine/test_hf_equivalence.py, tests/model/tes
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.model.qwen3 import Qwen3ForCausalLM
@@ -19,6 +20,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

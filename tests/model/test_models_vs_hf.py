@@ -31,8 +31,10 @@ KINDS = {  # tiny model kind -> the class the registry must pick
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_moe_unnormalized": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
-WINDOWED = {"mixtral"}
+WINDOWED = {"mixtral", "gemma2", "gemma3"}
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
