@@ -11,6 +11,7 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagedllm.model.phi3 import Phi3ForCausalLM
 from pagedllm.model.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -22,6 +23,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

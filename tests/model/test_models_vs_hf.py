@@ -33,6 +33,7 @@ KINDS = {  # tiny model kind -> the class the registry must pick
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 WINDOWED = {"mixtral", "gemma2", "gemma3"}
 
