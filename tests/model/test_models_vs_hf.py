@@ -34,8 +34,9 @@ KINDS = {  # tiny model kind -> the class the registry must pick
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mistral_window": "LlamaForCausalLM",
 }
-WINDOWED = {"mixtral", "gemma2", "gemma3"}
+WINDOWED = {"mixtral", "gemma2", "gemma3", "mistral_window"}
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
