@@ -95,6 +95,20 @@ def test_prefix_cache_hits_match_hf(setup):
     _check(llm, prompts, references, f"{kind} served from the prefix cache")
 
 
+def test_every_registered_architecture_is_verified(capsys):
+    """No architecture is registered without an HF-equality test and its line in ``pagedllm models``."""
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.model.registry import VERIFIED_BY, supported_architectures
+
+    tested_elsewhere = {"LlamaForCausalLM", "Qwen2ForCausalLM"}  # tests/engine/test_hf_equivalence.py
+    tested_here = set(KINDS.values()) | {"MistralForCausalLM"}  # mistral_window: MistralConfig
+    assert set(supported_architectures()) == (tested_here - {"LlamaForCausalLM"}) | tested_elsewhere
+    assert set(VERIFIED_BY) == set(supported_architectures())
+    assert main(["models"]) == 0
+    listed = capsys.readouterr().out
+    assert all(arch in listed for arch in supported_architectures())
+
+
 def test_window_is_exercised(setup):
     """The window changes HF's greedy outputs on these prompts, so matching HF tests it."""
     kind, hf_model, _, prompts, references = setup
