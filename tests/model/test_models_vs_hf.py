@@ -120,3 +120,22 @@ def test_window_is_exercised(setup):
     long_prompts = [(p, r) for p, r in zip(prompts, references) if len(p) > 2 * WINDOW]
     differing = [p for p, ref in long_prompts if hf_greedy(full, p, MAX_NEW_TOKENS).token_ids != ref.token_ids]
     assert len(differing) >= len(long_prompts) // 2, "the window barely changes outputs: the test would miss it"
+
+
+def test_phi3_longrope_rotation_by_position():
+    """longrope: positions below original_max_position_embeddings rotate by the short factors (as HF
+    does for any sequence shorter than that), positions from it on by the long ones (as HF does
+    once a sequence is longer; HF then re-rotates the whole sequence, which a KV cache cannot)."""
+    from pagedllm.model.layers.rotary import RotaryEmbedding
+
+    hf_model = make_hf_model("phi3", seed=1)
+    config = hf_model.config
+    original = config.rope_parameters["original_max_position_embeddings"]
+    ours = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads)
+    x = torch.zeros(1, 1, 1)
+    with torch.no_grad():
+        short_cos, _ = hf_model.model.rotary_emb(x, torch.arange(original)[None])
+        long_cos, _ = hf_model.model.rotary_emb(x, torch.arange(original + 64)[None])
+    torch.testing.assert_close(ours.cos_cache[:original], short_cos[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.cos_cache[original : original + 64], long_cos[0, original:], atol=1e-5, rtol=0)
+    assert not torch.allclose(short_cos[0, 1:], long_cos[0, 1:original], atol=1e-3)  # the factors differ

@@ -73,10 +73,12 @@ def _tiny_config(kind: str):
             sliding_window=WINDOW, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
             **{**COMMON, "num_hidden_layers": 4},
         )
-    if kind == "gemma3":  # q/k norms, local/global rotary bases, 3 local layers then a global one
+    if kind == "gemma3":  # q/k norms, local/global rotary bases (global linear-scaled, as Gemma 3 4B+),
+        # 3 local layers then a global one
         return Gemma3TextConfig(
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
             sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=10000.0,
             **{**COMMON, "num_hidden_layers": 4},
         )
     if kind == "phi3":  # fused qkv / gate_up; longrope (positions under the original length: short factors)
