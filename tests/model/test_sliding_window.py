@@ -70,3 +70,28 @@ def test_compiled_op_without_window_is_unchanged():
     query, kv_cache, metadata, scale = random_case([90, 40], [25, 40])
     torch.testing.assert_close(cpu_op.paged_attention_cpu(query, kv_cache, metadata, scale),
                                paged_attention(query, kv_cache, metadata, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_a_backend_without_windows_or_softcap_refuses_such_models():
+    """set_attention_backend names the missing feature (the triton kernels have neither) and changes
+    no layer."""
+    from pagedllm.model.attention.backend import TORCH_BACKEND, AttentionBackend, set_attention_backend
+    from pagedllm.model.gemma import Gemma2ForCausalLM
+    from tests.model.tiny_models import tiny_config
+
+    class NoWindow(AttentionBackend):
+        name = "no-window"
+        supports_sliding_window = False
+
+    class NoSoftcap(AttentionBackend):
+        name = "no-softcap"
+        supports_softcap = False
+
+    model = Gemma2ForCausalLM(tiny_config("gemma2"))
+    with pytest.raises(ValueError, match="no-window.*sliding-window"):
+        set_attention_backend(model, NoWindow())
+    with pytest.raises(ValueError, match="no-softcap.*soft-capping"):
+        set_attention_backend(model, NoSoftcap())
+    layers = [layer.self_attn.attn for layer in model.model.layers]
+    assert all(layer.backend is TORCH_BACKEND for layer in layers)
+    assert [layer.sliding_window for layer in layers] == [16, None, 16, None]  # Gemma 2 alternates
