@@ -37,7 +37,8 @@ VERIFIED_BY: dict[str, str] = {
     "MistralForCausalLM": f"{_ENGINE_CHECK}, sliding window 16 on prompts to 8x it "
                           "(tests/model/test_models_vs_hf.py[mistral_window])",
     "Qwen2ForCausalLM": f"{_LLAMA_CHECK} (tests/engine/test_hf_equivalence.py, q/k/v bias)",
-    "Qwen3ForCausalLM": f"{_ENGINE_CHECK} (tests/model/test_models_vs_hf.py[qwen3])",
+    "Qwen3ForCausalLM": f"{_ENGINE_CHECK} (tests/model/test_models_vs_hf.py[qwen3]); GGUF F32 twin "
+                        "(tests/model/test_gguf_qwen3.py)",
     "Qwen3MoeForCausalLM": f"{_ENGINE_CHECK}, 8 experts top-2, norm_topk_prob on and off, a dense layer "
                            "(tests/model/test_models_vs_hf.py[qwen3_moe*])",
     "MixtralForCausalLM": f"{_ENGINE_CHECK}, 4 experts top-2, sliding window 16 "
