@@ -12,7 +12,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.model.layers.moe import SparseMoE
 
@@ -45,6 +44,7 @@ def main() -> None:
     with torch.no_grad():
         for param in moe.parameters():
             param.normal_(0, 0.02)
+    moe.experts.process_weights_after_loading()  # the packed CPU GEMM weights, as the loader does
     print(f"MoE layer: hidden {args.hidden}, {args.experts} experts x intermediate {args.inter}, top-{args.top_k}, "
           f"float32, {torch.get_num_threads()} threads")
     print(f"{'batch':>5} {'active':>6} {'sparse ms':>9} {'dense ms':>8} {'ideal ms':>8} {'dense/sparse':>12} "
@@ -59,7 +59,7 @@ def main() -> None:
 
             def ideal():
                 for e, rows in groups:
-                    F.linear(moe.act(F.linear(rows, moe.experts.w13[e])), moe.experts.w2[e])
+                    moe.expert_mlp(e, rows)
 
             sparse, dense, ideal_ms = best_ms([lambda: moe(x), lambda: moe.forward_dense(x), ideal], args.repeats)
             print(f"{batch:>5} {len(groups):>6} {sparse:>9.3f} {dense:>8.3f} {ideal_ms:>8.3f} {dense / sparse:>12.2f} "

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.layers.activation import gated_activation
-from pagedllm.model.layers.linear import materialize
+from pagedllm.model.layers.linear import materialize, pack_for_cpu, packed_linear
 
 
 class SparseMoE(nn.Module):
@@ -56,14 +56,12 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         rows = hidden_states.index_select(0, token_of)  # [T*k, hidden], expert-sorted
         out_rows = torch.empty_like(rows)
-        w13, w2 = self.experts.w13, self.experts.w2
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             end = start + count
-            gate_up = F.linear(rows[start:end], w13[expert])  # [n, 2 * I]
-            out_rows[start:end] = F.linear(self.act(gate_up), w2[expert])  # [n, hidden]
+            out_rows[start:end] = self.expert_mlp(expert, rows[start:end])  # [n, hidden]
             start = end
         # Back to pair order, then each token's k outputs weighted and summed. (index_add_ into the
         # tokens measured ~50 ms for 8 rows of 1024 on CPU, a slow scatter_add_ kernel; a gather
@@ -79,9 +77,20 @@ class SparseMoE(nn.Module):
         dense.scatter_(1, expert_ids, weights)  # [T, E]
         out = torch.zeros_like(hidden_states)
         for expert in range(self.num_experts):
-            h = F.linear(self.act(F.linear(hidden_states, self.experts.w13[expert])), self.experts.w2[expert])
-            out += dense[:, expert : expert + 1] * h
+            out += dense[:, expert : expert + 1] * self.expert_mlp(expert, hidden_states)
         return out
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's gated MLP over its rows [n, hidden] -> [n, hidden]: through the packed
+        weights (the compiled CPU GEMM, as the dense linears use; measured 2-10x faster than
+        F.linear at 1-16 rows per expert) once ``process_weights_after_loading`` ran."""
+        experts = self.experts
+        w13, w2 = experts.w13[expert], experts.w2[expert]
+        if experts.packed is None:
+            return F.linear(self.act(F.linear(rows, w13)), w2)
+        (gemm13, mkl13), (gemm2, mkl2) = experts.packed[expert]
+        gate_up = packed_linear(rows, w13, None, gemm13, mkl13)  # [n, 2 * I]
+        return packed_linear(self.act(gate_up), w2, None, gemm2, mkl2)
 
 
 class _StackedExperts(nn.Module):
@@ -98,6 +107,14 @@ class _StackedExperts(nn.Module):
         # The keys load_weights records per loaded slice (LlamaForCausalLM.expected_weight_keys).
         self.w13.shard_ids = [(e, part) for e in range(num_experts) for part in (0, 1)]
         self.w2.shard_ids = [(e,) for e in range(num_experts)]
+        # Per expert, ((gemm, mkl) packed copies of w13[e]), (... of w2[e])); None until packed.
+        self.packed: list | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack each expert's weights for the CPU GEMM (pack_for_cpu: both None off the CPU or
+        float32, and packed_linear then runs F.linear). Call after the last weight/dtype change."""
+        self.packed = [(pack_for_cpu(self.w13[e].detach()), pack_for_cpu(self.w2[e].detach()))
+                       for e in range(self.w13.shape[0])]
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
         expert, part = shard_id  # part 0 = gate_proj, 1 = up_proj
