@@ -38,6 +38,8 @@ struct AttnParams {
   float scale;
   // Sliding window: the query at position q sees keys [q - window + 1, q]; <= 0 = all keys up to q.
   int64_t window;
+  // Score soft-capping (Gemma 2): scaled score s -> softcap * tanh(s / softcap); <= 0 = none.
+  float softcap;
   // Per-key path software prefetch (see run_item): the chunk this many chunks ahead (0 = none),
   // how its lines are requested (PfMode), and the hint (__builtin_prefetch locality: 3 = L1).
   int32_t pf_dist, pf_mode, pf_hint;

@@ -145,13 +145,16 @@ static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha
 // A row that has seen no key yet keeps max -inf and gets alpha 0 and probabilities 0 (vexp of
 // -inf - -inf, a NaN, is 0); a row that sees none of this chunk gets alpha exactly 1.
 static inline void softmax_chunk(float* st, int64_t R, int64_t Rh, const int64_t* row_begin,
-                                 const int64_t* row_end, int64_t c0, int64_t n, float* mx, float* sm, float* alpha) {
+                                 const int64_t* row_end, int64_t c0, int64_t n, float* mx, float* sm, float* alpha,
+                                 float softcap) {
   constexpr int KC = kKeyChunk;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t nr = max64(0, min64(n, row_end[r % Rh] - c0));
-    for (int64_t j = nr; j < KC; ++j) st[r * KC + j] = -INFINITY;
     // Keys before the row's sliding window (row_begin is the item's key_begin without one).
-    const int64_t lo = min64(KC, row_begin[r % Rh] - c0);
+    const int64_t lo = max64(0, min64(KC, row_begin[r % Rh] - c0));
+    if (softcap > 0.f)  // the visible scores only (the others may be any value)
+      for (int64_t j = lo; j < nr; ++j) st[r * KC + j] = softcap * tanhf(st[r * KC + j] / softcap);
+    for (int64_t j = nr; j < KC; ++j) st[r * KC + j] = -INFINITY;
     for (int64_t j = 0; j < lo; ++j) st[r * KC + j] = -INFINITY;
   }
   for (int64_t rg = 0; rg < R; rg += VW) {
@@ -319,7 +322,7 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       if (re - r0 == 2) score_rows<D, 2, T>(qb + r0 * D, kb, offs, st + r0 * KC);
       if (re - r0 == 1) score_rows<D, 1, T>(qb + r0 * D, kb, offs, st + r0 * KC);
     }
-    softmax_chunk(st, R, Rh, row_begin, row_end, c0, n, mx, sm, alpha);
+    softmax_chunk(st, R, Rh, row_begin, row_end, c0, n, mx, sm, alpha, p.softcap);
     for (int64_t h = 0; h < w.kv_heads; ++h) {
       const T* vb = vbase0 + h * p.kv_stride_head;
       const int64_t rb = h * Rh + r_first, re = (h + 1) * Rh;

@@ -142,7 +142,7 @@ void merge_splits(const AttnParams& p, const std::vector<SplitGroup>& groups) {
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                                int64_t num_splits, int64_t isa, int64_t tile_min_rows, int64_t tile_rows,
-                               int64_t window) {
+                               int64_t window, double softcap) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention_cpu: float32 query only");
   const int32_t kv_type = kv_type_of(kv_cache);
@@ -245,6 +245,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   p.tile_min_rows = tile_min_rows;
   p.scale = static_cast<float>(scale);
   p.window = window;
+  p.softcap = static_cast<float>(softcap);
   // PAGEDLLM_ATTN_PF=dist[,mode[,hint]] overrides the per-key path's prefetch (0 = none), for
   // A/B runs of scripts/attention_scattered.py; values are clamped, the output never changes.
   p.pf_dist = 1;
@@ -339,7 +340,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention_cpu(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale, int num_splits=0, int isa=0, int tile_min_rows=0, "
-      "int tile_rows=0, int window=-1) -> Tensor");
+      "int tile_rows=0, int window=-1, float softcap=0.) -> Tensor");
   // 2 = AVX-512, 1 = AVX2 + FMA + F16C, 0 = neither (the op then refuses to run).
   m.def("cpu_isa() -> int", &pagedllm::best_isa);
   m.def("kv_write_cpu(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");

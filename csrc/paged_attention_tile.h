@@ -158,6 +158,8 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
         alpha[r] = 1.f;
         continue;
       }
+      if (p.softcap > 0.f)
+        for (int64_t j = lo; j < nr; ++j) s[j] = p.softcap * tanhf(s[j] / p.softcap);
       for (int64_t j = 0; j < lo; ++j) s[j] = -INFINITY;
       for (int64_t j = nr; j < KT; ++j) s[j] = -INFINITY;
       vf vmx = vload(s);

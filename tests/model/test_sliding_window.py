@@ -1,6 +1,6 @@
-"""Sliding-window attention: the torch reference against a dense masked definition, and the
-compiled CPU op against the reference on every path (decode, prompt chunks over a cached prefix,
-mixed steps; per-key and tiled items; context splits; 16-bit caches)."""
+"""Sliding-window attention and score soft-capping: the torch reference against a dense
+definition, and the compiled CPU op against the reference on every path (decode, prompt chunks
+over a cached prefix, mixed steps; per-key and tiled items; context splits; 16-bit caches)."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from tests.model.conftest import require_compiled_cpu_ops
 from tests.model.test_cpu_attention import PATHS, available_isas, random_case
 
 
-def dense_reference(query, kv_cache, metadata, scale, window):
+def dense_reference(query, kv_cache, metadata, scale, window, softcap=None):
     """Each token's softmax over the keys of its window, from the gathered contiguous K/V."""
     block_size = kv_cache.shape[2]
     out = torch.empty_like(query)
@@ -27,6 +27,8 @@ def dense_reference(query, kv_cache, metadata, scale, window):
             pos = seq_len - q_len + r
             lo = 0 if window is None else max(0, pos - window + 1)
             scores = torch.einsum("hd,lhd->hl", query[starts[s] + r], k[lo : pos + 1]) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             out[starts[s] + r] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo : pos + 1])
     return out
 
@@ -39,28 +41,34 @@ CASES = [  # (seq_lens, query_lens): decode only, one long prompt, chunks over a
 ]
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 33, 1000])
+# (window, softcap); a cap of 0.5 on scores of about +-3 (random_case's scale) bends every one
+OPTIONS = [(1, None), (5, None), (16, None), (33, None), (1000, None), (None, 0.5), (16, 0.5), (None, 50.0)]
+
+
+@pytest.mark.parametrize("window,softcap", OPTIONS)
 @pytest.mark.parametrize("seq_lens,query_lens", CASES)
-def test_reference_masks_keys_outside_the_window(seq_lens, query_lens, window):
+def test_reference_masks_keys_outside_the_window(seq_lens, query_lens, window, softcap):
     query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, head_dim=32, block_size=8)
-    expected = dense_reference(query, kv_cache, metadata, scale, window)
-    torch.testing.assert_close(paged_attention(query, kv_cache, metadata, scale, sliding_window=window), expected,
-                               atol=1e-5, rtol=1e-5)
+    expected = dense_reference(query, kv_cache, metadata, scale, window, softcap)
+    out = paged_attention(query, kv_cache, metadata, scale, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if softcap == 0.5:  # the cap changes the result (else this would not test it)
+        assert not torch.allclose(out, dense_reference(query, kv_cache, metadata, scale, window), atol=1e-3)
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 33, 1000])
+@pytest.mark.parametrize("window,softcap", OPTIONS)
 @pytest.mark.parametrize("seq_lens,query_lens", CASES)
-def test_compiled_op_matches_reference(seq_lens, query_lens, window):
+def test_compiled_op_matches_reference(seq_lens, query_lens, window, softcap):
     require_compiled_cpu_ops()
     query, kv_cache, metadata, scale = random_case(seq_lens, query_lens, head_dim=64, block_size=16)
-    expected = paged_attention(query, kv_cache, metadata, scale, sliding_window=window)
+    expected = paged_attention(query, kv_cache, metadata, scale, sliding_window=window, softcap=softcap)
     for isa in available_isas():
         for path, num_splits in [("default", 0), ("tiled", 0), ("per_key", 0), ("per_key", 3), ("tiled", 2)]:
             for kv in (kv_cache, kv_cache.to(torch.bfloat16)):
                 ref = expected if kv.dtype == torch.float32 else paged_attention(
-                    query, kv, metadata, scale, sliding_window=window)
+                    query, kv, metadata, scale, sliding_window=window, softcap=softcap)
                 out = cpu_op.paged_attention_cpu(query, kv, metadata, scale, num_splits=num_splits, isa=isa,
-                                                 tile_min_rows=PATHS[path], sliding_window=window)
+                                                 tile_min_rows=PATHS[path], sliding_window=window, softcap=softcap)
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"isa {isa}, {path}, splits {num_splits}, {kv.dtype}: {m}")
 

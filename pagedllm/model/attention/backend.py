@@ -8,8 +8,8 @@ a backend (the torch reference unless the model runner sets another with
 installs without triton never touch it.
 
 Two per-layer options reach ``attend`` from the ``Attention`` layer: ``sliding_window`` and
-``softcap`` (paged.py defines both). The reference implements both; the compiled CPU op takes the
-window (``-1`` = none) and sends soft-capped layers to the reference; the Triton kernels take
+``softcap`` (paged.py defines both). The reference implements both; so does the compiled CPU op
+(``window=-1`` / ``softcap=0`` = none); the Triton kernels take
 neither, and ``set_attention_backend`` refuses a model that needs them there.
 """
 
@@ -94,14 +94,15 @@ class CpuAttentionBackend(AttentionBackend):
         # Both ops' conditions (cpu_op.supports_kv_write and cpu_op.supports) checked once, with the
         # cheapest tensor reads (is_cpu, not .device): at decode these checks were ~5 us a layer.
         f32 = torch.float32
-        if (softcap is None and self._attention is not None and query.dtype == f32 and key.dtype == f32 and value.dtype == f32
+        if (self._attention is not None and query.dtype == f32 and key.dtype == f32 and value.dtype == f32
                 and query.is_cpu and key.is_cpu and kv_cache.dtype in self._op.KV_DTYPES
                 and kv_cache.is_contiguous() and query.shape[-1] in self._op.SUPPORTED_HEAD_DIMS
                 and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1):
             self._kv_write(key, value, kv_cache, metadata.slot_mapping)
             return self._attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
                                    metadata.query_start_loc, scale, 0, 0, 0, 0,
-                                   -1 if sliding_window is None else sliding_window)
+                                   -1 if sliding_window is None else sliding_window,
+                                   0.0 if softcap is None else softcap)
         self.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return self.forward(query, kv_cache, metadata, scale, sliding_window, softcap)
 
@@ -113,9 +114,10 @@ class CpuAttentionBackend(AttentionBackend):
             write_kv_cache(key, value, kv_cache, slot_mapping)
 
     def forward(self, query, kv_cache, metadata, scale, sliding_window=None, softcap=None) -> torch.Tensor:
-        if softcap is not None or not self._op.supports(query, kv_cache):
+        if not self._op.supports(query, kv_cache):
             return paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap)
-        return self._op.paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window=sliding_window)
+        return self._op.paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window=sliding_window,
+                                            softcap=softcap)
 
 
 class TritonAttentionBackend(AttentionBackend):
