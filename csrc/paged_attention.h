@@ -36,6 +36,10 @@ struct AttnParams {
   int64_t block_size, num_heads, group, head_dim, max_rows;
   int64_t tile_min_rows;  // items with at least this many rows (query rows x group) take the tiled path
   float scale;
+  // Sliding window: the query at position q sees keys [q - window + 1, q]; <= 0 = all keys up to q.
+  int64_t window;
+  // Score soft-capping (Gemma 2): scaled score s -> softcap * tanh(s / softcap); <= 0 = none.
+  float softcap;
   // Per-key path software prefetch (see run_item): the chunk this many chunks ahead (0 = none),
   // how its lines are requested (PfMode), and the hint (__builtin_prefetch locality: 3 = L1).
   int32_t pf_dist, pf_mode, pf_hint;
@@ -51,9 +55,11 @@ struct WorkItem {
 
 // Scratch floats one call needs per thread for items of at most max_rows rows.
 static inline int64_t scratch_floats(int64_t max_rows, int64_t head_dim) {
-  const int64_t per_key = max_rows * (2 * head_dim + kKeyChunk + 6) + 64;
+  // Per row: the row's query and output (2 * head_dim), its scores, max, sum and rescale (3), its
+  // first and end key (two int64, 4 floats), and slack.
+  const int64_t per_key = max_rows * (2 * head_dim + kKeyChunk + 8) + 64;
   const int64_t rp = max_rows + kMaxTileMR;
-  const int64_t tiled = rp * (2 * head_dim + kKeyTile + 6) + head_dim * kKeyTile + 64;
+  const int64_t tiled = rp * (2 * head_dim + kKeyTile + 8) + head_dim * kKeyTile + 64;
   return per_key > tiled ? per_key : tiled;
 }
 

@@ -9,7 +9,8 @@
 // folded into the rows (row = (head * query_rows + query_row) * group + g), so each K/V row is
 // read from memory once per item and reused from L1 by every row. Keys are streamed in chunks of kKeyChunk through the
 // block table with an online softmax; row r of a sequence with query_len Q and seq_len L sees
-// keys [0, L - Q + r] (causal over the cached prefix and the chunk itself).
+// keys [0, L - Q + r] (causal over the cached prefix and the chunk itself); with a sliding window
+// W only the last W of those, [L - Q + r - W + 1, L - Q + r] (keys before it are masked per row).
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -143,12 +144,18 @@ static inline void pv_rows_chunk(float* acc, const float* st, const float* alpha
 // of VW rows out of one vector exp, instead of two horizontal reductions and a scalar exp per row.
 // A row that has seen no key yet keeps max -inf and gets alpha 0 and probabilities 0 (vexp of
 // -inf - -inf, a NaN, is 0); a row that sees none of this chunk gets alpha exactly 1.
-static inline void softmax_chunk(float* st, int64_t R, int64_t Rh, const int64_t* row_end, int64_t c0,
-                                 int64_t n, float* mx, float* sm, float* alpha) {
+static inline void softmax_chunk(float* st, int64_t R, int64_t Rh, const int64_t* row_begin,
+                                 const int64_t* row_end, int64_t c0, int64_t n, float* mx, float* sm, float* alpha,
+                                 float softcap) {
   constexpr int KC = kKeyChunk;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t nr = max64(0, min64(n, row_end[r % Rh] - c0));
+    // Keys before the row's sliding window (row_begin is the item's key_begin without one).
+    const int64_t lo = max64(0, min64(KC, row_begin[r % Rh] - c0));
+    if (softcap > 0.f)  // the visible scores only (the others may be any value)
+      for (int64_t j = lo; j < nr; ++j) st[r * KC + j] = softcap * tanhf(st[r * KC + j] / softcap);
     for (int64_t j = nr; j < KC; ++j) st[r * KC + j] = -INFINITY;
+    for (int64_t j = 0; j < lo; ++j) st[r * KC + j] = -INFINITY;
   }
   for (int64_t rg = 0; rg < R; rg += VW) {
     const int64_t rows = min64(VW, R - rg);
@@ -228,6 +235,7 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   float* alpha = sm + Rp;     // [Rp] this chunk's rescale of acc
   // [Rh] exclusive key limit per row of a head (the same for every head), 8-byte aligned
   int64_t* row_end = (int64_t*)(((uintptr_t)(alpha + Rp) + 7) & ~(uintptr_t)7);
+  int64_t* row_begin = row_end + Rh;  // [Rh] first key per row (its sliding window's start)
 
   const int64_t seq_len = p.seq_lens[w.seq];
   const int64_t q0 = p.query_start_loc[w.seq];
@@ -236,7 +244,14 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
   int64_t key_stop = w.key_begin;
   for (int64_t qi = 0; qi < w.q_count; ++qi) {
     const int64_t end = min64(first_pos + w.q_begin + qi + 1, w.key_end);
-    for (int64_t g = 0; g < G; ++g) row_end[qi * G + g] = end;
+    // The window starts window keys before the row's own position + 1 (not before `end`, which a
+    // context split clips).
+    const int64_t pos_end = first_pos + w.q_begin + qi + 1;
+    const int64_t begin = p.window > 0 ? max64(w.key_begin, pos_end - p.window) : w.key_begin;
+    for (int64_t g = 0; g < G; ++g) {
+      row_end[qi * G + g] = end;
+      row_begin[qi * G + g] = begin;
+    }
     key_stop = max64(key_stop, end);
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -307,7 +322,7 @@ static void run_item(const AttnParams& p, const WorkItem& w, float* scratch) {
       if (re - r0 == 2) score_rows<D, 2, T>(qb + r0 * D, kb, offs, st + r0 * KC);
       if (re - r0 == 1) score_rows<D, 1, T>(qb + r0 * D, kb, offs, st + r0 * KC);
     }
-    softmax_chunk(st, R, Rh, row_end, c0, n, mx, sm, alpha);
+    softmax_chunk(st, R, Rh, row_begin, row_end, c0, n, mx, sm, alpha, p.softcap);
     for (int64_t h = 0; h < w.kv_heads; ++h) {
       const T* vb = vbase0 + h * p.kv_stride_head;
       const int64_t rb = h * Rh + r_first, re = (h + 1) * Rh;

@@ -141,7 +141,8 @@ void merge_splits(const AttnParams& p, const std::vector<SplitGroup>& groups) {
 
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                               int64_t num_splits, int64_t isa, int64_t tile_min_rows, int64_t tile_rows) {
+                               int64_t num_splits, int64_t isa, int64_t tile_min_rows, int64_t tile_rows,
+                               int64_t window, double softcap) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention_cpu: float32 query only");
   const int32_t kv_type = kv_type_of(kv_cache);
@@ -193,13 +194,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
     for (int64_t qb = 0; qb < q_len; qb += t) {
       const int64_t qc = std::min(t, q_len - qb);
       const int64_t key_end = first_pos + qb + qc;
+      // With a sliding window the item's first row (position first_pos + qb) sees the lowest keys.
+      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos + qb + 1 - window) : 0;
       // Per-key path items take several KV heads (up to kMaxGroupedRows rows) so each block is
       // read as one run; tiled items keep one head (their rows already reuse each key tile).
       const int64_t rows = qc * group;
       const int64_t heads = rows >= tile_min_rows ? 1 : std::max<int64_t>(1, std::min(num_kv_heads, kMaxGroupedRows / rows));
       for (int64_t h = 0; h < num_kv_heads; h += heads) {
         const int64_t nh = std::min(heads, num_kv_heads - h);
-        items.push_back(WorkItem{s, h, nh, qb, qc, 0, key_end, -1, key_end * (rows * nh + 4)});
+        items.push_back(WorkItem{s, h, nh, qb, qc, key_begin, key_end, -1, (key_end - key_begin) * (rows * nh + 4)});
       }
     }
   }
@@ -241,6 +244,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cac
   p.max_rows = max_rows;
   p.tile_min_rows = tile_min_rows;
   p.scale = static_cast<float>(scale);
+  p.window = window;
+  p.softcap = static_cast<float>(softcap);
   // PAGEDLLM_ATTN_PF=dist[,mode[,hint]] overrides the per-key path's prefetch (0 = none), for
   // A/B runs of scripts/attention_scattered.py; values are clamped, the output never changes.
   p.pf_dist = 1;
@@ -335,7 +340,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention_cpu(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale, int num_splits=0, int isa=0, int tile_min_rows=0, "
-      "int tile_rows=0) -> Tensor");
+      "int tile_rows=0, int window=-1, float softcap=0.) -> Tensor");
   // 2 = AVX-512, 1 = AVX2 + FMA + F16C, 0 = neither (the op then refuses to run).
   m.def("cpu_isa() -> int", &pagedllm::best_isa);
   m.def("kv_write_cpu(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");

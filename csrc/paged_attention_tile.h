@@ -100,6 +100,7 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
   float* sm = mx + Rp;        // [Rp] running sum
   float* alpha = sm + Rp;     // [Rp] this tile's rescale of acc
   int64_t* row_end = (int64_t*)(((uintptr_t)(alpha + Rp) + 7) & ~(uintptr_t)7);  // [Rp]
+  int64_t* row_begin = row_end + Rp;  // [Rp] first key per row (its sliding window's start)
 
   const int64_t seq_len = p.seq_lens[w.seq];
   const int64_t q0 = p.query_start_loc[w.seq];
@@ -112,7 +113,7 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
     for (int v = 0; v < NV; ++v) vstore(acc + r * D + v * VW, vzero());
     if (r >= R) {
       for (int v = 0; v < NV; ++v) vstore(qb + r * D + v * VW, vzero());
-      row_end[r] = w.key_begin;  // sees no key
+      row_end[r] = row_begin[r] = w.key_begin;  // sees no key
       continue;
     }
     const int64_t qi = r / G, g = r - qi * G;
@@ -120,6 +121,8 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
     const float* src = p.query + tok * p.q_stride_tok + (w.kv_head * G + g) * p.q_stride_head;
     for (int v = 0; v < NV; ++v) vstore(qb + r * D + v * VW, vmul(vload(src + v * VW), vscale));
     row_end[r] = min64(first_pos + w.q_begin + qi + 1, w.key_end);
+    // From the row's own position (row_end is clipped by a context split's key_end).
+    row_begin[r] = p.window > 0 ? max64(w.key_begin, first_pos + w.q_begin + qi + 1 - p.window) : w.key_begin;
     key_stop = max64(key_stop, row_end[r]);
   }
 
@@ -149,11 +152,15 @@ static void run_item_tiled(const AttnParams& p, const WorkItem& w, float* scratc
     for (int64_t r = r_first; r < Rp; ++r) {
       float* s = st + r * KT;
       const int64_t nr = min64(n, row_end[r] - c0);
-      if (nr <= 0) {
+      const int64_t lo = max64(0, row_begin[r] - c0);  // keys before the row's window
+      if (nr <= lo) {  // the row sees none of this tile
         for (int j = 0; j < KT; ++j) s[j] = 0.f;
         alpha[r] = 1.f;
         continue;
       }
+      if (p.softcap > 0.f)
+        for (int64_t j = lo; j < nr; ++j) s[j] = p.softcap * tanhf(s[j] / p.softcap);
+      for (int64_t j = 0; j < lo; ++j) s[j] = -INFINITY;
       for (int64_t j = nr; j < KT; ++j) s[j] = -INFINITY;
       vf vmx = vload(s);
       for (int j = VW; j < KT; j += VW) vmx = vmax(vmx, vload(s + j));

@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat)
 
+    sub.add_parser("models", help="list the supported model architectures and how each was verified",
+                   description="Each architecture a model directory's config.json may name, and the test that "
+                               "checks it against Hugging Face transformers.")
+
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="start the OpenAI-compatible HTTP server"))
@@ -120,6 +124,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from pagedllm.model.registry import VERIFIED_BY, supported_architectures
+
+    for arch in supported_architectures():
+        print(f"{arch}\n    {VERIFIED_BY[arch]}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import cmd_serve as run_serve
 
@@ -143,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
-                "worker": cmd_worker}
+                "worker": cmd_worker, "models": cmd_models}
     try:
         return commands[args.command](args)
     except (ValueError, PagedLLMError) as e:  # config, model and request errors: say what is wrong, no traceback

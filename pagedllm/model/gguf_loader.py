@@ -1,7 +1,8 @@
 """GGUF (llama.cpp) checkpoints -> a Hugging Face directory (config.json, float32 safetensors, tokenizer).
 
-Only the ``llama`` GGUF architecture is read. Tensors are dequantized with ``gguf.quants`` and
-renamed to Hugging Face names. llama.cpp's converter permutes the rows of Q and K (and their
+The ``llama`` and ``qwen3`` GGUF architectures are read (qwen3: Llama tensors plus per-head q/k
+norms; rotate-half rope in llama.cpp too, so its Q/K rows are not permuted). Tensors are
+dequantized with ``gguf.quants`` and renamed to Hugging Face names. llama.cpp's converter permutes the rows of Q and K (and their
 biases) so that each head's rotary pairs are interleaved::
 
     HF rows of one head:    [x0 x1 ... x(d/2-1) | y0 y1 ... y(d/2-1)]   (rotate-half pairs xi, yi)
@@ -20,13 +21,15 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig
+from transformers import GenerationConfig, LlamaConfig, Qwen3Config
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.quantized import QuantTensor
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+# GGUF architecture -> (HF config class, HF architecture name)
+_HF_ARCHITECTURES = {"llama": (LlamaConfig, "LlamaForCausalLM"), "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
 SUPPORTED_TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -43,6 +46,8 @@ _LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -88,8 +93,8 @@ def _field(reader: GGUFReader, key: str, default=None):
     return value
 
 
-def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig:
-    """A LlamaConfig from the GGUF metadata; ModelLoadError for unsupported architectures."""
+def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig | Qwen3Config:
+    """The HF config from the GGUF metadata; ModelLoadError for unsupported architectures."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -117,8 +122,9 @@ def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig:
         raise ModelLoadError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: none, linear")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
+    config_class, hf_architecture = _HF_ARCHITECTURES[arch]
+    return config_class(
+        architectures=[hf_architecture],
         vocab_size=int(embedding.shape[1]),  # GGUF shapes list the fastest dimension first
         hidden_size=hidden_size,
         intermediate_size=int(meta("feed_forward_length")),
@@ -164,9 +170,10 @@ def iter_gguf_tensors(reader: GGUFReader, config: LlamaConfig,
             array = dequantize(tensor.data, qtype).reshape(shape)
         except Exception as e:
             raise ModelLoadError(f"corrupt GGUF tensor {tensor.name!r}: {e}") from e
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        permuted = config.model_type == "llama"  # only llama's converter permutes Q/K
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute(array, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute(array, config.num_key_value_heads)
         yield name, torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
 

@@ -1,14 +1,19 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over flat token batches and paged KV caches.
+"""The Llama-like decoder over flat token batches and paged KV caches, and what varies around it.
 
 ``forward(input_ids [T], positions [T]) -> hidden_states [T, hidden]``; the attention layers find
-the step's metadata and KV caches in the forward context. Differences handled here:
-GQA, ``head_dim`` from the config, q/k/v bias (Qwen2, or Llama's ``attention_bias``),
-tied embeddings, rope scaling. Tensor parallelism comes from pagedllm.distributed (set before
-the model is built): each rank builds only its shard. Mistral/Qwen2 sliding-window attention is ignored (full attention),
-which is exact for contexts shorter than the window.
+the step's metadata and KV caches in the forward context. Llama, Mistral and Qwen2 are this file;
+each other Llama-like architecture is a short file (qwen3.py, gemma.py, phi3.py, moe.py) that
+states its differences as a ``DecoderSpec`` (norms, q/k norm, soft-capping, sliding windows,
+rotary per layer type, embedding scale) and, where needed, its MLP (``make_mlp``) and checkpoint
+names (``hf_weights``). Handled here for all: GQA, ``head_dim`` from the config, q/k/v bias, tied
+embeddings, rope scaling, sliding-window layers (Mistral's, Qwen2's ``layer_types``). Tensor
+parallelism comes from pagedllm.distributed (set before the model is built): each rank builds only
+its shard.
 """
 
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,7 +21,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.distributed.shapes import check_config_tp_size, head_dim_of as _head_dim
 from pagedllm.model.attention.layer import Attention
-from pagedllm.model.layers.activation import SiluAndMul
+from pagedllm.model.layers.activation import gated_activation
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -59,93 +64,193 @@ class _DirectChildren(nn.Module):
                 del self.__dict__[name]
 
 
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What sets one Llama-like architecture apart, read from its config by the architecture's file
+    (qwen3.py, gemma.py, ...): every field's default is Llama's."""
+
+    qkv_bias: bool = False
+    """q/k/v projections have a bias (Qwen2; Llama's ``attention_bias``)."""
+    o_bias: bool = False
+    """The output projection has a bias (Llama's ``attention_bias``)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key, before rotary (Qwen3, Gemma 3)."""
+    norm: type[RMSNorm] = RMSNorm
+    """Every norm's class (GemmaRMSNorm scales by 1 + w)."""
+    sandwich_norms: bool = False
+    """Gemma 2/3: a norm after attention, and norms before and after the MLP."""
+    activation: str = "silu"
+    """The gated MLP's activation (layers/activation.py ``gated_activation``)."""
+    embed_scale: float | None = None
+    """Embeddings multiplied by this (Gemma: sqrt(hidden_size)); None = 1."""
+    query_scale: float | None = None
+    """Softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_softcap: float | None = None
+    """Attention scores soft-capped at this (Gemma 2)."""
+    final_softcap: float | None = None
+    """Logits soft-capped at this (Gemma 2)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, "sliding_attention" or "full_attention"; None = every layer as ``sliding_window`` says."""
+    sliding_window: int | None = None
+    """Keys a windowed layer's query sees, itself included; None = full attention everywhere."""
+    rope_per_layer_type: bool = False
+    """Rotary parameters differ by layer type (Gemma 3's local and global bases)."""
+
+    def window_of(self, layer_idx: int) -> int | None:
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:  # Mistral: every layer
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+    def rope_key_of(self, layer_idx: int) -> str | None:
+        return self.layer_types[layer_idx] if self.rope_per_layer_type else None
+
+
+def llama_spec(config) -> DecoderSpec:
+    """Llama, Mistral, Qwen2 (and Qwen3's base): bias and sliding window as the config says."""
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    layer_types = getattr(config, "layer_types", None)
+    return DecoderSpec(
+        qkv_bias=attention_bias or config.model_type == "qwen2",
+        o_bias=attention_bias,
+        sliding_window=getattr(config, "sliding_window", None),
+        layer_types=tuple(layer_types) if layer_types is not None else None,
+    )
+
+
 class LlamaAttention(_DirectChildren):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_idx: int, spec: DecoderSpec, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = _head_dim(config)
-        attention_bias = getattr(config, "attention_bias", False)
-        qkv_bias = attention_bias or config.model_type == "qwen2"
         tp = dict(tp_size=get_tp_size(), tp_rank=get_tp_rank())
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias, **tp
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=spec.qkv_bias, **tp
         )
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias, **tp)
-        self.rotary = rotary  # shared by all layers
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=spec.o_bias, **tp)
+        self.rotary = rotary  # shared by all layers (of one layer type)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = spec.norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = spec.norm(self.head_dim, config.rms_norm_eps)
         # This rank's heads: [T, H/tp, D] queries over [T, Hkv/tp (at least 1), D] keys and values. Kept as
         # plain ints: reading them off qkv_proj goes through nn.Module.__getattr__ at every step.
         self.num_local_heads = self.qkv_proj.num_heads
         self.num_local_kv_heads = self.qkv_proj.num_kv_heads
-        self.attn = Attention(layer_idx, self.num_local_heads, self.num_local_kv_heads, self.head_dim,
-                              self.head_dim**-0.5)
+        scale = spec.query_scale if spec.query_scale is not None else self.head_dim**-0.5
+        self.attn = Attention(layer_idx, self.num_local_heads, self.num_local_kv_heads, self.head_dim, scale,
+                              sliding_window=spec.window_of(layer_idx), softcap=spec.attn_softcap)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
-        # [T, H, D], [T, Hkv, D], [T, Hkv, D]; queries and keys rotated
-        q, k, v = self.rotary.rotate_qkv(qkv, cos_sin, self.num_local_heads, self.num_local_kv_heads)
+        if self.qk_norm:
+            H, Hkv, D = self.num_local_heads, self.num_local_kv_heads, self.head_dim
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = self.rotary.rotate(self.q_norm(q.view(num_tokens, H, D)), cos_sin)  # [T, H, D]
+            k = self.rotary.rotate(self.k_norm(k.view(num_tokens, Hkv, D)), cos_sin)  # [T, Hkv, D]
+            v = v.view(num_tokens, Hkv, D)
+        else:
+            # [T, H, D], [T, Hkv, D], [T, Hkv, D]; queries and keys rotated
+            q, k, v = self.rotary.rotate_qkv(qkv, cos_sin, self.num_local_heads, self.num_local_kv_heads)
         out = self.attn(q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class LlamaMLP(_DirectChildren):
-    def __init__(self, config):
+    def __init__(self, config, spec: DecoderSpec, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
+        intermediate_size = intermediate_size or config.intermediate_size
         tp = dict(tp_size=get_tp_size(), tp_rank=get_tp_rank())
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp
+            config.hidden_size, [intermediate_size] * 2, bias=bias, **tp
         )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
-        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=bias, **tp)
+        self.act = gated_activation(spec.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(_DirectChildren):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+    """Pre-norm block; with ``sandwich_norms`` (Gemma) the attention and MLP outputs are normed too
+    before each joins the residual stream::
+
+        h = x + [post_attention_norm](attn(input_norm(x)))
+        out = h + [post_feedforward_norm](mlp(pre_feedforward_norm(h)))
+
+    (Llama's ``post_attention_layernorm`` is the pre-MLP norm; Gemma's is the post-attention one.)
+    """
+
+    def __init__(self, config, layer_idx: int, spec: DecoderSpec, rotary: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, spec, rotary)
+        self.mlp = mlp
+        norm = spec.norm
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich_norms = spec.sandwich_norms
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention and MLP output, residual stream before it); their sum is the layer's output."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(cos_sin, hidden_states)
+        if self.sandwich_norms:
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
 
 class LlamaModel(_DirectChildren):
-    def __init__(self, config):
+    def __init__(self, config, spec: DecoderSpec, make_mlp):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, get_tp_size(), get_tp_rank())
-        self.rotary = rotary = RotaryEmbedding(config, _head_dim(config))
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+        self.embed_scale = spec.embed_scale
+        head_dim = _head_dim(config)
+        layer_keys = [spec.rope_key_of(i) for i in range(config.num_hidden_layers)]
+        # One rotary table per distinct parameter set (two for Gemma 3), each gathered once per step.
+        self.rotaries = nn.ModuleDict(
+            {str(key): RotaryEmbedding(config, head_dim, key) for key in dict.fromkeys(layer_keys)}
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_keys = list(self.rotaries.keys())
+        self.layer_rotary = [self.rotary_keys.index(str(key)) for key in layer_keys]
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, spec, self.rotaries[str(layer_keys[i])], make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = spec.norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:  # HF casts the scale to the activations' dtype first
+            hidden_states = hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
         residual = None
-        cos_sin = self.rotary.cos_sin(positions, hidden_states.dtype)  # once per step, for every layer
-        for layer in self.layers:
-            hidden_states, residual = layer(cos_sin, hidden_states, residual)
+        # once per step for every layer
+        cos_sins = [self.rotaries[key].cos_sin(positions, hidden_states.dtype) for key in self.rotary_keys]
+        for layer, rotary in zip(self.layers, self.layer_rotary):
+            hidden_states, residual = layer(cos_sins[rotary], hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
+    """The Llama decoder; other Llama-like architectures subclass it and override ``decoder_spec``,
+    ``make_mlp`` and, where their checkpoints name or fuse weights differently, ``hf_weights``."""
+
     # HF name fragment -> (our fused parameter fragment, shard id)
     stacked_params = [
         (".q_proj.", ".qkv_proj.", "q"),
@@ -159,11 +264,25 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         check_config_tp_size(config, get_tp_size())
         self.config = config
-        self.model = LlamaModel(config)
+        self.spec = self.decoder_spec(config)
+        self.model = LlamaModel(config, self.spec, self.make_mlp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, get_tp_size(), get_tp_rank())
+        self.final_softcap = self.spec.final_softcap
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def decoder_spec(cls, config) -> DecoderSpec:
+        return llama_spec(config)
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, self.spec)
+
+    def hf_weights(self, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """One checkpoint tensor as the Llama-named tensors ``load_weights`` takes (renamed, or a
+        fused tensor split); Llama's own are already so."""
+        yield name, tensor
 
     @property
     def num_layers(self) -> int:
@@ -178,44 +297,67 @@ class LlamaForCausalLM(nn.Module):
     def head_dim(self) -> int:
         return self.model.layers[0].self_attn.head_dim
 
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window (None = full attention): what a KV manager may free by."""
+        return [layer.self_attn.attn.sliding_window for layer in self.model.layers]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head.compute_logits(hidden_states)
+        logits = self.lm_head.compute_logits(hidden_states)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N] int64, each row's argmax of compute_logits computed without the float32
         logits (layers/greedy_head.py), or None where that does not apply: call compute_logits."""
+        if self.final_softcap is not None:  # tanh keeps the order but may round near logits into a tie
+            return None
         return self.lm_head.greedy_token_ids(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names of our parameters that were set."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            for hf_part, our_part, shard_id in self.stacked_params:
-                if hf_part in name:
-                    target = name.replace(hf_part, our_part)
-                    if target not in params:
-                        raise KeyError(f"unexpected weight {name!r}")
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard_id)  # copy_ casts to param.dtype
-                    loaded.add(f"{target}#{shard_id}")
-                    break
-            else:
-                if name not in params:
-                    raise KeyError(f"unexpected weight {name!r}")
-                param = params[name]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, tensor)
-                loaded.add(name)
+        for checkpoint_name, checkpoint_tensor in weights:
+            for name, tensor in self.hf_weights(checkpoint_name, checkpoint_tensor):
+                self._load_one(params, loaded, name, tensor)
         return loaded
+
+    def _load_one(self, params: dict, loaded: set[str], name: str, tensor: torch.Tensor) -> None:
+        if "rotary_emb.inv_freq" in name:
+            return
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return
+        expert = _EXPERT_WEIGHT.match(name)
+        if expert is not None:  # one expert's projection: a slice of the layer's stacked expert weights
+            prefix, index, proj = expert.groups()
+            target, part = (f"{prefix}.w2", None) if proj == "down_proj" else (f"{prefix}.w13", proj == "up_proj")
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r}")
+            shard_id = (int(index), int(part)) if part is not None else (int(index),)
+            params[target].weight_loader(params[target], tensor, shard_id)
+            loaded.add(f"{target}#{'.'.join(map(str, shard_id))}")
+            return
+        for hf_part, our_part, shard_id in self.stacked_params:
+            if hf_part in name:
+                target = name.replace(hf_part, our_part)
+                if target not in params:
+                    raise KeyError(f"unexpected weight {name!r}")
+                param = params[target]
+                param.weight_loader(param, tensor, shard_id)  # copy_ casts to param.dtype
+                loaded.add(f"{target}#{shard_id}")
+                return
+        if name not in params:
+            raise KeyError(f"unexpected weight {name!r}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor)
+        loaded.add(name)
 
     def process_weights_after_loading(self) -> None:
         """Lay weights out for the fastest GEMM on their device; call once, after the last weight,
@@ -227,13 +369,20 @@ class LlamaForCausalLM(nn.Module):
     def expected_weight_keys(self) -> set[str]:
         """The keys ``load_weights`` returns when every parameter was set."""
         keys = set()
-        for name, _ in self.named_parameters():
+        for name, param in self.named_parameters():
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            if ".qkv_proj." in name:
+            shard_ids = getattr(param, "shard_ids", None)
+            if shard_ids is not None:  # stacked expert weights: one key per expert (and gate/up half)
+                keys.update(f"{name}#{'.'.join(map(str, s))}" for s in shard_ids)
+            elif ".qkv_proj." in name:
                 keys.update(f"{name}#{s}" for s in "qkv")
             elif ".gate_up_proj." in name:
                 keys.update(f"{name}#{s}" for s in (0, 1))
             else:
                 keys.add(name)
         return keys
+
+
+# ``<layer>.mlp.experts.<index>.<gate|up|down>_proj.weight`` (Qwen3-MoE names; mixtral.py renames its own)
+_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

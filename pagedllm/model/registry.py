@@ -1,14 +1,54 @@
-"""Architecture name (``config.architectures[0]``) -> model class."""
+"""Architecture name (``config.architectures[0]``) -> model class, and how each was verified.
+
+Every entry here is checked token for token against Hugging Face transformers on tiny random
+weights through the engine; ``VERIFIED_BY`` says how, for ``pagedllm models`` and the README
+(tests/model/test_models_vs_hf.py fails if an architecture lacks its line).
+"""
 
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagedllm.model.phi3 import Phi3ForCausalLM
+from pagedllm.model.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+}
+
+
+_LLAMA_CHECK = ("greedy tokens equal to HF transformers and logprobs within 1e-3 on tiny random weights, "
+                "through the engine: one batch, chunked prefill, preemption")
+_ENGINE_CHECK = f"{_LLAMA_CHECK}, prefix-cache hits"
+VERIFIED_BY: dict[str, str] = {
+    "LlamaForCausalLM": f"{_LLAMA_CHECK} (tests/engine/test_hf_equivalence.py, GQA); logits of tied "
+                        "embeddings and llama3 rope (tests/model/test_llama_vs_hf.py); GGUF F32 twin "
+                        "(tests/model/test_gguf.py)",
+    "MistralForCausalLM": f"{_ENGINE_CHECK}, sliding window 16 on prompts to 8x it "
+                          "(tests/model/test_models_vs_hf.py[mistral_window])",
+    "Qwen2ForCausalLM": f"{_LLAMA_CHECK} (tests/engine/test_hf_equivalence.py, q/k/v bias)",
+    "Qwen3ForCausalLM": f"{_ENGINE_CHECK} (tests/model/test_models_vs_hf.py[qwen3]); GGUF F32 twin "
+                        "(tests/model/test_gguf_qwen3.py)",
+    "Qwen3MoeForCausalLM": f"{_ENGINE_CHECK}, 8 experts top-2, norm_topk_prob on and off, a dense layer "
+                           "(tests/model/test_models_vs_hf.py[qwen3_moe*])",
+    "MixtralForCausalLM": f"{_ENGINE_CHECK}, 4 experts top-2, sliding window 16 "
+                          "(tests/model/test_models_vs_hf.py[mixtral])",
+    "Gemma2ForCausalLM": f"{_ENGINE_CHECK}, local/global layers (window 16), both soft-caps "
+                         "(tests/model/test_models_vs_hf.py[gemma2])",
+    "Gemma3ForCausalLM": f"{_ENGINE_CHECK}, 3 local (window 16) : 1 global, two rotary bases, q/k norms "
+                         "(tests/model/test_models_vs_hf.py[gemma3])",
+    "Phi3ForCausalLM": f"{_ENGINE_CHECK}, fused weights, longrope below the original length "
+                       "(tests/model/test_models_vs_hf.py[phi3])",
 }
 
 

@@ -6,6 +6,11 @@ per layer, so a cache filled by one is read correctly by the other. Each ``Atten
 a backend (the torch reference unless the model runner sets another with
 ``set_attention_backend``); triton is imported only when its backend is built, so CPU-only
 installs without triton never touch it.
+
+Two per-layer options reach ``attend`` from the ``Attention`` layer: ``sliding_window`` and
+``softcap`` (paged.py defines both). The reference implements both; so does the compiled CPU op
+(``window=-1`` / ``softcap=0`` = none); the Triton kernels take
+neither, and ``set_attention_backend`` refuses a model that needs them there.
 """
 
 from __future__ import annotations
@@ -33,16 +38,20 @@ class AttentionBackend:
                        slot_mapping: torch.Tensor) -> None:
         raise NotImplementedError
 
+    supports_sliding_window = True
+    supports_softcap = True
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+               metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """``write_kv_cache`` then ``forward``: what an ``Attention`` layer calls once per step (a
         backend may do both behind one check)."""
         self.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self.forward(query, kv_cache, metadata, scale)
+        return self.forward(query, kv_cache, metadata, scale, sliding_window, softcap)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -53,8 +62,8 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
         write_kv_cache(key, value, kv_cache, slot_mapping)
 
-    def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
-        return paged_attention(query, kv_cache, metadata, scale)
+    def forward(self, query, kv_cache, metadata, scale, sliding_window=None, softcap=None) -> torch.Tensor:
+        return paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -81,7 +90,7 @@ class CpuAttentionBackend(AttentionBackend):
             self._kv_write = getattr(ns.kv_write_cpu.default, "_op", ns.kv_write_cpu.default)
             self._attention = getattr(ns.paged_attention_cpu.default, "_op", ns.paged_attention_cpu.default)
 
-    def attend(self, query, key, value, kv_cache, metadata, scale) -> torch.Tensor:
+    def attend(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, softcap=None) -> torch.Tensor:
         # Both ops' conditions (cpu_op.supports_kv_write and cpu_op.supports) checked once, with the
         # cheapest tensor reads (is_cpu, not .device): at decode these checks were ~5 us a layer.
         f32 = torch.float32
@@ -91,9 +100,11 @@ class CpuAttentionBackend(AttentionBackend):
                 and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1):
             self._kv_write(key, value, kv_cache, metadata.slot_mapping)
             return self._attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                   metadata.query_start_loc, scale, 0, 0, 0, 0)
+                                   metadata.query_start_loc, scale, 0, 0, 0, 0,
+                                   -1 if sliding_window is None else sliding_window,
+                                   0.0 if softcap is None else softcap)
         self.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self.forward(query, kv_cache, metadata, scale)
+        return self.forward(query, kv_cache, metadata, scale, sliding_window, softcap)
 
     def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
         # The op copies the strided K/V views row by row; index_copy_ measured ~3x slower per call.
@@ -102,10 +113,11 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             write_kv_cache(key, value, kv_cache, slot_mapping)
 
-    def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+    def forward(self, query, kv_cache, metadata, scale, sliding_window=None, softcap=None) -> torch.Tensor:
         if not self._op.supports(query, kv_cache):
-            return paged_attention(query, kv_cache, metadata, scale)
-        return self._op.paged_attention_cpu(query, kv_cache, metadata, scale)
+            return paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap)
+        return self._op.paged_attention_cpu(query, kv_cache, metadata, scale, sliding_window=sliding_window,
+                                            softcap=softcap)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -117,6 +129,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    # Neither mask nor cap is in the kernels yet; set_attention_backend refuses such models here.
+    supports_sliding_window = False
+    supports_softcap = False
 
     def __init__(self, num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None):
         from pagedllm.model.attention import triton_decode, triton_kv_write, triton_prefill
@@ -132,7 +147,9 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
         self._write.triton_write_kv_cache(key, value, kv_cache, slot_mapping)
 
-    def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+    def forward(self, query, kv_cache, metadata, scale, sliding_window=None, softcap=None) -> torch.Tensor:
+        if sliding_window is not None or softcap is not None:
+            raise NotImplementedError("the triton attention backend has no sliding window or soft-capping")
         if metadata.max_query_len == 1:  # decode only: one query per sequence
             num_splits = self.num_splits or self._decode.default_num_splits(
                 metadata.num_seqs, kv_cache.shape[3], metadata.max_seq_len, self._sm_count(query.device)
@@ -199,12 +216,20 @@ def make_attention_backend(name: str, device: torch.device | str = "cpu") -> Att
 
 
 def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
-    """Make every ``Attention`` layer of ``model`` use ``backend``."""
+    """Make every ``Attention`` layer of ``model`` use ``backend``; ValueError (and no layer changed)
+    when a layer needs a sliding window or soft-capping the backend lacks."""
     from pagedllm.model.attention.layer import Attention
 
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.backend = backend
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        if layer.sliding_window is not None and not backend.supports_sliding_window:
+            raise ValueError(f"attention backend {backend.name!r} has no sliding-window attention, which layer "
+                             f"{layer.layer_idx} of this model needs; use attention_backend='torch'")
+        if layer.softcap is not None and not backend.supports_softcap:
+            raise ValueError(f"attention backend {backend.name!r} has no attention soft-capping, which layer "
+                             f"{layer.layer_idx} of this model needs; use attention_backend='torch'")
+    for layer in layers:
+        layer.backend = backend
 
 
 TORCH_BACKEND = TorchAttentionBackend()

@@ -178,11 +178,14 @@ def paged_attention_cpu(
     isa: int = 0,  # 0 = the best this CPU has; 1 = AVX2 (tests the baseline kernel on an AVX-512 CPU)
     tile_min_rows: int = 0,  # > 0: items of at least this many rows (queries x group) go tiled; 0 = default
     tile_rows: int = 0,  # > 0: rows per item of a long chunk; 0 = default
+    sliding_window: int | None = None,  # keys a query sees, itself included (paged.py); None = all
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (paged.py); None = off
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same contract as ``paged.paged_attention``, in one varlen call that reads blocks in place."""
     return torch.ops.pagedllm.paged_attention_cpu(
         query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale, num_splits, isa, tile_min_rows, tile_rows,
+        scale, num_splits, isa, tile_min_rows, tile_rows, -1 if sliding_window is None else sliding_window,
+        0.0 if softcap is None else softcap,
     )
 
 

@@ -11,14 +11,19 @@ from pagedllm.model.forward_context import get_forward_context
 class Attention(nn.Module):
     """Paged attention for one layer: write this step's K/V, then attend through block tables."""
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # keys a query sees, itself included; None = all (paged.py)
+        self.softcap = softcap  # attention scores -> softcap * tanh(scores / softcap); None = off
         # Set for the whole model by ``backend.set_attention_backend`` (the model runner does it).
         self.backend: AttentionBackend = TORCH_BACKEND
 
@@ -33,5 +38,7 @@ class Attention(nn.Module):
         if ctx is None or ctx.kv_caches is None or metadata is None:
             # No cache (profiling / dummy run): attend over the current tokens only.
             starts = metadata.query_start_loc if metadata is not None else None
-            return causal_attention_no_cache(query, key, value, self.scale, starts)
-        return self.backend.attend(query, key, value, ctx.kv_caches[self.layer_idx], metadata, self.scale)
+            return causal_attention_no_cache(query, key, value, self.scale, starts, self.sliding_window,
+                                             self.softcap)
+        return self.backend.attend(query, key, value, ctx.kv_caches[self.layer_idx], metadata, self.scale,
+                                   self.sliding_window, self.softcap)

@@ -53,6 +53,28 @@ def _gather_kv(
     return key.transpose(1, 2), value.transpose(1, 2)  # [S, Hkv, L, D]
 
 
+def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over [..., H, Q, D] queries and [..., Hkv, L, D] keys/values (query head h reads KV head
+    h // (H / Hkv)); ``mask`` True = visible. With ``softcap`` the scores are capped first, spelled
+    out as HF's eager attention computes them."""
+    gqa = key.shape[-3] != q.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        repeat = q.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [..., H, Q, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(value.dtype), value)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -60,6 +82,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs]
     max_seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Each sequence's last token attends to its whole cached context.
 
@@ -72,8 +96,10 @@ def paged_decode_attention(
     num_kv_heads = key.shape[1]
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [S, Hkv, G, D]
     key_pos = torch.arange(max_seq_len, device=query.device)
-    mask = (key_pos < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)  # [S, Hkv, G, D]
+    mask = key_pos < seq_lens[:, None]  # [S, L]
+    if sliding_window is not None:  # the query sits at seq_len - 1
+        mask &= key_pos >= seq_lens[:, None] - sliding_window
+    out = _attend(q, key, value, mask[:, None, None, :], scale, softcap)  # [S, Hkv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -83,21 +109,27 @@ def paged_prefill_attention(
     block_table: torch.Tensor,  # [max_num_blocks] this sequence's blocks
     seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of one sequence's new tokens over its cached prefix and themselves.
 
-    Query row r sits at position ``seq_len - query_len + r`` and sees keys ``0 .. that``.
+    Query row r sits at position ``p = seq_len - query_len + r`` and sees keys ``0 .. p`` (with a
+    window W: ``p - W + 1 .. p``).
     """
     query_len, num_heads, _ = query.shape
     key, value = _gather_kv(kv_cache, block_table[None], seq_len, query.dtype)  # [1, Hkv, L, D]
-    gqa = key.shape[1] != num_heads
     q = query.transpose(0, 1)[None]  # [1, H, Q, D]
-    if query_len == seq_len:  # no cached prefix: SDPA's own (top-left) causal mask is ours
-        out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+    if query_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
+        # no cached prefix and no key out of the window: SDPA's own (top-left) causal mask is ours
+        out = _attend(q, key, value, None, scale, softcap, is_causal=True)
     else:
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [Q, L]
-        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = key_pos <= q_pos  # [Q, L]
+        if sliding_window is not None:
+            mask &= key_pos > q_pos - sliding_window
+        out = _attend(q, key, value, mask, scale, softcap)
     return out[0].transpose(0, 1)
 
 
@@ -106,6 +138,8 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of every scheduled token over its sequence's cached history.
 
@@ -114,14 +148,15 @@ def paged_attention(
     each longer query through its own causal SDPA over its own K/V, so a step pays only for its
     own tokens.
     """
+    opts = dict(sliding_window=sliding_window, softcap=softcap)
     if metadata.max_query_len == 1:  # decode only: no host sync needed
         return paged_decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                      metadata.max_seq_len, scale)
+                                      metadata.max_seq_len, scale, **opts)
     query_lens, seq_lens = metadata.host_lens()
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     if len(decodes) == len(query_lens):
         return paged_decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                      metadata.max_seq_len, scale)
+                                      metadata.max_seq_len, scale, **opts)
     out = torch.empty_like(query)
     starts = [0]
     for q in query_lens:
@@ -131,12 +166,12 @@ def paged_attention(
         seqs = torch.tensor(decodes, device=query.device)
         out[rows] = paged_decode_attention(
             query[rows], kv_cache, metadata.block_tables[seqs], metadata.seq_lens[seqs],
-            max(seq_lens[i] for i in decodes), scale,
+            max(seq_lens[i] for i in decodes), scale, **opts,
         )
     for i, q in enumerate(query_lens):
         if q > 1:
             out[starts[i] : starts[i] + q] = paged_prefill_attention(
-                query[starts[i] : starts[i] + q], kv_cache, metadata.block_tables[i], seq_lens[i], scale
+                query[starts[i] : starts[i] + q], kv_cache, metadata.block_tables[i], seq_lens[i], scale, **opts
             )
     return out
 
@@ -147,15 +182,18 @@ def causal_attention_no_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     scale: float,
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]; None = one sequence
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention over the current tokens only (profiling / dummy runs without a cache).
 
     With ``query_start_loc`` each packed sequence attends only to itself (block-diagonal).
     """
     num_tokens = query.shape[0]
-    gqa = key.shape[1] != query.shape[1]
     pos = torch.arange(num_tokens, device=query.device)
     mask = pos[None, :] <= pos[:, None]  # [T, T]
+    if sliding_window is not None:  # positions within one packed sequence differ as their rows do
+        mask &= pos[None, :] > pos[:, None] - sliding_window
     if query_start_loc is not None:
         num_seqs = query_start_loc.shape[0] - 1
         lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -163,8 +201,6 @@ def causal_attention_no_cache(
             torch.arange(num_seqs, device=query.device), lens, output_size=num_tokens
         )
         mask = mask & (seq[None, :] == seq[:, None])
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=gqa,
-    )  # [H, T, D]
+    out = _attend(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), mask, scale,
+                  softcap)  # [H, T, D]
     return out.transpose(0, 1)

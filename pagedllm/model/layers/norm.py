@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers import cpu_fused
+from pagedllm.model.layers.linear import materialize
 
 
 class RMSNorm(nn.Module):
@@ -51,3 +52,18 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by ``1 + w`` (checkpoints store ``w``, zero-centred). The loader adds
+    the 1 once, in float32, so the forward is the plain RMSNorm above with its fused CPU paths:
+    the same float32 products as HF's ``norm(x) * (1.0 + w)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self._load_offset
+
+    @staticmethod
+    def _load_offset(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        assert param.shape == loaded.shape, (param.shape, loaded.shape)
+        param.data.copy_(materialize(loaded).float() + 1.0)

@@ -7,6 +7,14 @@ precomputed for ``max_position_embeddings`` positions in float32.
 ``dynamic`` (NTK) scaling changes frequencies with the running sequence length, which differs per
 sequence in a batch; we use its frequencies at the original context length, which equal HF's
 for sequences that fit in ``max_position_embeddings``.
+
+``longrope`` (Phi-3): HF switches a whole forward pass to the long factors once its largest position
+reaches ``original_max_position_embeddings``, which would re-rotate keys already cached. Here each
+position keeps one rotation: the short factors below that length, the long ones from it on (equal
+to HF for every sequence shorter than it).
+
+Per-layer-type parameters (Gemma 3: ``rope_parameters = {"sliding_attention": {...},
+"full_attention": {...}}``) are chosen with ``layer_type``.
 """
 
 import torch
@@ -16,8 +24,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pagedllm.model.layers import cpu_fused
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     params = getattr(config, "rope_parameters", None)
+    if layer_type is not None:
+        params = params[layer_type]
     if params is None:  # older transformers: rope_theta + rope_scaling
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -26,9 +36,12 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(config, head_dim: int, layer_type: str | None = None,
+                     seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32, attention_scaling) for ``config``."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
+    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = params["rope_theta"]
@@ -36,17 +49,27 @@ def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"))
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    if seq_len is not None:
+        kwargs["seq_len"] = seq_len
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int):
+    def __init__(self, config, head_dim: int, layer_type: str | None = None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, scaling = compute_inv_freq(config, head_dim)
+        inv_freq, scaling = compute_inv_freq(config, head_dim, layer_type)
         max_positions = config.max_position_embeddings
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)  # [P, D/2]
+        params = rope_parameters(config, layer_type)
+        if params["rope_type"] == "longrope":  # long factors from the original length on (module docstring)
+            original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+            if original < max_positions:
+                long_inv_freq, _ = compute_inv_freq(config, head_dim, layer_type, seq_len=original + 1)
+                freqs[original:] = torch.outer(torch.arange(original, max_positions, dtype=torch.float),
+                                               long_inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)

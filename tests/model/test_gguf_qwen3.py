@@ -1,0 +1,65 @@
+"""A tiny Qwen3 written as llama.cpp writes the ``qwen3`` GGUF architecture (Llama tensor names
+plus ``attn_q_norm`` / ``attn_k_norm``; Q/K rows not permuted, its rope being rotate-half) loads
+and matches its Hugging Face twin, through the engine."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+
+from pagedllm import LLM
+from pagedllm.model import load_model
+from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
+from tests.model.gguf_writer_helpers import gguf_name as llama_gguf_name
+from tests.model.tiny_models import make_hf_model
+
+_QK_NORMS = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+
+
+def gguf_name(hf_name: str) -> str:
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[3] in _QK_NORMS:
+        return f"blk.{parts[2]}.{_QK_NORMS[parts[3]]}"
+    return llama_gguf_name(hf_name)
+
+
+def write_qwen3_gguf(hf_model, path) -> None:
+    cfg = hf_model.config
+    writer = GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    for name, tensor in hf_model.state_dict().items():
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(tensor.float().numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+
+
+def test_qwen3_gguf_matches_hf(tmp_path):
+    hf_model = make_hf_model("qwen3", seed=2, max_position_embeddings=1024)
+    hf_model.generation_config.eos_token_id = None
+    path = tmp_path / "tiny-qwen3-f32.gguf"
+    write_qwen3_gguf(hf_model, path)
+    loaded = load_model(str(path))
+    assert type(loaded.model).__name__ == "Qwen3ForCausalLM"
+    assert loaded.hf_config.head_dim == hf_model.config.head_dim == 32  # != hidden / heads (16)
+
+    llm = LLM(model=str(path), max_num_batched_tokens=37)
+    prompts = [list(range(3, 3 + n)) for n in (1, 9, 40, 77)]
+    for prompt, (ids, logprobs) in zip(prompts, engine_greedy(llm, prompts, 10)):
+        assert assert_matches_reference(ids, logprobs, hf_greedy(hf_model, prompt, 10), "qwen3 gguf") == "exact"
