@@ -1,10 +1,9 @@
 """Large CPU buffers on 2 MB transparent huge pages (Linux), for the memory a step streams through.
 
 A decode step reads every weight and every running sequence's KV blocks once; at 4 KB pages that
-is a TLB miss every 4 KB and a hardware-prefetch stream cut at every page boundary. Measured on a
-2-vCPU Xeon (session 6, docs/benchmarks.md): the compiled attention op over KV blocks scattered
-through a 4 GB cache ran 1.14x faster per layer at 14 sequences x 700 tokens with the cache on huge
-pages, and the compiled GEMM over the default model's 120 packed weights 1.03-1.04x faster.
+is a TLB miss every 4 KB and a hardware-prefetch stream cut at every page boundary. On huge pages
+the compiled attention op over scattered KV blocks ran 1.14x faster per layer and the compiled GEMM
+1.03-1.04x (docs/benchmarks.md, "Kernel choices behind the defaults").
 
 Most kernels leave transparent huge pages at ``madvise`` (only regions that ask get them), so
 ``empty`` maps fresh anonymous memory (``mmap``, 2 MB more than asked), aligns the data to a 2 MB

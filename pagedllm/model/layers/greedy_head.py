@@ -2,8 +2,8 @@
 
 A greedy step needs only each row's argmax of ``hidden @ W^T``; the float32 head is 49152 x 576
 for the default model, ~20% of a step's arithmetic at 64 rows. On CPUs with AMX-BF16 torch's
-bfloat16 matmul (oneDNN) ran the head 2-4x faster than float32 at 4-128 rows (session 6, 2-vCPU
-Xeon). Its logits are approximate, so they only choose candidates; the answer is exact:
+bfloat16 matmul (oneDNN) ran the head 2-4x faster than float32 at 4-128 rows (docs/benchmarks.md,
+"Kernel choices behind the defaults"). Its logits are approximate, so they only choose candidates; the answer is exact:
 
 1. ``y~ = bf16(h) @ bf16(W)^T`` (bfloat16 out). Against the exact ``z_v = h . w_v``, each element is
    off by at most ``e_v = g * |h| * |w_v| + u / (1 - u) * |y~_v|``: ``g`` covers rounding h and W
@@ -18,10 +18,8 @@ Xeon). Its logits are approximate, so they only choose candidates; the answer is
 
 Steps 2-3 are one compiled op (``greedy_select_cpu``, csrc/greedy_select.cpp: two passes over each
 row's bfloat16 logits, AVX-512 where the CPU has it), since torch's bfloat16 reductions and
-``nonzero`` over [N, V] cost as much as the float32 head saved. Measured (session 6, quiet 2-vCPU
-Xeon, default model, 2 threads): the whole greedy head 1.47 / 1.69 / 2.07 / 3.42 ms at 8 / 16 / 32 /
-64 rows (the bfloat16 GEMM 1.33-2.73 of it) against 3.09 / 4.94 / 9.53 / 13.94 ms for the float32
-head and argmax: 0.48x / 0.34x / 0.22x / 0.25x.
+``nonzero`` over [N, V] cost as much as the float32 head saved. The whole greedy head measured
+0.22-0.48x the float32 head's time at 8-64 rows (docs/benchmarks.md).
 
 So the token is the float32 argmax up to float32 summation order, as with any GEMM. Used only for
 rows that want nothing but the argmax (greedy, no logprobs, nothing rewriting logits; the model

@@ -11,52 +11,22 @@ rank keeps, ``materialize`` reads everything), so no rank ever holds the full mo
 
 Weights load in the checkpoint's ``[out, in]`` layout; ``process_weights_after_loading()`` (called
 once by the loader, after the dtype and device are final) then re-lays a float32 CPU weight out
-column-major: still an ``[out, in]`` tensor, but its storage is ``[in, out]``, so the GEMM behind
-``F.linear`` reads it untransposed: 1.1-2.2x faster than the row-major weight at 8-128 rows for
-qkv, o_proj, gate_up and down, even at 512 (1 thread, scripts/gemm_layouts.py, one weight timed
-alone). The values, the shapes and the sharding are unchanged,
-so tensor parallelism and the weight loaders need nothing new. CUDA weights are left alone.
+column-major: still an ``[out, in]`` tensor whose storage is ``[in, out]``, so the GEMM behind
+``F.linear`` reads it untransposed (faster at every decode batch size measured). Values, shapes and
+sharding are unchanged, so tensor parallelism and the weight loaders need nothing new. CUDA weights
+are left alone.
 
 Then it adds one packed copy of the weight (``pack_for_cpu``). Where the compiled GEMM is on
 (``pagedllm.model.layers.cpu_gemm``: the library is built, the CPU has AVX2 + FMA, and
-``PAGEDLLM_DISABLE_CPU_GEMM`` is unset), that copy is its panel layout (the weight's size, where
-MKL's copy was ~1.3x), used for ``GEMM_ROWS`` rows (1-256); no MKL copy is made. It reads the
-weight once per call, one linear stream per thread, where MKL's packed GEMM at 4-32 rows did not
-keep up with the memory. Old path vs it over the 120 linears of the default model (distinct
-weights, interleaved call by call; scripts/cpu_gemm_sweep.py on a 2-vCPU AVX-512 Xeon shared with
-other jobs, so 1 thread timed by process CPU time, median of 5, ``--threads 1 --cpu-time``):
+``PAGEDLLM_DISABLE_CPU_GEMM`` is unset), that copy is its panel layout (the weight's size), used for
+``GEMM_ROWS`` rows (1-256): it reads the weight once per call, one linear stream per thread, where
+MKL's packed GEMM at 4-32 rows did not keep up with the memory. Otherwise (no library, no AVX2,
+switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once; ``mkl_pack``) for ``PACKED_ROWS``
+rows; long prefill chunks keep ``F.linear``. Quantized GGUF weights are a ``QuantizedWeight``
+(``quantized.py``) instead, and run through their own compiled kernels.
 
-    rows      1     2     4     8    14    16    24    32    48    64   128
-    new/old 1.13  0.91  0.79  0.74  0.73  0.82  0.82  0.89  0.92  1.00  0.95
-    new ms  33.4  32.5  34.2  37.1  39.3  47.2  57.1  68.2  86.9 115.4 218.2
-
-(old: F.linear at 1 row, MKL packed at 2+). At 2 threads (wall time, far noisier there) 1 row
-measured 0.6-0.8x, the rest 0.8-1.05x. The LM head (49152 x 576): 1.04x at 1 row, 0.76x at 14,
-1.09x at 64 (1 thread). Per engine decode step (``bench profile --batch-size 14 --context-len
-700``, on/off alternated, 7 pairs): the matmuls' time (step x matmul share) was 0.75-0.8x off's
-in the 6 pairs run at load 5-7 (e.g. 124 vs 164 ms), but 1.4x (55 vs 39 ms) in the one pair run
-at load ~2, where attention, which this does not touch, was also 1.9x slower in the "on" runs:
-unresolved, so re-measure on a quiet machine before relying on it (PAGEDLLM_DISABLE_CPU_GEMM=1
-restores the MKL path). In one process, two model copies, steps interleaved (scripts/cpu_gemm_step.py,
-2 threads, load 2.6-4, 15 rounds), the whole decode step on/off: 0.87-0.92x at 14 sequences x 700
-(3 runs, e.g. 81 vs 92 ms), ~1.0x at 32, 0.95x at 64 (batches 1 and 4 ran ~1.6 s per step either
-way there: OpenMP waits on the oversubscribed cores, not comparable). The AVX2 kernel
-(forced, ``PAGEDLLM_CPU_GEMM_ISA=avx2``) vs MKL's AVX-512 code here: 0.78x at 1 row, ~1.0x at
-4-14, 1.45x at 32, 1.7x at 64 (half the vector width; not measured on an AVX2-only CPU, where
-MKL would be AVX2 too).
-
-A GGUF weight loaded still quantized (Q8_0, Q4_0, Q4_1: ``quantized.py``) gets neither: the weight
-loaders stage its blocks (``store_rows``), ``process_weights_after_loading`` repacks them once for
-the compiled quantized kernel and empties the float parameter, and ``matmul`` runs that kernel.
-
-Otherwise (no library, no AVX2, switched off) it is an MKL-packed copy (``cblas_sgemm_pack`` once;
-``mkl_pack``) that calls of ``PACKED_ROWS`` rows use: over all 120 linears of the default model, 2 threads, with a
-distinct weight per layer (so nothing stays in cache, as in a real step), the packed GEMM took 0.53-0.73x the
-column-major F.linear at 8-64 rows (the decode batches a trace runs: ~14 on average), 0.9x at
-128, 1.02x at 1 row (1.16x at 1 thread) and 1.06x at 512 (prefill chunks keep F.linear).
-The packed copy costs ~1.3x the weight's size in resident memory; the weight stays, for the
-long chunks and for everything that reads it. Per engine decode step (2 threads, side by side,
-a loaded machine): 0.71x at 64 sequences, 0.91x at 14, 0.96x at 4.
+The measurements behind each choice (layouts, compiled GEMM vs MKL per row count and ISA, per-step
+effect) are in docs/benchmarks.md, "Kernel choices behind the defaults".
 """
 
 import logging
