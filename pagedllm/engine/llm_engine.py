@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.frontend import FrontendCore
+from pagedllm.engine.generation_defaults import read_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineStatsMsg
 from pagedllm.outputs import RequestOutput
@@ -37,6 +38,13 @@ class LLMEngine:
                                      eos_token_ids_of(self.hf_config, self.tokenizer),
                                      limits=self.engine_args.request_limits(),
                                      scheduling_policy=self.engine_args.scheduling_policy)
+        self.generation_defaults = read_generation_defaults(loaded.model_path)
+        """Sampling fields of the model's generation_config.json: the defaults of a request given no params."""
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets: the model's generation-config sampling fields over
+        SamplingParams' own defaults."""
+        return SamplingParams(**self.generation_defaults)
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -47,7 +55,7 @@ class LLMEngine:
         """Queue a request. Raises InvalidRequestError (nothing queued) if it is malformed or cannot fit.
 
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise)."""
-        self.frontend.add_request(request_id, prompt, params if params is not None else SamplingParams(),
+        self.frontend.add_request(request_id, prompt, params if params is not None else self.default_sampling_params(),
                                   cache_salt, stream, priority)
 
     def step(self) -> list[RequestOutput]:

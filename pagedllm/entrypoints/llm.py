@@ -32,6 +32,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a call without any gets: the model's generation_config.json sampling fields
+        (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' own defaults."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -48,8 +53,8 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation_config.json sampling fields, else SamplingParams'
+            sampling_params = self.engine.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
