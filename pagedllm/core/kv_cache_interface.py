@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request
 
 
@@ -93,6 +93,10 @@ class KVCacheManagerProtocol(Protocol):
 
     def check_no_leaks(self) -> list[str]:
         """With no request alive: what is still held (empty = fine)."""
+
+    def kv_stats(self) -> KVCacheStats:
+        """Occupancy now (used / cached / empty blocks, filled slots, sharing, swap), read from counters the
+        manager keeps as blocks change hands: the engine core calls it after every step."""
 
 
 class KVCacheManagerFactory(Protocol):
