@@ -306,6 +306,16 @@ class ContiguousKVCacheManager:
         self.num_filled_slots += num_tokens - region.num_tokens
         region.num_tokens = num_tokens
 
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """A reserved region's blocks have ref_cnt 1 (handed out or not); its tokens fill them from the start."""
+        ref_cnts, num_tokens = [0] * self.num_blocks, [0] * self.num_blocks
+        bs = self.block_size
+        for region in self.regions.values():
+            for i in range(region.num_blocks):
+                ref_cnts[region.start + i] = 1
+                num_tokens[region.start + i] = max(0, min(bs, region.num_tokens - i * bs))
+        return ref_cnts, num_tokens, []
+
     def kv_stats(self) -> KVCacheStats:
         """A whole reservation counts as used from admission on: the slots it reserves but fills not yet are
         what filled / allocated shows. Nothing is cached, shared or swapped; no breakdown by priority (None)."""

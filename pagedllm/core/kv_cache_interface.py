@@ -98,6 +98,10 @@ class KVCacheManagerProtocol(Protocol):
         """Occupancy now (used / cached / empty blocks, filled slots, sharing, swap), read from counters the
         manager keeps as blocks change hands: the engine core calls it after every step."""
 
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """(ref_cnt per block, filled slots per block, ids of free blocks holding a cached prefix): a walk of
+        every block, for the block map (only built while someone watches)."""
+
 
 class KVCacheManagerFactory(Protocol):
     def __call__(self, num_blocks: int, num_host_blocks: int, cache_config: CacheConfig,

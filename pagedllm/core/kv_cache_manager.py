@@ -293,6 +293,13 @@ class KVCacheManager:
             num_swapped_blocks=self.num_host_blocks - len(self.free_host_blocks),
             blocks_by_priority=dict(self.num_refs_by_priority))
 
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """Every block's ref_cnt and filled slots (index = block id), and the free blocks still holding a cached
+        prefix: a full walk of the pool, for a picture of it (the dashboard), not for gauges."""
+        blocks = self.pool.blocks
+        return ([b.ref_cnt for b in blocks], [b.num_tokens if b.ref_cnt else 0 for b in blocks],
+                [b.block_id for b in blocks if not b.ref_cnt and b.block_hash is not None])
+
     def _count_refs(self, request: Request, delta: int) -> None:
         if not delta:
             return
