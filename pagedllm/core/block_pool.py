@@ -34,7 +34,7 @@ class KVBlock:
     """The tokens the cached block holds, compared on a hit so a hash collision can never serve foreign KV."""
     num_tokens: int = 0
     """Slots holding KV (or written in the step being scheduled); set by the KV cache manager
-    (`BlockPool.set_num_tokens`), reset when the block is handed out anew."""
+    (`BlockPool.set_num_tokens`). A free block keeps its count only while it holds a cached prefix."""
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 
@@ -181,6 +181,8 @@ class BlockPool:
                 self.num_filled_slots -= block.num_tokens
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
+                else:
+                    block.num_tokens = 0  # an empty block holds nothing; a cached one keeps its full block
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:

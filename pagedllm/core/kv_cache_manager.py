@@ -10,12 +10,17 @@ block is taken only in the step the request first writes past its last block.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.request import Request
+
+
+_REF_CNT = operator.attrgetter("ref_cnt")
+_NUM_TOKENS = operator.attrgetter("num_tokens")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -294,11 +299,12 @@ class KVCacheManager:
             blocks_by_priority=dict(self.num_refs_by_priority))
 
     def block_states(self) -> tuple[list[int], list[int], list[int]]:
-        """Every block's ref_cnt and filled slots (index = block id), and the free blocks still holding a cached
-        prefix: a full walk of the pool, for a picture of it (the dashboard), not for gauges."""
+        """Every block's ref_cnt and the slots holding KV (index = block id; a cached free block holds a full
+        block's), and the free blocks still holding a cached prefix: a full walk of the pool, for a picture of
+        it (the dashboard), not for gauges."""
         blocks = self.pool.blocks
-        return ([b.ref_cnt for b in blocks], [b.num_tokens if b.ref_cnt else 0 for b in blocks],
-                [b.block_id for b in blocks if not b.ref_cnt and b.block_hash is not None])
+        cached = sorted(b.block_id for b in self.pool.cached_blocks.values() if not b.ref_cnt)
+        return list(map(_REF_CNT, blocks)), list(map(_NUM_TOKENS, blocks)), cached
 
     def _count_refs(self, request: Request, delta: int) -> None:
         if not delta:

@@ -55,7 +55,7 @@ PARENT_POLL_S = 0.25
 """How often the watchdog checks that the front-end process is still there."""
 PARENT_DEATH_GRACE_S = 2.0
 """How long the loop may take to stop by itself once the front end is gone."""
-KV_MAP_INTERVAL_S = 0.2
+KV_MAP_INTERVAL_S = 0.5
 """Least time between two published block maps (the dashboard's rate is bounded here, in the core)."""
 KV_MAP_LEASE_S = 10.0
 """How long one watch_kv_map keeps the maps coming."""

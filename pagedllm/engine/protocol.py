@@ -75,8 +75,9 @@ class KVMapRequest(msgspec.Struct, array_like=True):
 class KVMapMsg(msgspec.Struct):
     """The KV block pool and the queues at one moment between steps: what the dashboard draws.
 
-    Per block (index = block id): `ref_cnts` (0 = free; > 1 = shared), `num_tokens` (slots holding KV)
-    and whether a free block still holds a cached prefix (`cached_block_ids`)."""
+    Per block (index = block id): `ref_cnts` (0 = free; > 1 = shared), `num_tokens` (slots holding KV: a
+    full block for a cached free one, 0 for an empty one) and the free blocks still holding a cached prefix
+    (`cached_block_ids`)."""
 
     timestamp: float
     """time.time() in the core when it was built."""

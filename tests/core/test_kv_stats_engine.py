@@ -50,7 +50,7 @@ def test_stats_and_map_follow_a_parallel_sampling_request_to_idle():
     assert stats.num_steps == 1 and stats.num_scheduled_tokens == 20
     assert stats.kv_blocks_by_priority == {0: 6}
     kv_map = core.kv_map()
-    assert kv_map.ref_cnts[:6] == [2, 2, 2, 0, 0, 0] and kv_map.num_tokens[:6] == [4, 4, 3, 0, 0, 0]
+    assert kv_map.ref_cnts[:6] == [2, 2, 2, 0, 0, 0] and kv_map.num_tokens[:6] == [4, 4, 3, 4, 4, 0]
     assert kv_map.cached_block_ids == [3, 4]
     running = {r.req_id: r for r in kv_map.requests}
     assert set(running) == {"a#0", "a#1"} and running["a#1"].block_ids == [0, 1, 2]  # w finished (max_tokens 1)
@@ -69,6 +69,8 @@ def test_stats_and_map_follow_a_parallel_sampling_request_to_idle():
     assert stats.kv_num_cached_blocks == 6 and stats.kv_num_empty_blocks == 2
     kv_map = core.kv_map()
     assert kv_map.requests == [] and set(kv_map.ref_cnts) == {0} and len(kv_map.cached_block_ids) == 6
+    # a cached block holds a full block of KV, an empty one nothing
+    assert [kv_map.num_tokens[b] for b in kv_map.cached_block_ids] == [4] * 6 and sum(kv_map.num_tokens) == 24
     assert core.check_kv_leaks() == []
 
 

@@ -6,7 +6,7 @@ dashboard_page.py: no build step, nothing fetched from elsewhere, so it works of
     browser ──GET /dashboard/events──► DashboardFeed.stream ──every EVENT_INTERVAL_S──► the latest maps
                                              │ while anyone watches, every WATCH_RENEW_S
                                              ▼
-                         each engine core: utility watch_kv_map ──► KVMapMsg in its stats (≤ 5/s)
+                         each engine core: utility watch_kv_map ──► KVMapMsg in its stats (≤ 2/s)
                                                                     ──► ServerMetrics.kv_maps[replica]
 
 Nobody watching, no core builds a map. With an API key set, the event stream needs the key as a bearer
@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.errors import APIError
 logger = logging.getLogger(__name__)
 
 EVENT_INTERVAL_S = 0.5
-"""Least time between two events on one stream (the core publishes at most every 0.2 s)."""
+"""Least time between two events on one stream (the core publishes at most every KV_MAP_INTERVAL_S = 0.5 s)."""
 WATCH_RENEW_S = 3.0
 """How often the cores are told someone still watches (their lease is KV_MAP_LEASE_S = 10 s)."""
 HEARTBEAT_S = 5.0

@@ -173,7 +173,7 @@ function drawReplica(replica, map) {
   const sec = replicaSection(replica);
   drawGrid(sec.querySelector("canvas"), map);
   const used = map.ref_cnts.filter(r => r > 0).length;
-  const filled = map.num_tokens.reduce((a, b) => a + b, 0);
+  const filled = map.num_tokens.reduce((a, n, b) => a + (map.ref_cnts[b] ? n : 0), 0);
   counters(sec.querySelector("table.counters"), [
     ["blocks held / cached / free", used + " / " + map.cached_block_ids.length + " / " +
       (map.ref_cnts.length - used - map.cached_block_ids.length)],
