@@ -125,3 +125,37 @@ def test_dashboard_is_off_by_default(tmp_path):
         assert httpx.get(f"{srv.url}/dashboard/events", timeout=10).status_code == 404
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_one_map_per_data_parallel_replica(tmp_path):
+    model_dir = build_tiny_llama_dir(tmp_path / "model")
+    srv = RemoteServer(model_dir, ["--enable-dashboard", "--served-model-name", "tiny", "-dp", "2",
+                                   "--num-kv-blocks", "24", "--max-num-seqs", "1", "--max-model-len", "512"],
+                       tmp_path / "server.log")
+    try:
+        threads = [threading.Thread(target=httpx.post, args=(f"{srv.url}/v1/completions",), kwargs=dict(
+            timeout=120, json={"model": "tiny", "prompt": [7] * 30, "max_tokens": 200, "ignore_eos": True}))
+            for _ in range(2)]
+
+        def both_busy(events):
+            if len(events) == 1:  # the stream is open and the cores watched: start the load
+                for t in threads:
+                    t.start()
+            replicas = events[-1]["replicas"]
+            return len(replicas) == 2 and all(r["map"]["requests"] for r in replicas)
+
+        events = read_events(f"{srv.url}/dashboard/events", {}, both_busy)
+        replicas = events[-1]["replicas"]
+        assert [r["replica"] for r in replicas] == ["0", "1"]
+        for replica in replicas:  # each replica's own pool and its own request (one sequence each)
+            kv_map = replica["map"]
+            (request,) = kv_map["requests"]
+            assert len(kv_map["ref_cnts"]) == 24 and request[1] == "running"
+            assert sorted(request[6]) == [b for b, ref in enumerate(kv_map["ref_cnts"]) if ref]
+        assert events[-1]["stats"]["kv_num_blocks"] == 48  # the totals cover both
+        for t in threads:
+            t.join()
+        srv.wait_idle_without_leaks()
+    finally:
+        srv.stop()
