@@ -17,6 +17,7 @@ DASHBOARD_HTML = r"""<!doctype html>
 <meta charset="utf-8">
 <title>pagedllm KV cache</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
 <style>
   body { font: 13px/1.4 system-ui, sans-serif; margin: 12px; background: #fafafa; color: #222; }
   h1 { font-size: 16px; margin: 0 0 8px; }
