@@ -130,7 +130,7 @@ class ServerMetrics:
         self.beam_kv_blocks_saved.set(stats.num_beam_kv_blocks_saved)
         self._record_kv_occupancy(stats)
         if stats.kv_map is not None:  # one engine (with data parallelism the replicas' come one by one)
-            self.kv_maps["0"] = stats.kv_map
+            self.kv_map_stats["0"] = stats
         last = self._last_stats
         for counter, name in ((self.prefix_queries, "prefix_cache_queries"),
                               (self.swap_outs, "num_swap_outs"),
@@ -172,8 +172,14 @@ class ServerMetrics:
         self.swap_outs = counter_of(r, model, "pagedllm_num_swap_outs", "Preemptions that swapped KV to host memory")
         self.scheduled_tokens = counter_of(r, model, "pagedllm_engine_tokens_computed",
                                            "Tokens the engine computed, prompt and output (its throughput)")
-        self.kv_maps: dict[str, KVMapMsg] = {}
-        """The latest block map of each replica ('0' without data parallelism), while the dashboard watches."""
+        self.kv_map_stats: dict[str, EngineStatsMsg] = {}
+        """Each replica's latest stats that carried a block map ('0' without data parallelism): the map and the
+        gauges of the same moment, while the dashboard watches."""
+
+    @property
+    def kv_maps(self) -> dict[str, KVMapMsg]:
+        """The latest block map of each replica."""
+        return {replica: stats.kv_map for replica, stats in self.kv_map_stats.items()}
 
     def _record_kv_occupancy(self, stats: EngineStatsMsg) -> None:
         model = self._model_name
@@ -311,7 +317,7 @@ class ServerMetrics:
         self.replica_up.labels(self._model_name, replica).set(1 if up else 0)
         if not up:  # a restarted core counts from zero again
             self._last_replica_stats.pop(replica, None)
-            self.kv_maps.pop(replica, None)
+            self.kv_map_stats.pop(replica, None)
 
     def record_replica_stats(self, replica: str, stats: EngineStatsMsg) -> None:
         """One replica's own stats (the totals go through record_engine_stats)."""
@@ -324,7 +330,7 @@ class ServerMetrics:
                              ("free", stats.kv_num_empty_blocks)):
             self.replica_kv_blocks.labels(*key, state).set(value)
         if stats.kv_map is not None:
-            self.kv_maps[replica] = stats.kv_map
+            self.kv_map_stats[replica] = stats
         last = self._last_replica_stats.get(replica)
         for counter, name in ((self.replica_prefix_queries, "prefix_cache_queries"),
                               (self.replica_prefix_hits, "prefix_cache_hits")):

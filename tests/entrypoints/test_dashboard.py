@@ -96,6 +96,9 @@ def test_events_show_a_running_requests_blocks_then_an_empty_pool(server):
         held = [b for b, ref in enumerate(kv_map["ref_cnts"]) if ref]
         assert sorted(block_ids) == held
         assert sum(kv_map["num_tokens"][b] for b in held) == num_computed
+        gauges = event["replicas"][0]["stats"]  # taken in the same step as the map: they agree exactly
+        assert gauges["kv_num_used_blocks"] == len(held) and gauges["kv_num_filled_slots"] == num_computed
+        assert gauges["kv_num_cached_blocks"] == len(kv_map["cached_block_ids"])
     # bounded rate: events at least EVENT_INTERVAL_S (0.5 s) apart, less a little jitter
     gaps = [b["_arrived"] - a["_arrived"] for a, b in zip(events[1:], events[2:])]
     assert gaps and min(gaps) > 0.4, gaps

@@ -7,7 +7,7 @@ dashboard_page.py: no build step, nothing fetched from elsewhere, so it works of
                                              │ while anyone watches, every WATCH_RENEW_S
                                              ▼
                          each engine core: utility watch_kv_map ──► KVMapMsg in its stats (≤ 2/s)
-                                                                    ──► ServerMetrics.kv_maps[replica]
+                                                                    ──► ServerMetrics.kv_map_stats[replica]
 
 Nobody watching, no core builds a map. With an API key set, the event stream needs the key as a bearer
 token; the page (which holds no data) reads it from the URL fragment (/dashboard#key=...), which browsers
@@ -44,7 +44,11 @@ _STATS_FIELDS = ("num_running", "num_waiting", "kv_cache_usage", "num_preemption
                  "kv_num_blocks", "kv_num_used_blocks", "kv_num_cached_blocks", "kv_num_empty_blocks",
                  "kv_num_filled_slots", "kv_num_allocated_slots", "kv_num_shared_blocks", "kv_num_saved_blocks",
                  "kv_saved_bytes", "kv_num_host_blocks", "kv_num_swapped_blocks", "kv_blocks_by_priority")
-"""The engine-wide totals sent with each event (the page shows them beside the maps)."""
+"""The gauges sent with each replica's map (taken with it, in the same step) and as engine-wide totals now."""
+
+
+def _gauges(stats) -> dict:
+    return {name: getattr(stats, name) for name in _STATS_FIELDS}
 
 
 class DashboardFeed:
@@ -77,12 +81,13 @@ class DashboardFeed:
             await asyncio.sleep(WATCH_RENEW_S)
 
     def event(self) -> bytes:
-        """One event: every replica's latest map and the engine-wide totals, as JSON."""
-        stats = self.engine.latest_stats
-        maps = sorted(self.metrics.kv_maps.items(), key=lambda item: int(item[0]))
+        """One event: every replica's latest map with its gauges of that moment, and the engine-wide totals now."""
+        latest = self.engine.latest_stats
+        replicas = sorted(self.metrics.kv_map_stats.items(), key=lambda item: int(item[0]))
         body = {"time": time.time(),
-                "replicas": [{"replica": replica, "map": kv_map} for replica, kv_map in maps],
-                "stats": None if stats is None else {name: getattr(stats, name) for name in _STATS_FIELDS}}
+                "replicas": [{"replica": replica, "map": stats.kv_map, "stats": _gauges(stats)}
+                             for replica, stats in replicas],
+                "stats": None if latest is None else _gauges(latest)}
         return b"data: " + self._encoder.encode(body) + b"\n\n"
 
     def _stopping(self) -> bool:
@@ -97,7 +102,7 @@ class DashboardFeed:
             sent_key, sent_at = None, 0.0
             yield b"retry: 2000\n\n"
             while not self._stopping():
-                key = tuple((replica, m.timestamp) for replica, m in self.metrics.kv_maps.items())
+                key = tuple((replica, s.kv_map.timestamp) for replica, s in self.metrics.kv_map_stats.items())
                 now = time.monotonic()
                 if key != sent_key or now - sent_at >= HEARTBEAT_S:
                     yield self.event()

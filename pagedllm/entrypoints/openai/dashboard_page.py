@@ -1,7 +1,8 @@
 """The dashboard page: one HTML document with its script and styles inline (kept in a Python string so it
 ships in the wheel with no package-data rule; nothing is fetched from elsewhere).
 
-Each event (see dashboard.py) holds every replica's KVMapMsg. A KVMapRequest arrives as an array:
+Each event (see dashboard.py) holds every replica's KVMapMsg with its gauges of the same step, and the
+engine-wide totals now (for throughput). A KVMapRequest arrives as an array:
 [req_id, state, priority, num_prompt_tokens, num_tokens, num_computed_tokens, block_ids].
 The grid draws one cell per block, coloured by its state:
     free       dark grey
@@ -217,11 +218,16 @@ function drawThroughput() {
   ctx.fillText("0", 2, c.height - 4);
 }
 
+function sumStats(list) {
+  const total = {};
+  for (const s of list) for (const [k, v] of Object.entries(s)) if (typeof v === "number") total[k] = (total[k] || 0) + v;
+  return total;
+}
+
 function onEvent(ev) {
-  if (ev.stats) {
-    const s = ev.stats;
-    rateHistory.push([ev.time, s.num_scheduled_tokens]);
-    if (rateHistory.length > MAX_HISTORY) rateHistory.shift();
+  // The table: the replicas' gauges taken with their maps (so they agree with the grids), summed.
+  const s = ev.replicas.length ? sumStats(ev.replicas.map(r => r.stats)) : ev.stats;
+  if (s) {
     counters(document.getElementById("totals"), [
       ["requests running / waiting", s.num_running + " / " + s.num_waiting],
       ["KV usage (blocks held)", pct(s.kv_num_used_blocks, s.kv_num_blocks)],
@@ -231,6 +237,10 @@ function onEvent(ev) {
       ["swapped-out blocks", s.kv_num_swapped_blocks + " of " + s.kv_num_host_blocks],
       ["preemptions / swap-outs", s.num_preemptions + " / " + s.num_swap_outs],
     ]);
+  }
+  if (ev.stats) {  // throughput from the engine-wide totals now
+    rateHistory.push([ev.time, ev.stats.num_scheduled_tokens]);
+    if (rateHistory.length > MAX_HISTORY) rateHistory.shift();
     drawThroughput();
   }
   for (const r of ev.replicas) drawReplica(r.replica, r.map);
