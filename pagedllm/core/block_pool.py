@@ -201,6 +201,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
+            block.num_tokens = 0
         self.cached_blocks.clear()
         self.num_cached_free_blocks = 0
         return True

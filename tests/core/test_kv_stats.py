@@ -51,6 +51,10 @@ def scan(kv: KVCacheManager, requests) -> KVCacheStats:
 def check(kv: KVCacheManager, requests) -> KVCacheStats:
     stats = kv.kv_stats()
     assert stats == scan(kv, requests)
+    # the block map's fill of a free block: a full block while it holds a cached prefix, else nothing
+    ref_cnts, num_tokens, cached = kv.block_states()
+    assert ref_cnts == [b.ref_cnt for b in kv.pool.blocks] and len(cached) == stats.num_cached_blocks
+    assert all(num_tokens[b] == (kv.block_size if b in cached else 0) for b, ref in enumerate(ref_cnts) if not ref)
     assert stats.num_used_blocks + stats.num_cached_blocks + stats.num_empty_blocks == stats.num_blocks
     return stats
 
@@ -118,6 +122,8 @@ def test_prefix_hits_share_blocks_and_finished_prompts_stay_cached():
     assert _gauges(check(sched.kv, sched.requests)) == (3, 0, 5, 9, 0, 0)
     sched.update_from_output(out, sample_for(sched, out))
     assert_idle(sched.kv)
+    assert sched.kv.reset_prefix_cache()
+    assert _gauges(check(sched.kv, sched.requests)) == (0, 0, 8, 0, 0, 0)
 
 
 def _swap_scheduler(num_blocks: int, mode: str) -> Scheduler:
