@@ -169,7 +169,8 @@ class KVCacheManager:
         new_blocks = list(new_computed_blocks) + self.pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
         blocks.extend(new_blocks)
-        self._count_refs(request, len(new_blocks))
+        if new_blocks:
+            self._count_refs(request, len(new_blocks))
         # Proposals' slots are written this step too; a rollback (`trim`) unfills the rejected ones.
         self._set_filled(blocks, num_computed // self.block_size, num_computed + num_new_tokens + num_lookahead_tokens)
         if self.enable_caching:
@@ -316,12 +317,18 @@ class KVCacheManager:
             del self.num_refs_by_priority[request.priority]
 
     def _set_filled(self, blocks: list[KVBlock], first: int, num_tokens: int) -> None:
-        """Blocks `first`.. of a table hold the tokens up to `num_tokens` (the rest of the table is ahead)."""
+        """Blocks `first`.. of a table hold the tokens up to `num_tokens` (the rest of the table is ahead).
+        On every request's every step: BlockPool.set_num_tokens inlined."""
         bs = self.block_size
-        for i in range(first, min(len(blocks), cdiv(num_tokens, bs))):
-            filled = min(bs, num_tokens - i * bs)
-            if blocks[i].num_tokens < filled:
-                self.pool.set_num_tokens(blocks[i], filled)
+        pool = self.pool
+        for i in range(first, min(len(blocks), -(-num_tokens // bs))):
+            block = blocks[i]
+            filled = num_tokens - i * bs
+            if filled > bs:
+                filled = bs
+            if block.num_tokens < filled:
+                pool.num_filled_slots += filled - block.num_tokens
+                block.num_tokens = filled
 
     def _refill_after_rollback(self, kept: list[KVBlock], num_tokens: int) -> None:
         """Speculative rollback: the kept blocks hold exactly the first `num_tokens` slots. Only the last
