@@ -162,3 +162,27 @@ def test_one_map_per_data_parallel_replica(tmp_path):
         srv.wait_idle_without_leaks()
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_an_open_dashboard_does_not_hold_up_shutdown(tmp_path):
+    model_dir = build_tiny_llama_dir(tmp_path / "model")
+    srv = RemoteServer(model_dir, ["--enable-dashboard", "--num-kv-blocks", "16", "--max-model-len", "256"],
+                       tmp_path / "server.log")
+    ended = threading.Event()
+
+    def watch():
+        try:
+            read_events(f"{srv.url}/dashboard/events", {}, lambda events: False, timeout_s=60)
+        except Exception:
+            pass
+        ended.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    time.sleep(2.0)  # the stream is open and has sent its first events
+    start = time.monotonic()
+    assert srv.stop(timeout_s=20) == 0
+    assert time.monotonic() - start < 10, "the event stream held the drain (its shutdown_timeout is 30 s)"
+    assert ended.wait(10)
+    watcher.join()
