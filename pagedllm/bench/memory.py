@@ -248,16 +248,19 @@ class PeakKVMap:
         self.llm.engine.core.step_listeners.remove(self._on_step)
 
 
+OWNER_HUES = 230
+"""A request's colour is a hue in [0, 230) degrees (red to blue): purple (265) is for shared blocks."""
+
+
 def kv_map_colors(kv_map) -> list[tuple[float, float, float]]:
     """One RGB colour per block, as the dashboard draws them: free dark grey, cached pale blue, a block of one
-    request in that request's hue (paler the emptier), shared purple (darker the more holders)."""
+    request in that request's hue (the requests' hues spread apart; paler the emptier), shared purple (darker the more holders)."""
     import colorsys
-    import zlib
 
-    owner: dict[int, str] = {}
-    for request in kv_map.requests:
+    owner: dict[int, int] = {}  # block id -> the index of its first holder in kv_map.requests
+    for i, request in enumerate(kv_map.requests):
         for block_id in request.block_ids:
-            owner.setdefault(block_id, request.req_id)
+            owner.setdefault(block_id, i)
     cached = set(kv_map.cached_block_ids)
     colors = []
     for block_id, (ref_cnt, num_tokens) in enumerate(zip(kv_map.ref_cnts, kv_map.num_tokens)):
@@ -266,9 +269,9 @@ def kv_map_colors(kv_map) -> list[tuple[float, float, float]]:
         elif ref_cnt > 1:
             colors.append(colorsys.hls_to_rgb(265 / 360, max(0.25, 0.62 - 0.08 * ref_cnt), 0.7))
         else:
-            hue = zlib.crc32(owner.get(block_id, "?").encode()) % 360 / 360
+            hue = owner.get(block_id, 0) * 137.5 % OWNER_HUES / 360  # neighbours far apart, never the shared purple
             fill = num_tokens / kv_map.block_size
-            colors.append(colorsys.hls_to_rgb(hue, 0.85 - 0.35 * fill, 0.7))
+            colors.append(colorsys.hls_to_rgb(hue, 0.78 - 0.28 * fill, 0.7))
     return colors
 
 

@@ -58,7 +58,7 @@ const MAX_HISTORY = 240;
 function hue(reqId) {
   let h = 0;
   for (const c of reqId) h = (h * 31 + c.charCodeAt(0)) >>> 0;
-  return h % 360;
+  return h % 230;  // red to blue: purple is for shared blocks
 }
 
 function apiKey() {
