@@ -17,7 +17,7 @@ from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer
 
 KEY = "sk-dash"
-NUM_BLOCKS = 48
+NUM_BLOCKS = 64
 
 
 def test_the_page_fetches_nothing_from_elsewhere():
@@ -40,7 +40,8 @@ def read_events(url: str, headers: dict, until, timeout_s: float = 60.0) -> list
                     events.append(event)
                     if until(events):
                         return events
-                assert time.monotonic() < deadline, f"gave up after {len(events)} events"
+                assert time.monotonic() < deadline, (
+                    f"gave up after {len(events)} events; the last: {events[-1] if events else None}")
     return events
 
 
@@ -48,7 +49,7 @@ def read_events(url: str, headers: dict, until, timeout_s: float = 60.0) -> list
 def server(tmp_path_factory):
     model_dir = build_tiny_llama_dir(tmp_path_factory.mktemp("model"))
     srv = RemoteServer(model_dir, ["--enable-dashboard", "--api-key", KEY, "--served-model-name", "tiny", "--num-kv-blocks", str(NUM_BLOCKS),
-                                   "--block-size", "16", "--max-model-len", "512"],
+                                   "--block-size", "16", "--max-model-len", "1024"],
                        tmp_path_factory.mktemp("logs") / "server.log")
     yield srv
     srv.stop()
@@ -72,18 +73,22 @@ def test_events_show_a_running_requests_blocks_then_an_empty_pool(server):
     def generate():
         try:
             status.append(httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=120, json={
-                "model": "tiny", "prompt": [5] * 40, "max_tokens": 250, "ignore_eos": True}).status_code)
+                "model": "tiny", "prompt": [5] * 40, "max_tokens": 900, "ignore_eos": True}).status_code)
         finally:
             done.set()
 
     def running(events):
         return any(r[1] == "running" for e in events for rep in e["replicas"] for r in rep["map"]["requests"])
 
-    first = read_events(f"{server.url}/dashboard/events", auth, lambda events: any(e["replicas"] for e in events))
-    assert first[-1]["replicas"][0]["replica"] == "0"
     worker = threading.Thread(target=generate)
-    worker.start()
-    events = read_events(f"{server.url}/dashboard/events", auth, lambda events: running(events) and len(events) >= 4)
+
+    def busy_for_a_while(events):
+        if events[-1]["replicas"] and worker.ident is None:
+            assert events[-1]["replicas"][0]["replica"] == "0"
+            worker.start()  # the core publishes maps now: start the load
+        return running(events) and len(events) >= 4
+
+    events = read_events(f"{server.url}/dashboard/events", auth, busy_for_a_while)
     busy = [e for e in events if e["replicas"] and e["replicas"][0]["map"]["requests"]]
     assert busy
     for event in busy:
@@ -114,9 +119,9 @@ def test_events_show_a_running_requests_blocks_then_an_empty_pool(server):
 
     events = read_events(f"{server.url}/dashboard/events", auth, idle, timeout_s=30)
     kv_map = events[-1]["replicas"][0]["map"]
-    assert len(kv_map["cached_block_ids"]) == 289 // 16  # full blocks stay cached, each holding a full block
-    assert sum(kv_map["num_tokens"]) == 16 * (289 // 16)
-    assert kv_map["num_steps"] > 0 and kv_map["num_scheduled_tokens"] == 289
+    assert len(kv_map["cached_block_ids"]) == 939 // 16  # full blocks stay cached, each holding a full block
+    assert sum(kv_map["num_tokens"]) == 16 * (939 // 16)
+    assert kv_map["num_steps"] > 0 and kv_map["num_scheduled_tokens"] == 939  # 40 + 899 computed
 
 
 @pytest.mark.slow
@@ -134,18 +139,19 @@ def test_dashboard_is_off_by_default(tmp_path):
 def test_one_map_per_data_parallel_replica(tmp_path):
     model_dir = build_tiny_llama_dir(tmp_path / "model")
     srv = RemoteServer(model_dir, ["--enable-dashboard", "--served-model-name", "tiny", "-dp", "2",
-                                   "--num-kv-blocks", "24", "--max-num-seqs", "1", "--max-model-len", "512"],
+                                   "--num-kv-blocks", "64", "--max-num-seqs", "1", "--max-model-len", "1024"],
                        tmp_path / "server.log")
     try:
+        # different prompts: the router's prefix affinity would keep two equal ones on one replica
         threads = [threading.Thread(target=httpx.post, args=(f"{srv.url}/v1/completions",), kwargs=dict(
-            timeout=120, json={"model": "tiny", "prompt": [7] * 30, "max_tokens": 200, "ignore_eos": True}))
-            for _ in range(2)]
+            timeout=120, json={"model": "tiny", "prompt": [7 + i] * 30, "max_tokens": 900, "ignore_eos": True}))
+            for i in range(2)]
 
         def both_busy(events):
-            if len(events) == 1:  # the stream is open and the cores watched: start the load
+            replicas = events[-1]["replicas"]
+            if len(replicas) == 2 and threads[0].ident is None:  # both cores publish maps now: start the load
                 for t in threads:
                     t.start()
-            replicas = events[-1]["replicas"]
             return len(replicas) == 2 and all(r["map"]["requests"] for r in replicas)
 
         events = read_events(f"{srv.url}/dashboard/events", {}, both_busy)
@@ -154,9 +160,9 @@ def test_one_map_per_data_parallel_replica(tmp_path):
         for replica in replicas:  # each replica's own pool and its own request (one sequence each)
             kv_map = replica["map"]
             (request,) = kv_map["requests"]
-            assert len(kv_map["ref_cnts"]) == 24 and request[1] == "running"
+            assert len(kv_map["ref_cnts"]) == 64 and request[1] == "running"
             assert sorted(request[6]) == [b for b, ref in enumerate(kv_map["ref_cnts"]) if ref]
-        assert events[-1]["stats"]["kv_num_blocks"] == 48  # the totals cover both
+        assert events[-1]["stats"]["kv_num_blocks"] == 128  # the totals cover both
         for t in threads:
             t.join()
         srv.wait_idle_without_leaks()
