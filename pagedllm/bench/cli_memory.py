@@ -94,7 +94,8 @@ def bench_memory(args, engine_args: dict) -> dict:
         requests = make_workload(spec_from_args(args, 64, max_len))
         by_policy = {}
         if "paged" in policies:
-            by_policy["paged"] = run_real(requests, "paged", llm, progress=args.progress)
+            by_policy["paged"] = run_real(requests, "paged", llm, progress=args.progress,
+                                          kv_map_png=out / f"memory_{args.workload}_kv_map.png")
         llm = None  # one engine (and KV cache) alive at a time: each baseline gets the paged block count
         gc.collect()
         for p in policies:

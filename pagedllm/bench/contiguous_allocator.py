@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache_interface import UnsupportedKVFeatureError
+from pagedllm.core.kv_cache_interface import KVCacheStats, UnsupportedKVFeatureError
 from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import Request
 
@@ -181,6 +181,8 @@ class Region:
     """Blocks handed to the block table so far (they cover the computed and scheduled tokens)."""
     final_len: int
     """The request's final length in tokens (prompt + max_tokens)."""
+    num_tokens: int = 0
+    """Slots holding KV (the computed and scheduled tokens)."""
 
 
 class ContiguousKVCacheManager:
@@ -210,6 +212,8 @@ class ContiguousKVCacheManager:
         self.prefix_cache_hits = 0
         self.num_cow_copies = 0
         self.regions: dict[str, Region] = {}
+        self.num_filled_slots = 0
+        """The sum of the regions' num_tokens."""
         self.num_admission_failures = 0
         self.last_admission_failure: tuple[int, int] | None = None
         """(blocks the refused request needed, free blocks then) of the latest refusal; the benchmark drains it."""
@@ -273,6 +277,7 @@ class ContiguousKVCacheManager:
         num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
         if num_lookahead_tokens and num_needed > region.num_blocks:
             return None
+        self._set_filled(region, request.num_computed_tokens + num_new_tokens)
         assert num_needed <= region.num_blocks, (
             f"{request.req_id} outgrew its reservation ({num_needed} > {region.num_blocks} blocks)"
         )
@@ -285,6 +290,7 @@ class ContiguousKVCacheManager:
     def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         region = self.regions.pop(request.req_id, None)
         if region is not None:
+            self.num_filled_slots -= region.num_tokens
             self.allocator.free(region.start)
 
     def trim(self, request: Request, num_tokens: int) -> int:
@@ -293,7 +299,30 @@ class ContiguousKVCacheManager:
         if region is None:
             return 0
         region.num_handed = min(region.num_handed, self.num_blocks_for_tokens(num_tokens))
+        self._set_filled(region, min(region.num_tokens, num_tokens))
         return region.num_handed
+
+    def _set_filled(self, region: Region, num_tokens: int) -> None:
+        self.num_filled_slots += num_tokens - region.num_tokens
+        region.num_tokens = num_tokens
+
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """A reserved region's blocks have ref_cnt 1 (handed out or not); its tokens fill them from the start."""
+        ref_cnts, num_tokens = [0] * self.num_blocks, [0] * self.num_blocks
+        bs = self.block_size
+        for region in self.regions.values():
+            for i in range(region.num_blocks):
+                ref_cnts[region.start + i] = 1
+                num_tokens[region.start + i] = max(0, min(bs, region.num_tokens - i * bs))
+        return ref_cnts, num_tokens, []
+
+    def kv_stats(self) -> KVCacheStats:
+        """A whole reservation counts as used from admission on: the slots it reserves but fills not yet are
+        what filled / allocated shows. Nothing is cached, shared or swapped; no breakdown by priority (None)."""
+        num_used = self.num_blocks - self.allocator.num_free
+        return KVCacheStats(num_blocks=self.num_blocks, block_size=self.block_size, num_used_blocks=num_used,
+                            num_cached_blocks=0, num_empty_blocks=self.allocator.num_free,
+                            num_filled_slots=self.num_filled_slots, num_shared_blocks=0, num_block_refs=num_used)
 
     def fork(self, parent: Request, child: Request) -> None:
         raise UnsupportedKVFeatureError(f"the {self.policy!r} contiguous policy", "forking",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -166,17 +167,25 @@ def simulate(requests: list[BenchRequest], policy: str, num_blocks: int, block_s
             "num_preemptions": scheduler.num_preemptions, **probe.acc.summary()}
 
 
-def run_real(requests: list[BenchRequest], policy: str, llm, progress: bool = False) -> dict:
-    """Run the trace through a real engine, built by the caller for `policy` (engine_utils.build_llm)."""
+def run_real(requests: list[BenchRequest], policy: str, llm, progress: bool = False,
+             kv_map_png: Path | None = None) -> dict:
+    """Run the trace through a real engine, built by the caller for `policy` (engine_utils.build_llm).
+
+    `kv_map_png`: also draw the block map (LLM.kv_cache_snapshot) at the step that held the most blocks."""
     from pagedllm.bench.engine_utils import engine_prompts, request_params
 
     probe = MemoryProbe(llm.engine.core.scheduler)  # instrumentation: a slot census after every schedule()
+    peak = PeakKVMap(llm) if kv_map_png is not None else None
     stats_before = llm.engine.stats()
     start = time.perf_counter()
     try:
         outputs = llm.generate(engine_prompts(requests), [request_params(r) for r in requests], use_tqdm=progress)
     finally:
         probe.detach()
+        if peak is not None:
+            peak.detach()
+    if peak is not None and peak.kv_map is not None:
+        render_kv_map(peak.kv_map, kv_map_png, f"{policy}: the KV cache at its fullest step")
     elapsed = time.perf_counter() - start
     stats = llm.engine.stats()
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -214,3 +223,179 @@ def strip_private(d: dict) -> dict:
     return {k: v for k, v in d.items() if not k.startswith("_")}
 
 
+
+
+# --- the block map offline: at the fullest step, to a PNG; and what building one costs -----------------
+
+
+class PeakKVMap:
+    """Keeps the block map (LLM.kv_cache_snapshot) of the step that held the most blocks so far; a map is built
+    only when a step beats the peak (the gauges that decide it cost nothing)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.kv_map = None
+        self.num_used_blocks = 0
+        llm.engine.core.step_listeners.append(self._on_step)
+
+    def _on_step(self, sched_output, runner_output) -> None:
+        num_used = self.llm.kv_cache_stats().num_used_blocks
+        if num_used > self.num_used_blocks:
+            self.num_used_blocks = num_used
+            self.kv_map = self.llm.kv_cache_snapshot()
+
+    def detach(self) -> None:
+        self.llm.engine.core.step_listeners.remove(self._on_step)
+
+
+OWNER_HUES = 230
+"""A request's colour is a hue in [0, 230) degrees (red to blue): purple (265) is for shared blocks."""
+
+
+def kv_map_colors(kv_map) -> list[tuple[float, float, float]]:
+    """One RGB colour per block, as the dashboard draws them: free dark grey, cached pale blue, a block of one
+    request in that request's hue (the requests' hues spread apart; paler the emptier), shared purple (darker the more holders)."""
+    import colorsys
+
+    owner: dict[int, int] = {}  # block id -> the index of its first holder in kv_map.requests
+    for i, request in enumerate(kv_map.requests):
+        for block_id in request.block_ids:
+            owner.setdefault(block_id, i)
+    cached = set(kv_map.cached_block_ids)
+    colors = []
+    for block_id, (ref_cnt, num_tokens) in enumerate(zip(kv_map.ref_cnts, kv_map.num_tokens)):
+        if ref_cnt == 0:
+            colors.append((0.86, 0.92, 1.0) if block_id in cached else (0.33, 0.33, 0.33))
+        elif ref_cnt > 1:
+            colors.append(colorsys.hls_to_rgb(265 / 360, max(0.25, 0.62 - 0.08 * ref_cnt), 0.7))
+        else:
+            hue = owner.get(block_id, 0) * 137.5 % OWNER_HUES / 360  # neighbours far apart, never the shared purple
+            fill = num_tokens / kv_map.block_size
+            colors.append(colorsys.hls_to_rgb(hue, 0.78 - 0.28 * fill, 0.7))
+    return colors
+
+
+def render_kv_map(kv_map, path: Path, title: str = "KV cache") -> Path:
+    """Draw a KVMapMsg as a grid of blocks (row-major by block id) to a PNG; returns the path."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = kv_map_colors(kv_map)
+    num_blocks = len(colors)
+    cols = max(8, math.ceil(math.sqrt(num_blocks * 2)))
+    rows = math.ceil(num_blocks / cols)
+    grid = [[(1.0, 1.0, 1.0)] * cols for _ in range(rows)]
+    for block_id, color in enumerate(colors):
+        grid[block_id // cols][block_id % cols] = color
+    fig, ax = plt.subplots(figsize=(10, max(2.5, 10 * rows / cols + 1.2)))
+    ax.imshow(grid, interpolation="nearest", aspect="equal")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    used = sum(1 for r in kv_map.ref_cnts if r)
+    filled = sum(kv_map.num_tokens)
+    running = sum(1 for r in kv_map.requests if r.state == "running")
+    ax.set_title(f"{title}\n{num_blocks} blocks of {kv_map.block_size}: {used} held "
+                 f"({filled} of {used * kv_map.block_size} slots filled), {len(kv_map.cached_block_ids)} cached, "
+                 f"{sum(1 for r in kv_map.ref_cnts if r > 1)} shared; {running} running, "
+                 f"{len(kv_map.requests) - running} waiting", fontsize=9)
+    ax.legend(handles=[Patch(color=(0.33, 0.33, 0.33), label="free"), Patch(color=(0.86, 0.92, 1.0), label="cached"),
+                       Patch(color=colorsys_rgb(30), label="one request (paler = emptier)"),
+                       Patch(color=colorsys_rgb(265, 0.46), label="shared")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=4, fontsize=8, frameon=False)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def colorsys_rgb(hue_deg: float, lightness: float = 0.5) -> tuple[float, float, float]:
+    import colorsys
+
+    return colorsys.hls_to_rgb(hue_deg / 360, lightness, 0.7)
+
+
+def kv_map_cost(num_blocks: int = 16384, block_size: int = 16, num_requests: int = 256, prompt_len: int = 500,
+                repeats: int = 20) -> dict:
+    """What the engine core pays for the dashboard and the gauges, with no model: a pool of `num_blocks` and
+    `num_requests` running requests of `prompt_len` tokens (about 16 GB of KV for an 8B model).
+
+    Returns seconds per call (best of `repeats`) of EngineCore.kv_map() (only while someone watches, at most every 0.5 s), of its
+    msgpack encoding, and of EngineCore.stats() (every step; the gauges are counters, so it should not grow
+    with the pool)."""
+    import msgspec
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.core.request import EngineCoreRequest
+    from pagedllm.engine.core import EngineCore
+    from pagedllm.sampling_params import SamplingParams
+
+    core = EngineCore(EngineArgs(block_size=block_size, max_num_seqs=num_requests, max_model_len=4 * prompt_len,
+                                 max_num_batched_tokens=num_requests * prompt_len),
+                      executor=_StubExecutor(num_blocks, 4 * prompt_len))
+    for i in range(num_requests):
+        prompt = [FIRST_ORDINARY_TOKEN + (i * 7 + j) % 1000 for j in range(prompt_len)]
+        params = SamplingParams(max_tokens=prompt_len, ignore_eos=True, temperature=0.0)
+        core.add_request(EngineCoreRequest(str(i), prompt, params, [], prompt_len))
+    core.step()
+
+    def per_call(fn) -> float:  # the best of `repeats`: this machine's other load is not the map's cost
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    kv_map = core.kv_map()
+    encoder = msgspec.msgpack.Encoder()
+    result = {"num_blocks": num_blocks, "num_running": core.scheduler.num_running,
+              "num_used_blocks": core.kv_cache_manager.kv_stats().num_used_blocks,
+              "kv_map_s": per_call(core.kv_map), "kv_map_encode_s": per_call(lambda: encoder.encode(kv_map)),
+              "kv_map_bytes": len(encoder.encode(kv_map)), "stats_s": per_call(core.stats),
+              "kv_stats_s": per_call(core.kv_cache_manager.kv_stats)}
+    core.abort_requests([str(i) for i in range(num_requests)])
+    assert core.check_kv_leaks() == []
+    return result
+
+
+class _StubExecutor:
+    """No model: each request samples token FIRST_ORDINARY_TOKEN (for kv_map_cost)."""
+
+    def __init__(self, num_blocks: int, max_len: int) -> None:
+        from pagedllm.worker.interface import ModelInfo
+
+        self.num_blocks = num_blocks
+        self.model_info = ModelInfo(model_path="stub", hf_config=None, tokenizer=None, chat_template=None,
+                                    vocab_size=50000, max_position_embeddings=max_len, eos_token_ids=(2,))
+
+    def initialize_kv_cache(self, cache_config, scheduler_config):
+        from pagedllm.worker.interface import KVCacheInfo
+
+        return KVCacheInfo(num_blocks=self.num_blocks, num_host_blocks=0, block_size=cache_config.block_size,
+                           bytes_per_block=1, num_kv_heads=1)
+
+    def execute_model(self, sched):
+        from pagedllm.core.sched_output import ModelRunnerOutput
+
+        return ModelRunnerOutput(sampled_token_ids={rid: [FIRST_ORDINARY_TOKEN] for rid in sched.num_scheduled_tokens})
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+if __name__ == "__main__":  # python -m pagedllm.bench.memory: the block map's cost in the engine core
+    for num_blocks, num_requests in ((2048, 32), (16384, 256), (65536, 256)):
+        r = kv_map_cost(num_blocks=num_blocks, num_requests=num_requests)
+        print(f"{r['num_blocks']:6d} blocks ({r['num_used_blocks']} held by {r['num_running']} requests): "
+              f"kv_map {1e3 * r['kv_map_s']:.2f} ms + msgpack {1e3 * r['kv_map_encode_s']:.2f} ms "
+              f"({r['kv_map_bytes'] / 1024:.0f} KiB); stats() {1e6 * r['stats_s']:.1f} us, "
+              f"kv_stats() {1e6 * r['kv_stats_s']:.1f} us")

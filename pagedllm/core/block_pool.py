@@ -4,6 +4,13 @@ A block with ref_cnt 0 sits in the free queue. If it holds a cached prefix (it h
 hash), it stays findable through `cached_blocks` until a fresh block is needed and it
 reaches the head of the queue: least recently freed goes first.
 
+Every block is in exactly one state, and the pool counts each as it changes (so reading the
+gauges costs nothing, however large the pool):
+
+    used    ref_cnt > 0                      held by requests (shared when ref_cnt > 1)
+    cached  ref_cnt == 0, block_hash set     in the free queue, still findable: reclaimable
+    empty   ref_cnt == 0, no hash            in the free queue
+
     free queue:  head -> [evicted first] <-> ... <-> [freed last] <- tail
 """
 
@@ -25,6 +32,9 @@ class KVBlock:
     """Set once the block is full and cached; cleared on eviction."""
     token_ids: tuple[int, ...] | None = None
     """The tokens the cached block holds, compared on a hit so a hash collision can never serve foreign KV."""
+    num_tokens: int = 0
+    """Slots holding KV (or written in the step being scheduled); set by the KV cache manager
+    (`BlockPool.set_num_tokens`). A free block keeps its count only while it holds a cached prefix."""
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 
@@ -87,6 +97,15 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # Gauges kept as blocks change state (see the module docstring); a scan must agree (tests).
+        self.num_cached_free_blocks = 0
+        """Free blocks still holding a cached prefix: reclaimable, reused by a hit."""
+        self.num_shared_blocks = 0
+        """Blocks with ref_cnt > 1."""
+        self.num_block_refs = 0
+        """The sum of every block's ref_cnt: block-table entries over all sequences."""
+        self.num_filled_slots = 0
+        """The sum of num_tokens over used blocks."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,7 +125,9 @@ class BlockPool:
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
+            block.num_tokens = 0
             blocks.append(block)
+        self.num_block_refs += num_blocks
         return blocks
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
@@ -121,7 +142,13 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_filled_slots += block.num_tokens
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
+            self.num_block_refs += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """Register a full block under its hash. An existing entry for the hash wins."""
@@ -132,18 +159,35 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached_blocks[block_hash] = block
+        if block.ref_cnt == 0:
+            self.num_cached_free_blocks += 1
+
+    def set_num_tokens(self, block: KVBlock, num_tokens: int) -> None:
+        """Record how many of a used block's slots hold KV."""
+        assert block.ref_cnt > 0, f"{block} is free"
+        self.num_filled_slots += num_tokens - block.num_tokens
+        block.num_tokens = num_tokens
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the given order (the first freed is evicted first)."""
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            self.num_block_refs -= 1
+            if block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
+            elif block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self.num_filled_slots -= block.num_tokens
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
+                else:
+                    block.num_tokens = 0  # an empty block holds nothing; a cached one keeps its full block
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
+        self.num_cached_free_blocks -= 1  # only free blocks are evicted
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None
@@ -157,5 +201,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
+            block.num_tokens = 0
         self.cached_blocks.clear()
+        self.num_cached_free_blocks = 0
         return True

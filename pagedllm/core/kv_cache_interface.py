@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request
 
 
@@ -93,6 +93,14 @@ class KVCacheManagerProtocol(Protocol):
 
     def check_no_leaks(self) -> list[str]:
         """With no request alive: what is still held (empty = fine)."""
+
+    def kv_stats(self) -> KVCacheStats:
+        """Occupancy now (used / cached / empty blocks, filled slots, sharing, swap), read from counters the
+        manager keeps as blocks change hands: the engine core calls it after every step."""
+
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """(ref_cnt per block, filled slots per block, ids of free blocks holding a cached prefix): a walk of
+        every block, for the block map (only built while someone watches)."""
 
 
 class KVCacheManagerFactory(Protocol):

@@ -10,15 +10,61 @@ block is taken only in the step the request first writes past its last block.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.request import Request
 
 
+_REF_CNT = operator.attrgetter("ref_cnt")
+_NUM_TOKENS = operator.attrgetter("num_tokens")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """Where the KV cache's memory is now: every device block is exactly one of used, cached or empty.
+
+    Read from counters kept as blocks change hands (no scan). Only running requests hold blocks: a
+    preempted request frees its blocks (recompute) or moves them to host blocks (swap)."""
+
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    """Held by at least one request."""
+    num_cached_blocks: int
+    """Held by nobody but still holding a cached prefix: reclaimable, reused on a prefix hit."""
+    num_empty_blocks: int
+    """Held by nobody, holding nothing."""
+    num_filled_slots: int
+    """Token slots of the used blocks that hold KV (or are written in the step just scheduled)."""
+    num_shared_blocks: int
+    """Used blocks held by more than one sequence (parallel samples, beams, prefix hits)."""
+    num_block_refs: int
+    """Block-table entries over all sequences: what the used blocks would be without sharing."""
+    num_host_blocks: int = 0
+    """Swap space, in blocks."""
+    num_swapped_blocks: int = 0
+    """Host blocks holding swapped-out requests' KV."""
+    blocks_by_priority: dict[int, int] | None = None
+    """Block-table entries by request priority (a shared block counts once per holder); only priorities
+    that hold blocks appear. None: the manager does not break its blocks down by priority."""
+
+    @property
+    def num_allocated_slots(self) -> int:
+        """Token slots of the used blocks, filled or not (filled / allocated: internal fragmentation)."""
+        return self.num_used_blocks * self.block_size
+
+    @property
+    def num_saved_blocks(self) -> int:
+        """Blocks sharing saves: block-table entries minus the distinct blocks they name."""
+        return self.num_block_refs - self.num_used_blocks
 
 
 class KVCacheManager:
@@ -43,6 +89,8 @@ class KVCacheManager:
         self.num_host_blocks = num_host_blocks
         self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.num_refs_by_priority: dict[int, int] = {}
+        """Block-table entries by request priority, kept as tables grow and shrink (see kv_stats)."""
 
     @property
     def num_blocks(self) -> int:
@@ -121,6 +169,10 @@ class KVCacheManager:
         new_blocks = list(new_computed_blocks) + self.pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
         blocks.extend(new_blocks)
+        if new_blocks:
+            self._count_refs(request, len(new_blocks))
+        # Proposals' slots are written this step too; a rollback (`trim`) unfills the rejected ones.
+        self._set_filled(blocks, num_computed // self.block_size, num_computed + num_new_tokens + num_lookahead_tokens)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [block.block_id for block in new_blocks]
@@ -136,12 +188,14 @@ class KVCacheManager:
         if not blocks:
             return 0
         num_keep = self.num_blocks_for_tokens(num_tokens)
+        self._refill_after_rollback(blocks[:num_keep], num_tokens)
         tail = blocks[num_keep:]
         if not tail:
             return len(blocks)
         assert num_keep >= self._num_cached_blocks.get(request.req_id, 0), "rolled back into a cached block"
         assert all(block.ref_cnt == 1 for block in tail), "a rolled-back block is shared"
         del blocks[num_keep:]
+        self._count_refs(request, -len(tail))
         self.pool.free_blocks(reversed(tail))
         return num_keep
 
@@ -154,6 +208,7 @@ class KVCacheManager:
         blocks = list(self.req_to_blocks.get(parent.req_id, []))
         self.pool.touch(blocks)
         self.req_to_blocks[child.req_id] = blocks
+        self._count_refs(child, len(blocks))
         num_common_blocks = child.num_computed_tokens // self.block_size
         self._num_cached_blocks[child.req_id] = min(self._num_cached_blocks.get(parent.req_id, 0), num_common_blocks)
         child.block_hashes = parent.block_hashes[:num_common_blocks]
@@ -209,6 +264,8 @@ class KVCacheManager:
             return None
         device_blocks = self.pool.get_new_blocks(len(host_blocks))
         self.req_to_blocks[request.req_id] = device_blocks
+        self._count_refs(request, len(device_blocks))
+        self._set_filled(device_blocks, 0, request.num_computed_tokens)
         mapping = [(host, block.block_id) for host, block in zip(host_blocks, device_blocks)]
         self._release_host_blocks(request.req_id)
         assert self.allocate_slots(request, num_new_tokens) is not None
@@ -224,7 +281,65 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
         self._replaced.pop(request.req_id, None)
+        self._count_refs(request, -len(blocks))
         self.pool.free_blocks(reversed(blocks))
+
+    # --- gauges ---------------------------------------------------------------------------
+
+    def kv_stats(self) -> KVCacheStats:
+        """The KV cache's occupancy now, from counters (O(number of priorities), no scan)."""
+        pool = self.pool
+        num_used = pool.num_blocks - pool.num_free_blocks
+        return KVCacheStats(
+            num_blocks=pool.num_blocks, block_size=self.block_size, num_used_blocks=num_used,
+            num_cached_blocks=pool.num_cached_free_blocks,
+            num_empty_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
+            num_filled_slots=pool.num_filled_slots, num_shared_blocks=pool.num_shared_blocks,
+            num_block_refs=pool.num_block_refs, num_host_blocks=self.num_host_blocks,
+            num_swapped_blocks=self.num_host_blocks - len(self.free_host_blocks),
+            blocks_by_priority=dict(self.num_refs_by_priority))
+
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """Every block's ref_cnt and the slots holding KV (index = block id; a cached free block holds a full
+        block's), and the free blocks still holding a cached prefix: a full walk of the pool, for a picture of
+        it (the dashboard), not for gauges."""
+        blocks = self.pool.blocks
+        cached = sorted(b.block_id for b in self.pool.cached_blocks.values() if not b.ref_cnt)
+        return list(map(_REF_CNT, blocks)), list(map(_NUM_TOKENS, blocks)), cached
+
+    def _count_refs(self, request: Request, delta: int) -> None:
+        if not delta:
+            return
+        num = self.num_refs_by_priority.get(request.priority, 0) + delta
+        if num:
+            self.num_refs_by_priority[request.priority] = num
+        else:
+            del self.num_refs_by_priority[request.priority]
+
+    def _set_filled(self, blocks: list[KVBlock], first: int, num_tokens: int) -> None:
+        """Blocks `first`.. of a table hold the tokens up to `num_tokens` (the rest of the table is ahead).
+        On every request's every step: BlockPool.set_num_tokens inlined."""
+        bs = self.block_size
+        pool = self.pool
+        for i in range(first, min(len(blocks), -(-num_tokens // bs))):
+            block = blocks[i]
+            filled = num_tokens - i * bs
+            if filled > bs:
+                filled = bs
+            if block.num_tokens < filled:
+                pool.num_filled_slots += filled - block.num_tokens
+                block.num_tokens = filled
+
+    def _refill_after_rollback(self, kept: list[KVBlock], num_tokens: int) -> None:
+        """Speculative rollback: the kept blocks hold exactly the first `num_tokens` slots. Only the last
+        private blocks can be off (proposals write nowhere else), so walk back until one agrees."""
+        bs = self.block_size
+        for i in range(len(kept) - 1, -1, -1):
+            filled = max(0, min(bs, num_tokens - i * bs))
+            block = kept[i]
+            if block.num_tokens == filled or block.ref_cnt > 1:
+                break
+            self.pool.set_num_tokens(block, filled)
 
     def _update_block_hashes(self, request: Request) -> None:
         extra_keys = (request.cache_salt,) if request.cache_salt is not None else ()

@@ -10,6 +10,7 @@ and EngineCoreOutput out; text is made elsewhere.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
@@ -19,7 +20,7 @@ from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManag
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.protocol import EngineCoreRequest, EngineStatsMsg
+from pagedllm.engine.protocol import EngineCoreRequest, EngineStatsMsg, KVMapMsg, KVMapRequest
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ class EngineCore:
                                 self.kv_cache_manager.num_blocks_for_tokens)
         """Beam-search requests: stepped after each step from their beams' top logprobs; they decide,
         this core tells the scheduler (`_step_beam_groups`)."""
+        self.kv_bytes_per_block = self.kv_info.bytes_per_block * engine_args.parallel_config().tensor_parallel_size
+        """One block's K and V over every layer and tensor-parallel rank."""
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0
+        """Tokens computed so far, prompt and output (throughput = its rate)."""
         self.step_listeners: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
         """Called after each executed step with what ran and what came back (benchmarks record step shapes)."""
 
@@ -94,6 +100,8 @@ class EngineCore:
             return []
         sched_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(sched_output)
+        self.num_steps += 1
+        self.num_scheduled_tokens += sched_output.total_num_scheduled_tokens
         for listener in self.step_listeners:
             listener(sched_output, runner_output)
         return self._step_beam_groups(self.scheduler.update_from_output(sched_output, runner_output))
@@ -139,8 +147,41 @@ class EngineCore:
             num_beam_kv_blocks=num_beam_blocks,
             num_beam_kv_blocks_saved=num_beam_blocks_unshared - num_beam_blocks,
             num_beam_group_preemptions=self.scheduler.num_beam_group_preemptions,
+            num_steps=self.num_steps,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            **self._kv_occupancy_stats(),
             **self._spec_decode_stats(),
         )
+
+    def _kv_occupancy_stats(self) -> dict:
+        """KVCacheStats for EngineStatsMsg (counters the manager keeps: no scan)."""
+        kv = self.kv_cache_manager.kv_stats()
+        return dict(kv_num_blocks=kv.num_blocks, kv_num_used_blocks=kv.num_used_blocks,
+                    kv_num_cached_blocks=kv.num_cached_blocks, kv_num_empty_blocks=kv.num_empty_blocks,
+                    kv_num_filled_slots=kv.num_filled_slots, kv_num_allocated_slots=kv.num_allocated_slots,
+                    kv_num_shared_blocks=kv.num_shared_blocks, kv_num_saved_blocks=kv.num_saved_blocks,
+                    kv_saved_bytes=kv.num_saved_blocks * self.kv_bytes_per_block,
+                    kv_num_host_blocks=kv.num_host_blocks, kv_num_swapped_blocks=kv.num_swapped_blocks,
+                    kv_blocks_by_priority=kv.blocks_by_priority or {})
+
+    def kv_map(self) -> KVMapMsg:
+        """The block pool and the queues now (between steps): every block's holders and fill, every live
+        request's state and block table. A walk of the pool and the tables: build it when someone looks."""
+        start = time.perf_counter()
+        kv, sched = self.kv_cache_manager, self.scheduler
+        ref_cnts, num_tokens, cached = kv.block_states()
+        requests = [self._kv_map_request(r, "running") for r in sched.running]
+        requests += [self._kv_map_request(r, "swapped" if kv.is_swapped_out(r) else
+                                          "preempted" if r.num_preemptions else "waiting") for r in sched.waiting]
+        return KVMapMsg(timestamp=time.time(), block_size=kv.block_size, ref_cnts=ref_cnts, num_tokens=num_tokens,
+                        cached_block_ids=cached, requests=requests, num_steps=self.num_steps,
+                        num_scheduled_tokens=self.num_scheduled_tokens, num_preemptions=sched.num_preemptions,
+                        num_swap_outs=sched.num_swap_outs, prefix_cache_queries=kv.prefix_cache_queries,
+                        prefix_cache_hits=kv.prefix_cache_hits, build_time_s=time.perf_counter() - start)
+
+    def _kv_map_request(self, request: Request, state: str) -> KVMapRequest:
+        return KVMapRequest(request.req_id, state, request.priority, request.num_prompt_tokens, request.num_tokens,
+                            request.num_computed_tokens, self.kv_cache_manager.get_block_ids(request.req_id))
 
     def _spec_decode_stats(self) -> dict:
         """Speculative-decoding counters for EngineStatsMsg (all zero when it is off)."""

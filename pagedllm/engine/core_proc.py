@@ -6,6 +6,9 @@ The loop polls its input without blocking while it has work and blocks in short 
 idle. On going idle it checks that every KV block is free or cached and reports what it finds.
 A fatal error is sent as an EngineDeadMsg before exiting.
 
+While a front end watches the block map (utility `watch_kv_map`, renewed within KV_MAP_LEASE_S),
+the stats after a step carry a KVMapMsg at most every KV_MAP_INTERVAL_S; unwatched, none is built.
+
 A watchdog thread notices the death of the front end, busy or not: it asks the loop to stop,
 and if the loop has not ended within a grace period (a long step, a hung collective) it removes
 the socket directory and ends the process itself. Nobody is left to read the outputs anyway.
@@ -52,6 +55,10 @@ PARENT_POLL_S = 0.25
 """How often the watchdog checks that the front-end process is still there."""
 PARENT_DEATH_GRACE_S = 2.0
 """How long the loop may take to stop by itself once the front end is gone."""
+KV_MAP_INTERVAL_S = 0.5
+"""Least time between two published block maps (the dashboard's rate is bounded here, in the core)."""
+KV_MAP_LEASE_S = 10.0
+"""How long one watch_kv_map keeps the maps coming."""
 
 
 class EngineCoreProc:
@@ -74,6 +81,9 @@ class EngineCoreProc:
         self.parent_gone = threading.Event()
         self._shutdown_requested = False
         self._num_kv_leaks = 0
+        self._kv_map_until = 0.0
+        """time.monotonic() until which block maps are published (0: nobody watches)."""
+        self._kv_map_last = 0.0
         self.core: EngineCore | None = None
         self._engine_args = engine_args
         self._kv_cache_manager_factory = kv_cache_manager_factory
@@ -178,6 +188,13 @@ class EngineCoreProc:
             return UtilityResultMsg(msg.call_id, self.core.check_kv_leaks())
         if msg.method == "ping":
             return UtilityResultMsg(msg.call_id, "pong")
+        if msg.method == "watch_kv_map":
+            watched = self._kv_map_until > time.monotonic()
+            self._kv_map_until = time.monotonic() + KV_MAP_LEASE_S
+            if not watched:  # a first look gets a map at once, busy or idle
+                self._kv_map_last = 0.0
+                self._send(OutputsMsg([], self._stats(), time.monotonic()))
+            return UtilityResultMsg(msg.call_id, KV_MAP_LEASE_S)
         return UtilityResultMsg(msg.call_id, error=f"unknown utility method {msg.method!r}")
 
     # --- output -----------------------------------------------------------------------
@@ -188,13 +205,19 @@ class EngineCoreProc:
         self.output_socket.send(self._encoder.encode(msg), copy=False)
 
     def _stats(self) -> EngineStatsMsg:
-        return msgspec.structs.replace(self.core.stats(), num_kv_leaks=self._num_kv_leaks)
+        stats = msgspec.structs.replace(self.core.stats(), num_kv_leaks=self._num_kv_leaks)
+        now = time.monotonic()
+        if now < self._kv_map_until and now - self._kv_map_last >= KV_MAP_INTERVAL_S:
+            self._kv_map_last = now
+            stats.kv_map = self.core.kv_map()
+        return stats
 
     def _check_idle_leaks(self) -> None:
         problems = self.core.check_kv_leaks()
         if problems:
             logger.error("KV cache leak while idle: %s", "; ".join(problems))
         self._num_kv_leaks = len(problems)
+        self._kv_map_last = 0.0  # a watcher sees the idle pool, however recent the last map
         self._send(OutputsMsg([], self._stats(), time.monotonic()))
 
 

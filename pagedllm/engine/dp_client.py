@@ -19,6 +19,7 @@ replica is up and none is being restarted: until then the server keeps serving w
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import enum
 import functools
@@ -56,6 +57,10 @@ class StatsMerge(enum.Enum):
     """Cumulative lists indexed by position: summed position by position (a shorter list counts 0 past its end)."""
     MEAN_WEIGHTED_BY_BLOCKS = "mean_weighted_by_blocks"
     """A fraction of a replica's KV blocks: the mean weighted by each live replica's block count."""
+    GAUGE_SUM_PER_KEY = "gauge_sum_per_key"
+    """Levels by key (priority -> blocks): summed key by key over the live replicas."""
+    PER_REPLICA = "per_replica"
+    """Not merged (the block map): the total carries None; each replica's reaches the metrics under its label."""
 
 
 _G, _C, _P = StatsMerge.GAUGE_SUM, StatsMerge.COUNTER_SUM, StatsMerge.COUNTER_SUM_PER_POSITION
@@ -67,6 +72,11 @@ STATS_MERGE: dict[str, StatsMerge] = {
     "num_beam_group_preemptions": _C,
     "spec_num_steps": _C, "spec_num_draft_tokens": _C, "spec_num_accepted_tokens": _C, "spec_num_bonus_tokens": _C,
     "spec_accepted_per_position": _P, "spec_proposed_per_position": _P,
+    "num_steps": _C, "num_scheduled_tokens": _C,
+    "kv_num_blocks": _G, "kv_num_used_blocks": _G, "kv_num_cached_blocks": _G, "kv_num_empty_blocks": _G,
+    "kv_num_filled_slots": _G, "kv_num_allocated_slots": _G, "kv_num_shared_blocks": _G, "kv_num_saved_blocks": _G,
+    "kv_saved_bytes": _G, "kv_num_host_blocks": _G, "kv_num_swapped_blocks": _G,
+    "kv_blocks_by_priority": StatsMerge.GAUGE_SUM_PER_KEY, "kv_map": StatsMerge.PER_REPLICA,
 }
 """Every field of EngineStatsMsg and how it merges. Checked against the struct's own fields at import, so a new
 field without a rule fails loudly instead of reading 0 on /metrics whenever -dp > 1."""
@@ -378,6 +388,10 @@ class DPCoreClient:
                 total[name] = self._retired[name] + sum(values)
             elif how is StatsMerge.COUNTER_SUM_PER_POSITION:
                 total[name] = functools.reduce(_add_per_position, values, self._retired[name])
+            elif how is StatsMerge.GAUGE_SUM_PER_KEY:
+                total[name] = dict(functools.reduce(lambda a, b: a + collections.Counter(b), values, collections.Counter()))
+            elif how is StatsMerge.PER_REPLICA:
+                total[name] = None
             else:  # MEAN_WEIGHTED_BY_BLOCKS
                 total[name] = sum(v * n for v, (_, n) in zip(values, live)) / num_blocks if num_blocks else 0.0
         return EngineStatsMsg(**total)

@@ -37,6 +37,16 @@ class LLM:
         (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' own defaults."""
         return self.engine.default_sampling_params()
 
+    def kv_cache_snapshot(self):
+        """The KV block pool and the queues now: a KVMapMsg (engine/protocol.py), as the server's /dashboard
+        draws it. Between `generate` calls the pool is idle (only cached prefixes remain); to catch it busy,
+        take one from a step listener: `llm.engine.core.step_listeners.append(lambda *_: ...)`."""
+        return self.engine.core.kv_map()
+
+    def kv_cache_stats(self):
+        """The KV occupancy gauges now (KVCacheStats: used / cached / empty blocks, filled slots, sharing, swap)."""
+        return self.engine.core.kv_cache_manager.kv_stats()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

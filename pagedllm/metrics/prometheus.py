@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pagedllm.engine.protocol import EngineStatsMsg
+from pagedllm.engine.protocol import EngineStatsMsg, KVMapMsg
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -26,6 +26,10 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 MAX_PRIORITY_LABELS = 32
 """Distinct priority values labelled on the queue-time histogram; later ones share the label 'other'
 (a client choosing priorities must not grow the server's metrics without bound)."""
+
+
+def counter_of(registry: CollectorRegistry, model_name: str, name: str, doc: str) -> Counter:
+    return Counter(name, doc, labelnames=["model_name"], registry=registry).labels(model_name)
 
 
 @dataclass(slots=True)
@@ -106,6 +110,7 @@ class ServerMetrics:
         self.spec_proposed_per_pos = Counter(
             "pagedllm_spec_decode_num_proposed_tokens_per_pos", "Speculative decoding: proposals scored, by position",
             labelnames=["model_name", "position"], registry=r)
+        self._init_kv_occupancy_metrics()
         self.engine_healthy.set(1)
         self._last_stats: EngineStatsMsg | None = None
         self._init_replica_metrics()
@@ -123,8 +128,13 @@ class ServerMetrics:
         self.beams_running.set(stats.num_beams_running)
         self.beam_kv_blocks.set(stats.num_beam_kv_blocks)
         self.beam_kv_blocks_saved.set(stats.num_beam_kv_blocks_saved)
+        self._record_kv_occupancy(stats)
+        if stats.kv_map is not None:  # one engine (with data parallelism the replicas' come one by one)
+            self.kv_map_stats["0"] = stats
         last = self._last_stats
         for counter, name in ((self.prefix_queries, "prefix_cache_queries"),
+                              (self.swap_outs, "num_swap_outs"),
+                              (self.scheduled_tokens, "num_scheduled_tokens"),
                               (self.prefix_hits, "prefix_cache_hits"),
                               (self.preemptions, "num_preemptions"),
                               (self.beam_group_preemptions, "num_beam_group_preemptions")):
@@ -133,6 +143,67 @@ class ServerMetrics:
                 counter.inc(delta)
         self._record_spec_decode(stats, last)
         self._last_stats = stats
+
+    def _init_kv_occupancy_metrics(self) -> None:
+        r, model = self.registry, self._model_name
+
+        def gauge(name: str, doc: str, *extra: str) -> Gauge:
+            return Gauge(name, doc, labelnames=["model_name", *extra], registry=r)
+
+        self.kv_num_blocks = gauge("pagedllm_kv_cache_num_blocks", "KV blocks on the device").labels(model)
+        self.kv_blocks = gauge("pagedllm_kv_cache_blocks", "KV blocks by state: used (held by running requests), "
+                               "cached (held by nobody, still holding a prefix: reclaimable), free (empty); they "
+                               "add up to pagedllm_kv_cache_num_blocks", "state")
+        self.kv_slots = gauge("pagedllm_kv_cache_token_slots", "Token slots of the used blocks: filled (holding KV) "
+                              "or allocated (all of them); filled / allocated shows internal fragmentation", "state")
+        self.kv_shared_blocks = gauge("pagedllm_kv_cache_shared_blocks",
+                                      "Used KV blocks held by more than one sequence").labels(model)
+        self.kv_saved_blocks = gauge("pagedllm_kv_cache_sharing_saved_blocks", "KV blocks sharing saves (parallel "
+                                     "samples, beams, prefix hits): block-table entries minus distinct blocks"
+                                     ).labels(model)
+        self.kv_saved_bytes = gauge("pagedllm_kv_cache_sharing_saved_bytes",
+                                    "Those blocks in bytes, over every tensor-parallel rank").labels(model)
+        self.kv_host_blocks = gauge("pagedllm_kv_cache_swap_num_blocks", "Host blocks of swap space").labels(model)
+        self.kv_swapped_blocks = gauge("pagedllm_kv_cache_swapped_blocks",
+                                       "Host blocks holding swapped-out requests' KV").labels(model)
+        self.kv_blocks_by_priority = gauge("pagedllm_kv_cache_blocks_by_priority", "Block-table entries of running "
+                                           "requests by priority (a shared block counts once per holder)", "priority")
+        self._kv_priority_labels: set[str] = set()
+        self.swap_outs = counter_of(r, model, "pagedllm_num_swap_outs", "Preemptions that swapped KV to host memory")
+        self.scheduled_tokens = counter_of(r, model, "pagedllm_engine_tokens_computed",
+                                           "Tokens the engine computed, prompt and output (its throughput)")
+        self.kv_map_stats: dict[str, EngineStatsMsg] = {}
+        """Each replica's latest stats that carried a block map ('0' without data parallelism): the map and the
+        gauges of the same moment, while the dashboard watches."""
+
+    @property
+    def kv_maps(self) -> dict[str, KVMapMsg]:
+        """The latest block map of each replica."""
+        return {replica: stats.kv_map for replica, stats in self.kv_map_stats.items()}
+
+    def _record_kv_occupancy(self, stats: EngineStatsMsg) -> None:
+        model = self._model_name
+        self.kv_num_blocks.set(stats.kv_num_blocks)
+        for state, value in (("used", stats.kv_num_used_blocks), ("cached", stats.kv_num_cached_blocks),
+                             ("free", stats.kv_num_empty_blocks)):
+            self.kv_blocks.labels(model, state).set(value)
+        self.kv_slots.labels(model, "filled").set(stats.kv_num_filled_slots)
+        self.kv_slots.labels(model, "allocated").set(stats.kv_num_allocated_slots)
+        self.kv_shared_blocks.set(stats.kv_num_shared_blocks)
+        self.kv_saved_blocks.set(stats.kv_num_saved_blocks)
+        self.kv_saved_bytes.set(stats.kv_saved_bytes)
+        self.kv_host_blocks.set(stats.kv_num_host_blocks)
+        self.kv_swapped_blocks.set(stats.kv_num_swapped_blocks)
+        by_label: dict[str, int] = {}
+        for priority, num in stats.kv_blocks_by_priority.items():
+            label = str(priority)
+            if label not in self._kv_priority_labels:
+                if len(self._kv_priority_labels) >= MAX_PRIORITY_LABELS:
+                    label = "other"
+                self._kv_priority_labels.add(label)
+            by_label[label] = by_label.get(label, 0) + num
+        for label in self._kv_priority_labels | set(by_label):
+            self.kv_blocks_by_priority.labels(model, label).set(by_label.get(label, 0))
 
     def _record_spec_decode(self, stats: EngineStatsMsg, last: EngineStatsMsg | None) -> None:
         """Speculative-decoding counters (the core's are cumulative): increments, per position too."""
@@ -225,6 +296,8 @@ class ServerMetrics:
         self.replica_running = gauge("pagedllm_replica_num_requests_running", "Requests running in a replica")
         self.replica_waiting = gauge("pagedllm_replica_num_requests_waiting", "Requests waiting in a replica")
         self.replica_kv_usage = gauge("pagedllm_replica_kv_cache_usage_ratio", "Fraction of a replica's KV blocks held")
+        self.replica_kv_blocks = Gauge("pagedllm_replica_kv_cache_blocks", "A replica's KV blocks by state (used, "
+                                       "cached, free)", labelnames=[*labels, "state"], registry=r)
         self.replica_kv_leaks = gauge("pagedllm_replica_kv_cache_leaks", "Problems found by a replica's last idle "
                                       "KV leak check")
         self.replica_prefix_queries = counter("pagedllm_replica_prefix_cache_queries",
@@ -244,6 +317,7 @@ class ServerMetrics:
         self.replica_up.labels(self._model_name, replica).set(1 if up else 0)
         if not up:  # a restarted core counts from zero again
             self._last_replica_stats.pop(replica, None)
+            self.kv_map_stats.pop(replica, None)
 
     def record_replica_stats(self, replica: str, stats: EngineStatsMsg) -> None:
         """One replica's own stats (the totals go through record_engine_stats)."""
@@ -252,6 +326,11 @@ class ServerMetrics:
         self.replica_waiting.labels(*key).set(stats.num_waiting)
         self.replica_kv_usage.labels(*key).set(stats.kv_cache_usage)
         self.replica_kv_leaks.labels(*key).set(stats.num_kv_leaks)
+        for state, value in (("used", stats.kv_num_used_blocks), ("cached", stats.kv_num_cached_blocks),
+                             ("free", stats.kv_num_empty_blocks)):
+            self.replica_kv_blocks.labels(*key, state).set(value)
+        if stats.kv_map is not None:
+            self.kv_map_stats[replica] = stats
         last = self._last_replica_stats.get(replica)
         for counter, name in ((self.replica_prefix_queries, "prefix_cache_queries"),
                               (self.replica_prefix_hits, "prefix_cache_hits")):

@@ -11,7 +11,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.dp_client import DPCoreClient, ReplicaDeadError, ReplicaLostMsg, ReplicaState
-from pagedllm.engine.protocol import EngineStatsMsg, OutputsMsg, ReadyMsg
+from pagedllm.engine.protocol import EngineStatsMsg, KVMapMsg, OutputsMsg, ReadyMsg
 from pagedllm.errors import EngineDeadError
 from pagedllm.metrics.prometheus import ServerMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -169,6 +169,10 @@ def every_field_stats(scale: int, per_position: list[int]) -> EngineStatsMsg:
             values[name] = 0.25 * scale
         elif name.endswith("_per_position"):
             values[name] = list(per_position)
+        elif name == "kv_blocks_by_priority":
+            values[name] = {0: scale, scale: 10}
+        elif name == "kv_map":
+            values[name] = KVMapMsg(0.0, 4, [scale], [1], [], [], 1, 1, 0, 0, 0, 0)
         else:
             values[name] = scale * (k + 1)
     return EngineStatsMsg(**values)
@@ -191,6 +195,10 @@ def test_totals_merge_every_stats_field():
                 assert total.kv_cache_usage == pytest.approx((0.25 * 10 + 0.5 * 30) / 40)
             elif name.endswith("_per_position"):
                 assert getattr(total, name) == [9, 2, 1], name
+            elif name == "kv_blocks_by_priority":  # summed priority by priority
+                assert total.kv_blocks_by_priority == {0: 3, 1: 10, 2: 10}
+            elif name == "kv_map":  # each replica's own map goes to the metrics; the total has none
+                assert total.kv_map is None
             else:
                 assert getattr(total, name) == 3 * (k + 1), name
         # end to end: the totals reach /metrics (the beam and speculative-decoding series were 0 here)

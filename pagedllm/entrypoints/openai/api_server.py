@@ -153,6 +153,11 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
+    if config.enable_dashboard:
+        from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
+
+        add_dashboard_routes(app, ctx.engine, metrics, config.api_keys, lifecycle)
+
     # Outermost last: request id, then draining, then CORS (its preflights need no key), then auth.
     app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     if config.allowed_origins:

@@ -45,6 +45,8 @@ class ServerConfig:
     error."""
     keep_alive_on_engine_death: bool = flag(False, group="lifecycle")
     """Keep answering 503 when the engine core dies, instead of exiting non-zero for a supervisor to restart."""
+    enable_dashboard: bool = False
+    """Serve the live KV block map at /dashboard (its event stream needs the API key when keys are set)."""
     num_frontend_threads: int = 4
     """Threads for tokenization, chat templates and big responses, so the event loop stays free."""
     timeout_keep_alive: float = flag(5.0, group="http")
