@@ -1,0 +1,117 @@
+"""The grammar of a forced tool call (tool_choice `required` or a named function) in a parser's format:
+only calls to the given tools, each one's arguments valid against its JSON schema, one call or several
+(parallel_tool_calls), then the end of the output. Built with xgrammar and handed to the ordinary
+structured-output path as EBNF text (StructuredOutputsParams.grammar), so it is validated, cached and
+compiled as any other grammar.
+
+    hermes       <tool_call>\\n{"name": "f", "arguments": ARGS}\\n</tool_call>  (joined by "\\n")
+    llama3_json  {"name": "f", "parameters": ARGS}                             (joined by "; ")
+    mistral      [TOOL_CALLS][{"name": "f", "arguments": ARGS}, ...]
+    pythonic     [f(k=VALUE, ...), ...]   (the schema's required properties, in order, as JSON values)
+
+ARGS is compact JSON (", " and ": " separators, as response_format's grammars).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import xgrammar as xgr
+
+CALL_RULE = "tool_call"
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How one call is written: `begin` (with {name} as a JSON string, {bare} as is), the arguments, `end`;
+    calls joined by `separator` inside `open` ... `close`."""
+
+    begin: str
+    end: str
+    separator: str
+    open: str = ""
+    close: str = ""
+    kwargs: bool = False
+    """Arguments as Python keyword arguments (pythonic) instead of a JSON object."""
+
+
+FORMATS = {
+    "hermes": CallFormat('<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>", "\n"),
+    "llama3_json": CallFormat('{{"name": {name}, "parameters": ', "}", "; "),
+    "mistral": CallFormat('{{"name": {name}, "arguments": ', "}", ", ", open="[TOOL_CALLS][", close="]"),
+    "pythonic": CallFormat("{bare}(", ")", ", ", open="[", close="]", kwargs=True),
+}
+
+
+def object_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's parameters as the schema its arguments follow (none: an empty object)."""
+    return parameters if parameters else {"type": "object", "properties": {}}
+
+
+def tool_call_grammar(parser_name: str, functions: list[tuple[str, dict | None]], parallel: bool) -> str:
+    """EBNF (xgrammar's dialect, root rule `root`) of one or more calls to `functions` ((name, parameters)
+    pairs) in the format of `parser_name`; ValueError naming a schema xgrammar cannot use."""
+    fmt = FORMATS[parser_name]
+    calls = []
+    for name, parameters in functions:
+        begin = fmt.begin.format(name=json.dumps(name, ensure_ascii=False), bare=name)
+        calls.append(xgr.Grammar.concat(_literal(begin), _arguments(fmt, name, parameters), _literal(fmt.end)))
+    one = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    body = f'{CALL_RULE} ({_quoted(fmt.separator)} {CALL_RULE})*' if parallel else CALL_RULE
+    parts = [_quoted(fmt.open) if fmt.open else "", body, _quoted(fmt.close) if fmt.close else ""]
+    return "root ::= " + " ".join(p for p in parts if p) + "\n" + rename_root(str(one), CALL_RULE)
+
+
+def _arguments(fmt: CallFormat, name: str, parameters: dict | None) -> xgr.Grammar:
+    schema = object_schema(parameters)
+    try:
+        if not fmt.kwargs:
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+        properties = schema.get("properties") or {}
+        required = [k for k in properties if k in (schema.get("required") or ())]
+        pieces: list[xgr.Grammar] = []
+        for i, key in enumerate(required):
+            pieces.append(_literal((", " if i else "") + f"{key}="))
+            pieces.append(xgr.Grammar.from_json_schema(properties[key] if isinstance(properties[key], dict) else {},
+                                                       any_whitespace=False, strict_mode=True))
+        return xgr.Grammar.concat(*pieces) if pieces else xgr.Grammar.from_ebnf('root ::= ""')
+    except Exception as e:  # noqa: BLE001 - xgrammar's native errors are RuntimeErrors
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"the parameters of {name!r} are not a JSON schema this server can use: "
+                         f"{message.split(': ', 1)[-1]}") from None
+
+
+def _quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # JSON string escapes are EBNF string escapes
+
+
+def _literal(text: str) -> xgr.Grammar:
+    return xgr.Grammar.from_ebnf(f"root ::= {_quoted(text)}")
+
+
+def rename_root(ebnf: str, new_name: str) -> str:
+    """`ebnf` with its rule `root` renamed (definition and references), leaving string literals and
+    character classes alone."""
+    out, i, n = [], 0, len(ebnf)
+    while i < n:
+        c = ebnf[i]
+        if c in "\"[":
+            close = '"' if c == '"' else "]"
+            j = i + 1
+            while j < n and ebnf[j] != close:
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i:j + 1])
+            i = j + 1
+        elif c.isalpha() or c == "_":
+            j = i
+            while j < n and (ebnf[j].isalnum() or ebnf[j] in "_-"):
+                j += 1
+            word = ebnf[i:j]
+            out.append(new_name if word == "root" else word)
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
