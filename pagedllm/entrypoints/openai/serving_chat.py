@@ -88,8 +88,10 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     request_id = new_id("chatcmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
     streams = await open_streams(ctx, request_id, [prompt_ids], params, salt, request.stream, request.priority)
-    parse = plan is not None and bool(plan.called) or config.reasoning_parser is not None
-    parsers = (lambda: ChoiceParser(plan, config.reasoning_parser)) if parse else None
+    # A forced call's grammar holds from the first token, so that output has no reasoning to split off.
+    reasoning = config.reasoning_parser if plan is None or plan.grammar is None else None
+    parse = plan is not None and bool(plan.called) or reasoning is not None
+    parsers = (lambda: ChoiceParser(plan, reasoning)) if parse else None
     if request.stream:
         return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model, parsers))
 

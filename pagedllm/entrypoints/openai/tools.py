@@ -252,7 +252,9 @@ class ChoiceParser:
                     calls.append({"id": call["id"], "type": "function", "function": dict(call["function"])})
                 else:
                     calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
+        answer = "".join(content)  # null, as OpenAI's, when the message is calls or reasoning only
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": answer or (None if calls or self.reasoning is not None else "")}
         if self.reasoning is not None:
             message["reasoning_content"] = "".join(reasoning) or None
         if calls:
