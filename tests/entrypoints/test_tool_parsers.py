@@ -17,7 +17,7 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCall
-from pagedllm.entrypoints.openai.tool_parsers.grammar import tool_call_grammar
+from pagedllm.entrypoints.openai.tool_parsers.grammar import either_grammar, opened_call_grammar, tool_call_grammar
 from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolDefinition, ToolPlan, written_call
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
@@ -190,3 +190,20 @@ def test_forced_call_grammars_accept_valid_calls_and_nothing_else(parser):
     assert [c.name for c in out.calls] == ["get_weather", "add"] and out.content == ""
     for c in out.calls:
         jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+
+
+def test_auto_grammar_leaves_text_free_and_constrains_an_opened_call():
+    functions = list(SCHEMAS.items())
+    good = written_call("hermes", "add", '{"a": 1, "b": 2}')
+    for parallel in (True, False):
+        g = xgr.Grammar.from_ebnf(opened_call_grammar("hermes", functions, parallel))
+        assert _is_grammar_accept_string(g, "Any text at all, 😀 < > { }")
+        assert _is_grammar_accept_string(g, "Let me add. " + good)
+        assert not _is_grammar_accept_string(g, "Let me add. " + written_call("hermes", "add", '{"a": "one"}'))
+        assert not _is_grammar_accept_string(g, written_call("hermes", "subtract", '{"a": 1, "b": 2}'))
+        assert _is_grammar_accept_string(g, good + "\n" + good) == parallel
+    assert opened_call_grammar("pythonic", functions, True) is None  # no marker that opens a call mid-text
+    either = xgr.Grammar.from_ebnf(either_grammar(xgr.Grammar.from_json_schema(ADD, any_whitespace=False),
+                                                  tool_call_grammar("hermes", functions, False)))
+    assert _is_grammar_accept_string(either, '{"a": 1, "b": 2}') and _is_grammar_accept_string(either, good)
+    assert not _is_grammar_accept_string(either, "free text") and not _is_grammar_accept_string(either, good + "\n" + good)

@@ -161,6 +161,39 @@ def test_auto_returns_calls_or_text_never_a_500(client):
     assert num_calls + num_text == 12
 
 
+def test_auto_constrains_an_opened_call_and_parallel_false(client):
+    """With --tool-call-parser hermes, auto is free text until the model writes <tool_call>; from there the call is
+    constrained, so every call that comes back validates, and parallel_tool_calls false allows one at most."""
+    ask = [{"role": "user", "content": "Call get_weather for Zürich in celsius. Answer only with the tool call."}]
+    num_calls = 0
+    for parallel in (True, False):
+        r = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="auto", n=8, seed=9,
+                                           temperature=1.0, max_tokens=200, parallel_tool_calls=parallel)
+        for choice in r.choices:
+            calls = choice.message.tool_calls or []
+            if not parallel:
+                assert len(calls) <= 1
+            for c in calls:
+                jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+            if choice.finish_reason != "length":
+                assert "<tool_call>" not in (choice.message.content or "")  # an opened call always completes
+            num_calls += len(calls)
+    print(f"auto: {num_calls} calls in 16 choices")
+
+
+def test_auto_with_response_format_answers_in_the_format_or_calls(client):
+    """OpenAI: response_format shapes the text answer, tools stay callable: the grammar is their union."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ADD}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", n=8, seed=4,
+                                       temperature=1.0, max_tokens=200, response_format=fmt, parallel_tool_calls=False)
+    for choice in r.choices:
+        assert choice.finish_reason in ("stop", "tool_calls"), choice
+        if choice.message.tool_calls:
+            _check_calls(choice.message.tool_calls, set(SCHEMAS), False)
+        else:
+            jsonschema.validate(json.loads(choice.message.content), ADD)
+
+
 def _param_of(error: openai.BadRequestError) -> str | None:
     return error.response.json()["error"]["param"]
 

@@ -257,16 +257,19 @@ class ChatCompletionRequest(SamplingFields):
     def named_tool_choice(self) -> NamedToolChoice | None:
         return self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else None
 
-    def force_tool_calls(self, grammar: str) -> None:
-        """Generate under this grammar (a forced tool call) instead of response_format/structured_outputs."""
-        if self.response_format is not None and self.response_format.type != "text" \
-                or self.structured_outputs is not None:
+    def constrain_tools(self, grammar: str | None, forced: bool) -> None:
+        """Generate under `grammar` (the calls of tools.py) instead of response_format/structured_outputs,
+        which a forced call refuses and an auto choice has folded into the grammar already."""
+        if grammar is None:
+            return
+        if forced and (self.response_format is not None and self.response_format.type != "text"
+                       or self.structured_outputs is not None):
             field = "response_format" if self.structured_outputs is None else "structured_outputs"
             raise InvalidRequestError(f"{field} must be left out when tool_choice forces a call (required or a "
                                       f"named function): the answer is the call, in the tool-call format")
         if self.min_tokens:
-            raise InvalidRequestError("min_tokens must be 0 when tool_choice forces a call: the call's grammar "
-                                      "ends with EOS")
+            raise InvalidRequestError("min_tokens must be 0 with tools constrained by a grammar (tool_choice "
+                                      "required, named, or auto with --tool-call-parser hermes): it ends with EOS")
         self._tool_grammar = grammar
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:

@@ -37,6 +37,16 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
     return list(ids)
 
 
+def _format_grammar(spec):
+    """response_format's grammar (to join with tool calls under auto); 400 if it is invalid."""
+    from pagedllm.worker.structured_output import build_grammar  # xgrammar only when used
+
+    try:
+        return build_grammar(spec)
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from None
+
+
 def top_entries(entry: LogprobsDict, k: int) -> list[tuple[int, Logprob]]:
     """The k most likely candidates of one position, most likely first."""
     ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k]
@@ -75,8 +85,14 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     config = ctx.config
     plan = await engine.run_blocking(plan_tools, request.tools, request.tool_choice, request.parallel_tool_calls,
                                      config.tool_call_parser, config.enable_auto_tool_choice)
-    if plan is not None and plan.grammar is not None:
-        request.force_tool_calls(plan.grammar)
+    if plan is not None:
+        if plan.grammar is not None:
+            request.constrain_tools(plan.grammar, forced=True)
+        elif plan.called:
+            answer_format = request.structured_outputs_params()
+            if answer_format is not None:
+                answer_format = await engine.run_blocking(_format_grammar, answer_format)
+            request.constrain_tools(await engine.run_blocking(plan.auto_grammar, answer_format), forced=False)
     params = request.to_sampling_params()
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
                                            request.add_generation_prompt, plan)

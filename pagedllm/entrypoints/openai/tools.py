@@ -3,7 +3,8 @@ template, the grammar that forces a call, and the parsing of the answer.
 
     tool_choice   prompt gets the tools   output constrained to                       parsed
     none          no                      (nothing: text)                             no
-    auto          yes                     (nothing; needs --enable-auto-tool-choice)  calls or text
+    auto          yes                     free text; a call once opened (hermes)      calls or text
+                                          (needs --enable-auto-tool-choice)
     required      yes                     one call or more to any tool (one if         calls
                                           parallel_tool_calls is false)
     named         yes                     one call or more to that function            calls
@@ -28,7 +29,12 @@ from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
-from pagedllm.entrypoints.openai.tool_parsers.grammar import FORMATS, object_schema, tool_call_grammar
+from pagedllm.entrypoints.openai.tool_parsers.grammar import (
+    FORMATS,
+    either_grammar,
+    opened_call_grammar,
+    tool_call_grammar,
+)
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 """OpenAI's rule for function names."""
@@ -104,6 +110,19 @@ class ToolPlan:
     """The tools a call may name."""
     grammar: str | None
     """EBNF forcing the calls (required, named), or None."""
+    parallel: bool = True
+    """parallel_tool_calls: more than one call allowed."""
+    opened_call_grammar: str | None = None
+    """Under auto: EBNF of free text whose opened calls are constrained (None: the format has no marker)."""
+
+    def auto_grammar(self, answer_format) -> str | None:
+        """Under auto, the grammar to generate with: calls constrained once opened, or, with a response_format
+        (`answer_format`, an xgrammar Grammar), either that format or forced calls."""
+        if answer_format is not None:
+            calls = tool_call_grammar(self.parser_name, [(t.function.name, t.function.parameters)
+                                                         for t in self.called], self.parallel)
+            return either_grammar(answer_format, calls)
+        return self.opened_call_grammar
 
 
 def plan_tools(tools: list[ToolDefinition] | None, choice: str | NamedToolChoice | None, parallel: bool,
@@ -123,10 +142,11 @@ def plan_tools(tools: list[ToolDefinition] | None, choice: str | NamedToolChoice
         if not enable_auto:
             raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice; '
                                 'give "none", "required" or a named function instead', param="tool_choice")
-        return ToolPlan(parser_name, tools, tools, None)
+        functions = [(t.function.name, t.function.parameters) for t in tools]
+        return ToolPlan(parser_name, tools, tools, None, parallel, opened_call_grammar(parser_name, functions, parallel))
     called = tools if choice == "required" else [t for t in tools if t.function.name == choice.function.name]
     grammar = tool_call_grammar(parser_name, [(t.function.name, t.function.parameters) for t in called], parallel)
-    return ToolPlan(parser_name, tools, called, grammar)
+    return ToolPlan(parser_name, tools, called, grammar, parallel)
 
 
 # ---- the prompt ----

@@ -10,6 +10,11 @@ compiled as any other grammar.
     pythonic     [f(k=VALUE, ...), ...]   (the schema's required properties, in order, as JSON values)
 
 ARGS is compact JSON (", " and ": " separators, as response_format's grammars).
+
+Under tool_choice auto the model writes what it likes until it opens a call; from its opening marker
+on, the call is constrained the same way (`opened_call_grammar`, an xgrammar structural tag with the
+marker as trigger). Only formats with a marker that can open a call mid-text have it: hermes.
+With response_format under auto, the answer is either the format or calls (`either_grammar`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
+from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TriggeredTagsFormat
 
 CALL_RULE = "tool_call"
 
@@ -62,6 +68,30 @@ def tool_call_grammar(parser_name: str, functions: list[tuple[str, dict | None]]
     body = f'{CALL_RULE} ({_quoted(fmt.separator)} {CALL_RULE})*' if parallel else CALL_RULE
     parts = [_quoted(fmt.open) if fmt.open else "", body, _quoted(fmt.close) if fmt.close else ""]
     return "root ::= " + " ".join(p for p in parts if p) + "\n" + rename_root(str(one), CALL_RULE)
+
+
+TRIGGERS = {"hermes": "<tool_call>"}
+"""The marker that opens a call mid-text, per format that has one."""
+
+
+def opened_call_grammar(parser_name: str, functions: list[tuple[str, dict | None]], parallel: bool) -> str | None:
+    """EBNF of free text in which every call, once opened by the format's marker, is a valid call to one of
+    `functions` (at most one call when not `parallel`); None for a format without such a marker."""
+    trigger = TRIGGERS.get(parser_name)
+    if trigger is None:
+        return None
+    fmt = FORMATS[parser_name]
+    tags = [TagFormat(begin=fmt.begin.format(name=json.dumps(name, ensure_ascii=False), bare=name),
+                      content=JSONSchemaFormat(json_schema=object_schema(parameters)), end=fmt.end)
+            for name, parameters in functions]
+    tag = StructuralTag(format=TriggeredTagsFormat(triggers=[trigger], tags=tags, at_least_one=False,
+                                                   stop_after_first=not parallel))
+    return str(xgr.Grammar.from_structural_tag(tag))
+
+
+def either_grammar(answer: xgr.Grammar, calls_ebnf: str) -> str:
+    """EBNF of an answer in `answer`'s language or of the calls `calls_ebnf` admits."""
+    return str(xgr.Grammar.union(answer, xgr.Grammar.from_ebnf(calls_ebnf)))
 
 
 def _arguments(fmt: CallFormat, name: str, parameters: dict | None) -> xgr.Grammar:
