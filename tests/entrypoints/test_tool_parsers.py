@@ -17,7 +17,12 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCall
-from pagedllm.entrypoints.openai.tool_parsers.grammar import either_grammar, opened_call_grammar, tool_call_grammar
+from pagedllm.entrypoints.openai.tool_parsers.grammar import (
+    after_reasoning,
+    either_grammar,
+    opened_call_grammar,
+    tool_call_grammar,
+)
 from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolDefinition, ToolPlan, written_call
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
@@ -207,3 +212,18 @@ def test_auto_grammar_leaves_text_free_and_constrains_an_opened_call():
                                                   tool_call_grammar("hermes", functions, False)))
     assert _is_grammar_accept_string(either, '{"a": 1, "b": 2}') and _is_grammar_accept_string(either, good)
     assert not _is_grammar_accept_string(either, "free text") and not _is_grammar_accept_string(either, good + "\n" + good)
+
+
+def test_grammars_apply_after_the_reasoning():
+    calls = xgr.Grammar.from_ebnf(tool_call_grammar("hermes", [("add", ADD)], False))
+    call_text = written_call("hermes", "add", '{"a": 1, "b": 2}')
+    r1 = xgr.Grammar.from_ebnf(after_reasoning(calls, "deepseek_r1"))
+    assert _is_grammar_accept_string(r1, "Two numbers < 3, so add.</think>\n\n" + call_text)
+    assert not _is_grammar_accept_string(r1, call_text)  # the template opened <think>: it must be closed first
+    assert not _is_grammar_accept_string(r1, "thought</think>\nI will not call.")
+    q3 = xgr.Grammar.from_ebnf(after_reasoning(calls, "qwen3"))
+    assert _is_grammar_accept_string(q3, call_text) and _is_grammar_accept_string(q3, "<think>hm</think>" + call_text)
+    assert not _is_grammar_accept_string(q3, "hm</think>" + call_text)
+    # what such an output parses to: reasoning apart, then the call
+    message = ChoiceParser(_plan(), "qwen3").message("<think>hm</think>" + call_text)
+    assert message["reasoning_content"] == "hm" and message["tool_calls"][0]["function"]["name"] == "add"

@@ -257,12 +257,12 @@ class ChatCompletionRequest(SamplingFields):
     def named_tool_choice(self) -> NamedToolChoice | None:
         return self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else None
 
-    def constrain_tools(self, grammar: str | None, forced: bool) -> None:
-        """Generate under `grammar` (the calls of tools.py) instead of response_format/structured_outputs,
-        which a forced call refuses and an auto choice has folded into the grammar already."""
+    def set_grammar(self, grammar: str | None, forced_call: bool) -> None:
+        """Generate under `grammar` (EBNF: tool calls, reasoning then an answer) instead of response_format or
+        structured_outputs, which a forced call refuses and the other grammars have folded in already."""
         if grammar is None:
             return
-        if forced and (self.response_format is not None and self.response_format.type != "text"
+        if forced_call and (self.response_format is not None and self.response_format.type != "text"
                        or self.structured_outputs is not None):
             field = "response_format" if self.structured_outputs is None else "structured_outputs"
             raise InvalidRequestError(f"{field} must be left out when tool_choice forces a call (required or a "

@@ -16,6 +16,7 @@ from pagedllm.entrypoints.openai.errors import APIError, check_failed
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
+from pagedllm.entrypoints.openai.tool_parsers.grammar import after_reasoning
 from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolPlan, conversation, plan_tools, template_takes_tools
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 
@@ -38,13 +39,14 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
 
 
 def _format_grammar(spec):
-    """response_format's grammar (to join with tool calls under auto); 400 if it is invalid."""
+    """The xgrammar Grammar of a structured-output spec (to join with calls or reasoning); 400 if invalid."""
     from pagedllm.worker.structured_output import build_grammar  # xgrammar only when used
 
     try:
         return build_grammar(spec)
     except ValueError as e:
-        raise APIError(400, str(e), param="response_format") from None
+        raise APIError(400, str(e), param="structured_outputs" if spec.kind != "json" else "response_format") \
+            from None
 
 
 def top_entries(entry: LogprobsDict, k: int) -> list[tuple[int, Logprob]]:
@@ -87,12 +89,17 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                                      config.tool_call_parser, config.enable_auto_tool_choice)
     if plan is not None:
         if plan.grammar is not None:
-            request.constrain_tools(plan.grammar, forced=True)
+            request.set_grammar(plan.grammar, forced_call=True)
         elif plan.called:
             answer_format = request.structured_outputs_params()
             if answer_format is not None:
                 answer_format = await engine.run_blocking(_format_grammar, answer_format)
-            request.constrain_tools(await engine.run_blocking(plan.auto_grammar, answer_format), forced=False)
+            request.set_grammar(await engine.run_blocking(plan.auto_grammar, answer_format), forced_call=False)
+    reasoning = config.reasoning_parser
+    if reasoning is not None and (spec := request.structured_outputs_params()) is not None:
+        # calls and formats apply to the answer after the reasoning
+        answer = await engine.run_blocking(_format_grammar, spec)
+        request.set_grammar(await engine.run_blocking(after_reasoning, answer, reasoning), forced_call=False)
     params = request.to_sampling_params()
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
                                            request.add_generation_prompt, plan)
@@ -104,8 +111,6 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     request_id = new_id("chatcmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
     streams = await open_streams(ctx, request_id, [prompt_ids], params, salt, request.stream, request.priority)
-    # A forced call's grammar holds from the first token, so that output has no reasoning to split off.
-    reasoning = config.reasoning_parser if plan is None or plan.grammar is None else None
     parse = plan is not None and bool(plan.called) or reasoning is not None
     parsers = (lambda: ChoiceParser(plan, reasoning)) if parse else None
     if request.stream:

@@ -15,6 +15,7 @@ Under tool_choice auto the model writes what it likes until it opens a call; fro
 on, the call is constrained the same way (`opened_call_grammar`, an xgrammar structural tag with the
 marker as trigger). Only formats with a marker that can open a call mid-text have it: hermes.
 With response_format under auto, the answer is either the format or calls (`either_grammar`).
+With a reasoning parser, any of these grammars applies after the reasoning (`after_reasoning`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
-from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TriggeredTagsFormat
+from xgrammar.structural_tag import (
+    AnyTextFormat,
+    JSONSchemaFormat,
+    OptionalFormat,
+    StructuralTag,
+    TagFormat,
+    TriggeredTagsFormat,
+)
 
 CALL_RULE = "tool_call"
 
@@ -92,6 +100,15 @@ def opened_call_grammar(parser_name: str, functions: list[tuple[str, dict | None
 def either_grammar(answer: xgr.Grammar, calls_ebnf: str) -> str:
     """EBNF of an answer in `answer`'s language or of the calls `calls_ebnf` admits."""
     return str(xgr.Grammar.union(answer, xgr.Grammar.from_ebnf(calls_ebnf)))
+
+
+def after_reasoning(answer: xgr.Grammar, reasoning_parser: str) -> str:
+    """EBNF of free reasoning, then `answer`: for deepseek_r1 text up to </think> (the template opened
+    <think>), for qwen3 an optional <think>...</think>; whitespace may follow the reasoning."""
+    think = TagFormat(begin="<think>" if reasoning_parser == "qwen3" else "", content=AnyTextFormat(), end="</think>")
+    reasoning = StructuralTag(format=OptionalFormat(content=think) if reasoning_parser == "qwen3" else think)
+    return str(xgr.Grammar.concat(xgr.Grammar.from_structural_tag(reasoning), xgr.Grammar.from_ebnf("root ::= [ \\n]*"),
+                                  answer))
 
 
 def _arguments(fmt: CallFormat, name: str, parameters: dict | None) -> xgr.Grammar:
