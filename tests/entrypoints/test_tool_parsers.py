@@ -70,6 +70,10 @@ RECORDED = [
                 '{"name": "add", "arguments": {"a": 2, "b": 2}}]',
      "", [call("get_weather", city="Kraków", unit="celsius"), call("add", a=2, b=2)]),
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 7, "b": 8}}]', "Sure.", [call("add", a=7, b=8)]),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}, {"name": "add", "arguments": '
+                '{"a": 3}}]', "", [call("add", a=1, b=2), call("add", a=3)]),  # arguments as JSON text, as some write
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": "not json"}]',
+     '[TOOL_CALLS][{"name": "add", "arguments": "not json"}]', []),
     ("mistral", "[TOOL_CALL] is not the marker", "[TOOL_CALL] is not the marker", []),
     ("pythonic", '[get_weather(city="Αθήνα", unit="celsius"), add(a=1, b=2)]',
      "", [call("get_weather", city="Αθήνα", unit="celsius"), call("add", a=1, b=2)]),

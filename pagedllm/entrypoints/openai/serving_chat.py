@@ -16,8 +16,7 @@ from pagedllm.entrypoints.openai.errors import APIError, check_failed
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
-from pagedllm.entrypoints.openai.tool_parsers.grammar import after_reasoning
-from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolPlan, conversation, plan_tools, template_takes_tools
+from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolPlan, conversation, prepare_tools, template_takes_tools
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 
 
@@ -36,17 +35,6 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
-
-
-def _format_grammar(spec):
-    """The xgrammar Grammar of a structured-output spec (to join with calls or reasoning); 400 if invalid."""
-    from pagedllm.worker.structured_output import build_grammar  # xgrammar only when used
-
-    try:
-        return build_grammar(spec)
-    except ValueError as e:
-        raise APIError(400, str(e), param="structured_outputs" if spec.kind != "json" else "response_format") \
-            from None
 
 
 def top_entries(entry: LogprobsDict, k: int) -> list[tuple[int, Logprob]]:
@@ -85,21 +73,9 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     model = ctx.check_model(request.model)
     engine = ctx.engine
     config = ctx.config
-    plan = await engine.run_blocking(plan_tools, request.tools, request.tool_choice, request.parallel_tool_calls,
-                                     config.tool_call_parser, config.enable_auto_tool_choice)
-    if plan is not None:
-        if plan.grammar is not None:
-            request.set_grammar(plan.grammar, forced_call=True)
-        elif plan.called:
-            answer_format = request.structured_outputs_params()
-            if answer_format is not None:
-                answer_format = await engine.run_blocking(_format_grammar, answer_format)
-            request.set_grammar(await engine.run_blocking(plan.auto_grammar, answer_format), forced_call=False)
     reasoning = config.reasoning_parser
-    if reasoning is not None and (spec := request.structured_outputs_params()) is not None:
-        # calls and formats apply to the answer after the reasoning
-        answer = await engine.run_blocking(_format_grammar, spec)
-        request.set_grammar(await engine.run_blocking(after_reasoning, answer, reasoning), forced_call=False)
+    plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser, config.enable_auto_tool_choice,
+                                     reasoning)
     params = request.to_sampling_params()
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
                                            request.add_generation_prompt, plan)

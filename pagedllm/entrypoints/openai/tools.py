@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, Rea
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.grammar import (
     FORMATS,
+    after_reasoning,
     either_grammar,
     opened_call_grammar,
     tool_call_grammar,
@@ -143,10 +144,46 @@ def plan_tools(tools: list[ToolDefinition] | None, choice: str | NamedToolChoice
             raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice; '
                                 'give "none", "required" or a named function instead', param="tool_choice")
         functions = [(t.function.name, t.function.parameters) for t in tools]
-        return ToolPlan(parser_name, tools, tools, None, parallel, opened_call_grammar(parser_name, functions, parallel))
+        try:
+            opened = opened_call_grammar(parser_name, functions, parallel)
+        except Exception as e:  # noqa: BLE001 - a schema xgrammar's structural tags refuse
+            raise APIError(400, f"tools: a schema cannot constrain a call: {str(e).strip()[:300]}", param="tools") \
+                from None
+        return ToolPlan(parser_name, tools, tools, None, parallel, opened)
     called = tools if choice == "required" else [t for t in tools if t.function.name == choice.function.name]
     grammar = tool_call_grammar(parser_name, [(t.function.name, t.function.parameters) for t in called], parallel)
     return ToolPlan(parser_name, tools, called, grammar, parallel)
+
+
+def prepare_tools(request, parser_name: str, enable_auto: bool, reasoning_parser: str | None) -> ToolPlan | None:
+    """Plan a ChatCompletionRequest's tools and set the grammar it generates under (blocking: xgrammar work):
+    a forced call's, auto's (an opened call, or the response_format or calls), and with a reasoning parser
+    any of these after the reasoning. APIError/InvalidRequestError (400) naming the field."""
+    plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, parser_name, enable_auto)
+    if plan is not None:
+        if plan.grammar is not None:
+            request.set_grammar(plan.grammar, forced_call=True)
+        elif plan.called:
+            answer_format = request.structured_outputs_params()
+            answer = _grammar_of(answer_format) if answer_format is not None else None
+            request.set_grammar(plan.auto_grammar(answer), forced_call=False)
+        if plan.called and TOOL_PARSERS[plan.parser_name].needs_special_tokens:
+            request.skip_special_tokens = False  # its markers ([TOOL_CALLS], <|python_tag|>) are special tokens
+    if reasoning_parser is not None and (spec := request.structured_outputs_params()) is not None:
+        # calls and formats apply to the answer after the reasoning
+        request.set_grammar(after_reasoning(_grammar_of(spec), reasoning_parser), forced_call=False)
+    return plan
+
+
+def _grammar_of(spec):
+    """The xgrammar Grammar of a structured-output spec (to join with calls or reasoning); 400 if invalid."""
+    from pagedllm.worker.structured_output import build_grammar  # torch and xgrammar only when used
+
+    try:
+        return build_grammar(spec)
+    except ValueError as e:
+        raise APIError(400, str(e), param="structured_outputs" if spec.kind != "json" else "response_format") \
+            from None
 
 
 # ---- the prompt ----

@@ -86,16 +86,8 @@ class ToolParser:
 
     def _call(self, name: object, arguments: object) -> bool:
         """Record a call if it is valid (a known tool's name, JSON arguments); False if not."""
-        if not isinstance(name, str) or name not in self.tool_names:
-            return False
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return False
-        if arguments is None:
-            arguments = {}
-        if not isinstance(arguments, dict):
+        arguments = arguments_object(arguments)
+        if not isinstance(name, str) or name not in self.tool_names or arguments is None:
             return False
         self._pending_ws = ""  # whitespace before a call is layout, not content
         self._after_call = True
@@ -106,6 +98,18 @@ class ToolParser:
     def _take(self) -> ParsedDelta:
         out, self._out = self._out, ParsedDelta()
         return out
+
+
+def arguments_object(arguments: object) -> dict | None:
+    """A call's arguments as the object they must be (given as one, as its JSON text, or absent); None if not."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if arguments is None:
+        return {}
+    return arguments if isinstance(arguments, dict) else None
 
 
 def held_prefix_len(text: str, marker: str) -> int:

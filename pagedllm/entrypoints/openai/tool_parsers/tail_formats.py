@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser, held_prefix_len, json_values
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser, arguments_object, held_prefix_len, json_values
 
 
 class _TailParser(ToolParser):
@@ -58,7 +58,7 @@ class _TailParser(ToolParser):
 
     @staticmethod
     def _all_valid(calls) -> bool:
-        return all(a is None or isinstance(a, dict) for _, a in calls)
+        return all(arguments_object(a) is not None for _, a in calls)
 
 
 class _OpensWith(_TailParser):
