@@ -152,3 +152,12 @@ def test_smollm2_gets_the_hermes_fallback(tokenizer):
     assert "<|im_start|>user\n<tool_response>\nnoon\n</tool_response><|im_end|>" in text
     none = _rendered(tokenizer, None, {"messages": [USER], "tools": TOOLS, "tool_choice": "none"})
     assert "<tools>" not in none  # tool_choice none leaves the tools out
+
+
+def test_unknown_parser_names_are_refused_naming_the_setting():
+    from pagedllm.entrypoints.openai.cli_args import ServerConfig
+
+    for field, value in (("tool_call_parser", "qwen_xml"), ("reasoning_parser", "o1")):
+        with pytest.raises(ValueError, match=f"{field} must be one of"):
+            ServerConfig(**{field: value})
+    assert ServerConfig(reasoning_parser="qwen3", tool_call_parser="pythonic").reasoning_parser == "qwen3"
