@@ -65,6 +65,8 @@ def test_the_history_follows_openai_rules(messages, param, words):
     ({"tools": TOOLS + TOOLS[:1]}, "tools.2.function.name", "twice"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", "letters"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters", '"object"'),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
      "tools.0.function.parameters", "dictionary"),
 ])

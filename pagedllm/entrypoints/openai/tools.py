@@ -87,6 +87,10 @@ def check_tools(tools: list[ToolDefinition] | None, tool_choice: Any) -> str | N
                              f"got {name!r}")
         if name in names:
             raise ValueError(f"tools.{i}.function.name: {name!r} is defined twice")
+        parameters = tool.function.parameters
+        if parameters and parameters.get("type", "object") != "object":
+            raise ValueError(f"tools.{i}.function.parameters: the arguments are a JSON object; the schema's type must "
+                             f"be \"object\", got {parameters.get('type')!r}")
         names.append(name)
     if not tools:
         if tool_choice is not None and tool_choice != "none":
