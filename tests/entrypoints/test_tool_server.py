@@ -89,22 +89,33 @@ def test_streamed_calls_accumulate_in_the_sdk(client, label, tool_choice, allowe
 
 
 def test_raw_stream_sends_id_and_name_before_arguments(server):
+    """Per choice (n=2) and per call index: the first piece has id, type and name; the rest only arguments; the
+    last chunk of each choice says tool_calls."""
     body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "stream": True, "seed": 1,
-            "max_tokens": 300}
-    deltas = []
+            "max_tokens": 300, "n": 2}
+    pieces: dict[int, list] = {0: [], 1: []}
+    finish: dict[int, str] = {}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                deltas += [c["delta"] for c in json.loads(line[6:])["choices"]]
-    pieces = [tc for d in deltas for tc in d.get("tool_calls") or ()]
-    first = {}
-    for tc in pieces:  # per index: the first piece has id, type and name; the rest only arguments
-        if tc["index"] not in first:
-            first[tc["index"]] = tc
-            assert tc["id"] and tc["type"] == "function" and tc["function"]["name"] in SCHEMAS
-        else:
-            assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
-    assert sorted(first) == list(range(len(first))) and first
+                for c in json.loads(line[6:])["choices"]:
+                    pieces[c["index"]] += c["delta"].get("tool_calls") or []
+                    if c["finish_reason"]:
+                        finish[c["index"]] = c["finish_reason"]
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for choice_pieces in pieces.values():
+        first, arguments = {}, {}
+        for tc in choice_pieces:
+            if tc["index"] not in first:
+                first[tc["index"]] = tc
+                assert tc["id"] and tc["type"] == "function" and tc["function"]["name"] in SCHEMAS
+                arguments[tc["index"]] = tc["function"]["arguments"]
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                arguments[tc["index"]] += tc["function"]["arguments"]
+        assert first and sorted(first) == list(range(len(first)))
+        for index, text in arguments.items():
+            jsonschema.validate(json.loads(text), SCHEMAS[first[index]["function"]["name"]])
 
 
 def test_tool_choice_none_answers_in_text(client, server):
