@@ -213,7 +213,7 @@ def _param_of(error: openai.BadRequestError) -> str | None:
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "subtract"}}}, ASK, "tool_choice",
      "not in tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
-      "tool_choice": "required"}, ASK, "tools.0.function.parameters", "JSON schema"),
+      "tool_choice": "required"}, ASK, "tools.0.function.parameters", "\"object\""),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                               "required": "a"}}}]},
      ASK, "tools.0.function.parameters", "required"),
