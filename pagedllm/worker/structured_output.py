@@ -47,21 +47,79 @@ class InvalidGrammarError(ValueError):
 
 
 def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
-    """The xgrammar Grammar of a spec (parsing only, no tokenizer: cheap); InvalidGrammarError if invalid."""
+    """The xgrammar Grammar of a spec (parsing, and a search over bytes; no tokenizer: cheap);
+    InvalidGrammarError if invalid or if it provably accepts no output at all."""
     kind, text = spec.cache_key()
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(text)
-        if kind == "grammar":
-            return xgr.Grammar.from_ebnf(text)
-        # choice: JSON string escapes are EBNF string escapes too
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+            grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        elif kind == "json_object":
+            grammar = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(text)
+        else:  # choice: JSON string escapes are EBNF string escapes too
+            grammar = xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                     for c in spec.choice))
+        accepts_nothing = _accepts_nothing(grammar)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the native message
         raise InvalidGrammarError(f"invalid {_WHAT[kind]}: {_clean(e)}") from None
+    if accepts_nothing:
+        raise InvalidGrammarError(f"invalid {_WHAT[kind]}: it accepts no output at all (no string matches it), so "
+                                  f"no token could ever be sampled")
+    return grammar
+
+
+_BYTES_VOCAB_SIZE = 257  # the 256 bytes and a stop token
+_byte_compiler: xgr.GrammarCompiler | None = None
+_byte_compiler_lock = threading.Lock()
+_SEARCH_STEPS = 512
+"""Matcher steps the emptiness search may take; past them the grammar counts as accepting something."""
+_CLOSERS = b'"}])\''
+"""Bytes tried first: they tend to finish what is open, so a grammar that accepts something shows it soon."""
+
+
+def _accepts_nothing(grammar: xgr.Grammar) -> bool:
+    """Whether `grammar` provably accepts no string: a depth-first search over single bytes (closing
+    bytes first) that finds no way to the end within _SEARCH_STEPS steps and runs out of choices.
+
+    A grammar that accepts nothing (`root ::= root`, the regex `[^\\s\\S]`, a schema whose pattern
+    matches nothing) would otherwise reach the sampler with no token allowed: a 500, not a 400."""
+    global _byte_compiler
+    with _byte_compiler_lock:
+        if _byte_compiler is None:
+            info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], vocab_type=xgr.VocabType.RAW,
+                                     vocab_size=_BYTES_VOCAB_SIZE, stop_token_ids=[256])
+            _byte_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiled = _byte_compiler.compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=_SEARCH_STEPS)
+    bitmask = xgr.allocate_token_bitmask(1, _BYTES_VOCAB_SIZE)
+    order = list(_CLOSERS) + [b for b in range(256) if b not in _CLOSERS]
+    budget = _SEARCH_STEPS
+
+    def allowed() -> list[int]:
+        matcher.fill_next_token_bitmask(bitmask)
+        words = bitmask[0].tolist()
+        return [t for t in [256, *order] if (words[t // 32] >> (t % 32)) & 1]
+
+    stack = [allowed()]  # the untried choices at each depth
+    while stack:
+        if not stack[-1]:
+            stack.pop()
+            if stack:
+                matcher.rollback(1)
+            continue
+        token = stack[-1].pop(0)
+        if token == 256:
+            return False  # the end is allowed here: the grammar accepts the path so far
+        budget -= 1
+        if budget <= 0 or len(stack) >= _SEARCH_STEPS - 1:
+            return False  # unknown: do not refuse what may be valid
+        if not matcher.accept_token(token):
+            continue
+        stack.append(allowed())
+    return True
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "grammar",

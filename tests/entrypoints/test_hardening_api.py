@@ -94,9 +94,9 @@ HOSTILE = [
      400, "not finite"),
     ("an infinite logit bias", "/v1/completions", '{"prompt": "hi", "logit_bias": {"5": 1e400}}', 400, "finite"),
     ("tools", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "not supported"),
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "--enable-auto-tool-choice"),
     ("tool_choice", "/v1/chat/completions",
-     json.dumps({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}), 400, "not supported"),
+     json.dumps({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}), 400, "needs tools"),
     ("response_format with a malformed schema", "/v1/chat/completions", json.dumps({
         "messages": [{"role": "user", "content": "hi"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}),

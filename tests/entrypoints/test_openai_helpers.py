@@ -106,13 +106,10 @@ REFUSED_MESSAGES = [
 UNSERVED_MESSAGES = [
     ("an image", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
      "messages.0.content.0.type", "not supported"),
-    ("tool_calls", [USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                                "function": {"name": "f", "arguments": "{}"}}]}],
-     "messages.1.tool_calls", "no tool calling"),
     ("function_call", [USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": ""}}],
-     "messages.1.function_call", "no tool calling"),
+     "messages.1.function_call", "use tools"),
     ("a function message", [USER, {"role": "function", "name": "f", "content": None}], "messages.1.role",
-     "no tool calling"),
+     "use tools"),
 ]
 
 
@@ -184,12 +181,12 @@ def test_strict_json_bodies():
     assert parse_json_body(b'{"s": 9223372036854775807, "f": 1e308}')["s"] == 2**63 - 1
 
 
-def test_tools_are_refused_until_they_exist():
+def test_deprecated_functions_are_refused_naming_tools():
     base = {"messages": [{"role": "user", "content": "hi"}]}
-    for extra in ({"tools": [{"type": "function"}]}, {"tool_choice": "auto"}, {"functions": [{"name": "f"}]}):
+    for extra in ({"functions": [{"name": "f"}]}, {"function_call": "auto"}):
         with pytest.raises(APIError) as info:
             parse_model(ChatCompletionRequest, {**base, **extra})
-        assert info.value.status == 400 and "not supported" in info.value.message
+        assert info.value.status == 400 and "use tools" in info.value.message
     # asking for nothing is fine
     request = parse_model(ChatCompletionRequest, {**base, "tools": [], "tool_choice": "none",
                                                   "response_format": {"type": "text"}})

@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.entrypoints.openai.tools import ToolPlan
 from pagedllm.errors import EngineDeadError, PagedLLMError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
@@ -129,7 +130,8 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
 
         def run() -> JSONResponse:
             if request.messages is not None:
-                tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
+                plan = ToolPlan(config.tool_call_parser, request.tools, request.tools, None) if request.tools else None
+                tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt, plan)
             else:
                 tokens = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
             return JSONResponse({"tokens": list(tokens), "count": len(tokens), "max_model_len": engine.max_model_len})

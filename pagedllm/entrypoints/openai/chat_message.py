@@ -12,9 +12,12 @@ OpenAI's Chat Completions API (its OpenAPI spec) requires, per role:
     function    string or null (the key itself required)      name (string)
 
 A body that breaks one of these is a 400 here as there, naming the field (`messages.2.content`).
+Across messages (`check_tool_history`), as OpenAI: each tool_calls entry has a unique id, a tool
+message answers an id of the assistant message just before it (or of the tool messages between),
+and every call is answered before the conversation goes on.
 What OpenAI accepts but this server cannot serve is a 400 that says so: images, audio and files
-(the models are text-only), and tool calling (`tool_calls`, `function_call`, and the `tool` and
-`function` messages that answer them), as the request's `tools` and `functions` already are.
+(the models are text-only), and the deprecated `function_call` and `function` messages (use
+tool_calls and tool messages), as the request's `functions` field is.
 """
 
 from __future__ import annotations
@@ -31,7 +34,22 @@ PART_TYPES = {
 """The content part types OpenAI allows in each role's content list."""
 _TEXT_FIELD = {"text": "text", "refusal": "refusal"}
 """The part types this server reads, and the field holding each one's text."""
-NO_TOOL_CALLING = "this server has no tool calling"
+NO_FUNCTIONS = "the deprecated function calling is not supported; use tools, tool_calls and tool messages"
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+
+class ToolCallItem(BaseModel):
+    """One entry of an assistant message's tool_calls, as OpenAI returned it."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
 
 
 class ContentPart(BaseModel):
@@ -51,7 +69,7 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
-    tool_calls: Optional[list[Any]] = None
+    tool_calls: Optional[list[ToolCallItem]] = None
     function_call: Optional[Any] = None
 
     @model_validator(mode="after")
@@ -64,7 +82,7 @@ class ChatMessage(BaseModel):
                 raise ValueError("content: a function message's content is a string or null, not a list")
             if self.name is None:
                 raise ValueError("name: a function message needs the name of the function it answers")
-            raise ValueError(f"role: function messages answer a function_call, and {NO_TOOL_CALLING}")
+            raise ValueError(f"role: function messages answer a function_call: {NO_FUNCTIONS}")
         if role == "tool" and self.tool_call_id is None:
             raise ValueError("tool_call_id: a tool message needs the tool_call_id of the call it answers")
         if role == "assistant":
@@ -79,12 +97,10 @@ class ChatMessage(BaseModel):
                              f"content parts)")
         if isinstance(content, list):
             _check_parts(role, content)
-        if role == "tool":
-            raise ValueError(f"role: tool messages answer an assistant's tool_calls, and {NO_TOOL_CALLING}")
-        if self.tool_calls:
-            raise ValueError(f"tool_calls: not supported: {NO_TOOL_CALLING}")
+        if self.tool_calls and role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages have tool_calls, not {role} messages")
         if self.function_call is not None:
-            raise ValueError(f"function_call: not supported: {NO_TOOL_CALLING}")
+            raise ValueError(f"function_call: not supported: {NO_FUNCTIONS}")
         return self
 
     def text(self) -> str:
@@ -94,6 +110,31 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(getattr(part, _TEXT_FIELD[part.type]) for part in self.content)
+
+
+def check_tool_history(messages: list[ChatMessage]) -> None:
+    """The rules across messages of the module doc; ValueError("messages.N.field: ...")."""
+    pending: dict[str, int] = {}  # call id -> index of the assistant message that made it, unanswered
+    seen: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            if not pending and not (i and messages[i - 1].role == "tool"):
+                raise ValueError(f"messages.{i}.role: a tool message must answer the tool_calls of the assistant "
+                                 f"message before it")
+            if m.tool_call_id not in pending:
+                known = "answered already" if m.tool_call_id in seen else "not one of the calls it answers"
+                raise ValueError(f"messages.{i}.tool_call_id: {m.tool_call_id!r} is {known}")
+            del pending[m.tool_call_id]
+            continue
+        if pending:
+            first = min(pending.values())
+            raise ValueError(f"messages.{first}.tool_calls: each call must be answered by a tool message before the "
+                             f"conversation goes on; unanswered: {', '.join(map(repr, pending))}")
+        for call in m.tool_calls or ():
+            if call.id in seen:
+                raise ValueError(f"messages.{i}.tool_calls: the call id {call.id!r} is used twice")
+            seen.add(call.id)
+            pending[call.id] = i
 
 
 def _check_parts(role: str, parts: list[ContentPart]) -> None:

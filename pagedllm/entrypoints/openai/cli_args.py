@@ -11,6 +11,10 @@ from pagedllm import envs
 from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 
 
+_TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+_REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server's settings; the scalar fields become flags of `serve` (see config.add_flags)."""
@@ -63,6 +67,12 @@ class ServerConfig:
     """TLS private key file (serve HTTPS with --ssl-certfile)."""
     ssl_certfile: Optional[str] = flag(None, group="http")
     """TLS certificate file."""
+    tool_call_parser: str = flag("hermes", choices=_TOOL_PARSERS, group="tools")
+    """The model family's tool-call format: how tools are prompted, parsed and constrained."""
+    enable_auto_tool_choice: bool = flag(False, group="tools")
+    """Allow tool_choice "auto" (the model decides whether to call a tool, parsed from its text)."""
+    reasoning_parser: Optional[str] = flag(None, choices=_REASONING_PARSERS, group="tools")
+    """Split <think>...</think> reasoning into message.reasoning_content."""
     log_level: str = dataclasses.field(default="INFO", metadata={"cli": False})
     """Set by the top-level --log-level."""
 
@@ -87,6 +97,9 @@ class ServerConfig:
             raise ValueError("give both --ssl-keyfile and --ssl-certfile, or neither")
         if any(not origin for origin in self.allowed_origins):
             raise ValueError("an allowed origin must not be empty")
+        for name, known in (("tool_call_parser", _TOOL_PARSERS), ("reasoning_parser", (None, *_REASONING_PARSERS))):
+            if getattr(self, name) not in known:
+                raise ValueError(f"{name} must be one of {', '.join(filter(None, known))}, got {getattr(self, name)!r}")
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:

@@ -8,16 +8,18 @@ Chat messages follow OpenAI's per-role rules (chat_message.py).
 Where OpenAI's API refuses more, this server follows vLLM on purpose: up to 64 stop strings
 (OpenAI: 4), completion logprobs up to 20 (OpenAI: 5), best_of up to 64 (OpenAI: 20),
 temperature up to 100 (OpenAI: 2). Where it refuses more than OpenAI: n up to 64 (OpenAI: 128),
-top_p above 0, and what it cannot serve (tools, images; see chat_message.py).
+top_p above 0, and what it cannot serve (images, the deprecated functions; see chat_message.py).
+Tools: see tools.py.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from pagedllm.entrypoints.openai.chat_message import ChatMessage
+from pagedllm.entrypoints.openai.chat_message import ChatMessage, check_tool_history
+from pagedllm.entrypoints.openai.tools import NamedToolChoice, ToolDefinition, check_tools
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -231,24 +233,49 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
-    tools: Optional[Any] = None
+    tools: Optional[list[ToolDefinition]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: bool = True
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
+    _tool_grammar: Optional[str] = PrivateAttr(None)
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, value, info):
-        if value:  # an empty list asks for nothing
-            raise ValueError(f"{info.field_name} is not supported: this server has no tool calling")
+    def _no_functions(cls, value, info):
+        if value and value != "none":  # an empty list asks for nothing
+            raise ValueError(f"{info.field_name} is not supported (OpenAI deprecated it): use tools and tool_choice")
         return value
 
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, value, info):
-        if value is not None and value != "none":
-            raise ValueError(f"{info.field_name} is not supported: this server has no tool calling")
-        return value
+    @model_validator(mode="after")
+    def _tools_and_history(self) -> ChatCompletionRequest:
+        check_tool_history(self.messages)
+        self.tool_choice = check_tools(self.tools, self.tool_choice)
+        return self
+
+    @property
+    def named_tool_choice(self) -> NamedToolChoice | None:
+        return self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def set_grammar(self, grammar: str | None, forced_call: bool) -> None:
+        """Generate under `grammar` (EBNF: tool calls, reasoning then an answer) instead of response_format or
+        structured_outputs, which a forced call refuses and the other grammars have folded in already."""
+        if grammar is None:
+            return
+        if forced_call and (self.response_format is not None and self.response_format.type != "text"
+                       or self.structured_outputs is not None):
+            field = "response_format" if self.structured_outputs is None else "structured_outputs"
+            raise InvalidRequestError(f"{field} must be left out when tool_choice forces a call (required or a "
+                                      f"named function): the answer is the call, in the tool-call format")
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens must be 0 with tools constrained by a grammar (tool_choice "
+                                      "required, named, or auto with --tool-call-parser hermes): it ends with EOS")
+        self._tool_grammar = grammar
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        if self._tool_grammar is not None:
+            return StructuredOutputsParams(grammar=self._tool_grammar)
+        return super().structured_outputs_params()
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -261,6 +288,7 @@ class TokenizeRequest(OpenAIModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[ToolDefinition]] = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
 

@@ -1,4 +1,8 @@
-"""POST /v1/chat/completions: messages through the model's chat template, answers or SSE deltas."""
+"""POST /v1/chat/completions: messages through the model's chat template, answers or SSE deltas.
+
+With tools or a reasoning parser each choice's text goes through a ChoiceParser (tools.py): the
+message gets reasoning_content and tool_calls, and a stream sends them as OpenAI's deltas do.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +16,20 @@ from pagedllm.entrypoints.openai.errors import APIError, check_failed
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
+from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolPlan, conversation, prepare_tools, template_takes_tools
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 
 
-def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template; 400 if it cannot be applied."""
+def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                        plan: ToolPlan | None = None) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template, with the plan's tools (natively
+    or in the fallback of tools.py); 400 if it cannot be applied."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    turns, tools = conversation(messages, plan, template_takes_tools(tokenizer))
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True)
     except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
         raise APIError(400, f"the chat template cannot be applied to these messages: {e}", param="messages") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -63,10 +71,14 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                                  ctx: ServingContext) -> Response:
     """Serve one /v1/chat/completions request (validated body)."""
     model = ctx.check_model(request.model)
-    params = request.to_sampling_params()
     engine = ctx.engine
+    config = ctx.config
+    reasoning = config.reasoning_parser
+    plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser, config.enable_auto_tool_choice,
+                                     reasoning)
+    params = request.to_sampling_params()
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
-                                           request.add_generation_prompt)
+                                           request.add_generation_prompt, plan)
     room = engine.max_model_len - len(prompt_ids)
     if params.max_tokens is None and 0 < room < params.min_tokens:
         # max_tokens resolves to what is left of the context; min_tokens must fit in it
@@ -75,23 +87,29 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     request_id = new_id("chatcmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
     streams = await open_streams(ctx, request_id, [prompt_ids], params, salt, request.stream, request.priority)
+    parse = plan is not None and bool(plan.called) or reasoning is not None
+    parsers = (lambda: ChoiceParser(plan, reasoning)) if parse else None
     if request.stream:
-        return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model))
+        return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model, parsers))
 
     (output,) = await final_outputs(raw_request, streams)
-    return await engine.run_blocking(_response, ctx, request, output, request_id, model)
+    return await engine.run_blocking(_response, ctx, request, output, request_id, model, parsers)
 
 
 def _response(ctx: ServingContext, request: ChatCompletionRequest, output: RequestOutput, request_id: str,
-              model: str) -> JSONResponse:
+              model: str, parsers) -> JSONResponse:
     check_failed(output)
-    choices = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": _logprobs(ctx, request, c),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    } for c in output.outputs]
+    choices = []
+    for c in output.outputs:
+        parser = parsers() if parsers is not None else None
+        message = parser.message(c.text) if parser is not None else {"role": "assistant", "content": c.text}
+        choices.append({
+            "index": c.index,
+            "message": message,
+            "logprobs": _logprobs(ctx, request, c),
+            "finish_reason": parser.finish_reason(c.finish_reason) if parser is not None else c.finish_reason,
+            "stop_reason": c.stop_reason,
+        })
     num_completion = sum(len(c.token_ids) for c in output.outputs)
     return JSONResponse({
         "id": request_id, "object": "chat.completion", "created": now_s(), "model": model, "choices": choices,
@@ -100,8 +118,9 @@ def _response(ctx: ServingContext, request: ChatCompletionRequest, output: Reque
 
 
 async def _chunks(ctx: ServingContext, request: ChatCompletionRequest, outputs: IndexedOutputs,
-                  request_id: str, model: str) -> AsyncIterator[dict]:
+                  request_id: str, model: str, parsers) -> AsyncIterator[dict]:
     created = now_s()
+    choice_parsers: dict[int, ChoiceParser] = {}
 
     def chunk(choices: list[dict], **extra) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -118,6 +137,13 @@ async def _chunks(ctx: ServingContext, request: ChatCompletionRequest, outputs: 
         choices = []
         for c in output.outputs:
             num_completion_tokens += len(c.token_ids)
+            if parsers is not None:  # one chunk per delta: a chunk carries one delta per choice
+                if c.index not in choice_parsers:
+                    choice_parsers[c.index] = parsers()
+                parser = choice_parsers[c.index]
+                for chunk_choice in _parsed_choices(ctx, request, c, parser):
+                    yield chunk([chunk_choice])
+                continue
             delta = {"content": c.text} if c.text or not c.finish_reason else {}
             choices.append({"index": c.index, "delta": delta, "logprobs": _logprobs(ctx, request, c),
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -125,3 +151,19 @@ async def _chunks(ctx: ServingContext, request: ChatCompletionRequest, outputs: 
             yield chunk(choices)
     if request.include_usage_in_stream:
         yield chunk([], usage=ctx.usage(num_prompt_tokens, num_completion_tokens, num_cached))
+
+
+def _parsed_choices(ctx: ServingContext, request: ChatCompletionRequest, c: CompletionOutput,
+                    parser: ChoiceParser) -> list[dict]:
+    """The chunk choices of one output piece through its parser: each delta in turn, the logprobs with the
+    first and the finish reason with the last (an empty delta carries them when the parser holds the text)."""
+    deltas = parser.deltas(c.text, final=c.finish_reason is not None)
+    logprobs = _logprobs(ctx, request, c)
+    if not deltas and (c.finish_reason is not None or logprobs is not None):
+        deltas = [{}]
+    choices = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if choices:
+        choices[0]["logprobs"] = logprobs
+        choices[-1]["finish_reason"] = parser.finish_reason(c.finish_reason)
+        choices[-1]["stop_reason"] = c.stop_reason
+    return choices
