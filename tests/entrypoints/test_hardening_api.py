@@ -27,6 +27,8 @@ import pytest
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 from tests.entrypoints.server_helpers import RemoteServer
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024
