@@ -27,6 +27,7 @@ from pagedllm.config import EngineArgs, RequestLimits
 from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.dp_client import ReplicaLostMsg
 from pagedllm.engine.frontend import FrontendCore
+from pagedllm.engine.generation_defaults import read_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import (
     EngineStatsMsg,
@@ -141,6 +142,8 @@ class AsyncLLM:
         self.client = client
         self.tokenizer = tokenizer
         self.model_path = ready.model_path
+        self.generation_defaults = read_generation_defaults(ready.model_path)
+        """Sampling fields of the model's generation_config.json: what a request that leaves them out gets."""
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks

@@ -59,3 +59,21 @@ def test_explicit_params_win(greedy_by_default_llm):
                           use_tqdm=False)[0].outputs[0].token_ids
     assert first == again  # seeded sampling at the request's temperature, not the model's 0
     assert first != greedy
+
+
+def test_server_bodies_take_the_models_defaults_for_what_they_leave_out():
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from pagedllm.entrypoints.openai.request_body import parse_model
+
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+    chat = parse_model(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})
+    params = chat.to_sampling_params(defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == (
+        0.6, 0.95, 20, 0.05, 1.1)
+    explicit = parse_model(CompletionRequest, {"prompt": "x", "temperature": 1.0, "top_k": -1, "min_p": 0})
+    params = explicit.to_sampling_params(defaults)
+    assert (params.temperature, params.top_k, params.min_p, params.top_p) == (1.0, None, 0.0, 0.95)
+    plain = parse_model(CompletionRequest, {"prompt": "x"}).to_sampling_params()  # no generation config: OpenAI's
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, None)
+    beams = parse_model(CompletionRequest, {"prompt": "x", "use_beam_search": True, "n": 2, "best_of": 2})
+    assert beams.to_sampling_params(defaults).temperature == 0.0  # beam search stays greedy

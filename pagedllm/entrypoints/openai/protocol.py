@@ -14,6 +14,7 @@ Tools: see tools.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -124,8 +125,12 @@ class SamplingFields(OpenAIModel):
         return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                                        json_object=so.json_object)
 
-    def make_sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
-        """Build validated SamplingParams; a bad value raises InvalidRequestError naming it."""
+    def make_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                             model_defaults: Mapping[str, Any] | None = None, **extra: Any) -> SamplingParams:
+        """Build validated SamplingParams; a bad value raises InvalidRequestError naming it. A sampling field
+        the body leaves out takes the model's generation-config value (`model_defaults`), else OpenAI's."""
+        # Beam search is greedy over the raw logprobs: a model's sampling defaults do not apply to it.
+        model_defaults = {} if self.use_beam_search or not model_defaults else model_defaults
         logit_bias = None
         if self.logit_bias:
             logit_bias = {}
@@ -134,12 +139,12 @@ class SamplingFields(OpenAIModel):
                     logit_bias[int(key)] = bias
                 except ValueError:
                     raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
-        top_k = self.top_k
+        top_k = self.top_k if self.top_k is not None else model_defaults.get("top_k")
         if top_k is not None and top_k in (0, -1):
             top_k = None  # vLLM's "disabled"
         if self.use_beam_search:  # greedy by nature: an unset temperature means 0, not OpenAI's 1
             extra.update(use_beam_search=True, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
-        default_temperature = 0.0 if self.use_beam_search else 1.0
+        default_temperature = 0.0 if self.use_beam_search else model_defaults.get("temperature", 1.0)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options must be left out unless stream is true (as OpenAI's API says)")
         try:
@@ -153,13 +158,14 @@ class SamplingFields(OpenAIModel):
                 n=self.n,
                 best_of=extra.pop("best_of", None),
                 temperature=default_temperature if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
+                top_p=model_defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
                 top_k=top_k,
-                min_p=self.min_p or 0.0,
+                min_p=model_defaults.get("min_p", 0.0) if self.min_p is None else self.min_p,
                 seed=self.seed,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=(model_defaults.get("repetition_penalty", 1.0) if self.repetition_penalty is None
+                                    else self.repetition_penalty),
                 logit_bias=logit_bias,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -215,13 +221,13 @@ class CompletionRequest(SamplingFields):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
         if self.stream and self.best_of is not None and self.best_of > self.n and not self.use_beam_search:
             raise InvalidRequestError("best_of > n cannot be streamed; set stream to false")
         return self.make_sampling_params(
-            self.max_tokens, self.logprobs, best_of=self.best_of,
+            self.max_tokens, self.logprobs, model_defaults, best_of=self.best_of,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
         )
 
@@ -277,11 +283,11 @@ class ChatCompletionRequest(SamplingFields):
             return StructuredOutputsParams(grammar=self._tool_grammar)
         return super().structured_outputs_params()
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.make_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.make_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, model_defaults)
 
 
 class TokenizeRequest(OpenAIModel):

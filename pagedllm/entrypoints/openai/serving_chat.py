@@ -76,7 +76,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     reasoning = config.reasoning_parser
     plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser, config.enable_auto_tool_choice,
                                      reasoning)
-    params = request.to_sampling_params()
+    params = request.to_sampling_params(ctx.engine.generation_defaults)
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
                                            request.add_generation_prompt, plan)
     room = engine.max_model_len - len(prompt_ids)

@@ -63,7 +63,7 @@ def _choice(engine, request: CompletionRequest, output: RequestOutput, completio
 async def create_completion(request: CompletionRequest, raw_request: Request, ctx: ServingContext) -> Response:
     """Serve one /v1/completions request (validated body)."""
     model = ctx.check_model(request.model)
-    params = request.to_sampling_params()
+    params = request.to_sampling_params(ctx.engine.generation_defaults)
     engine = ctx.engine
     request_id = new_id("cmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
