@@ -71,6 +71,19 @@ def timer():
         end = time.perf_counter()
 
 
+def best_time(fn, repeats: int, warmup: bool = True) -> float:
+    """The fastest of `repeats` timed calls of `fn` (after one untimed call): the machine's other load
+    only ever adds time, so the minimum is the closest reading of the cost itself."""
+    if warmup:
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def bench_subparser(subparsers, name: str, run, help: str, engine: bool = True):
     """The parser of `pagedllm bench NAME`, with what every benchmark takes (--out, --no-progress and, for
     one that runs an engine, every engine flag); `run(args, engine_args)` runs it. Each benchmark declares

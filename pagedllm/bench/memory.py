@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pagedllm.bench.common import best_time
 from pagedllm.bench.workloads import FIRST_ORDINARY_TOKEN, BenchRequest
 from pagedllm.bench.contiguous_allocator import ContiguousKVCacheManager
 
@@ -345,12 +346,7 @@ def kv_map_cost(num_blocks: int = 16384, block_size: int = 16, num_requests: int
     core.step()
 
     def per_call(fn) -> float:  # the best of `repeats`: this machine's other load is not the map's cost
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-        return best
+        return best_time(fn, repeats, warmup=False)
 
     kv_map = core.kv_map()
     encoder = msgspec.msgpack.Encoder()

@@ -25,27 +25,21 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pagedllm.bench.common import best_time
 
-def _best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+
 
 
 def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * num_bytes / _best_time(lambda: dst.copy_(src), repeats)
+    return 2 * num_bytes / best_time(lambda: dst.copy_(src), repeats)
 
 
 def measure_matmul_rate(n: int = 1024, repeats: int = 5) -> float:
     a = torch.randn(n, n)
     b = torch.randn(n, n)
-    return 2 * n**3 / _best_time(lambda: a @ b, repeats)
+    return 2 * n**3 / best_time(lambda: a @ b, repeats)
 
 
 def linear_weights(model) -> list[torch.Tensor]:
@@ -66,7 +60,7 @@ def matmuls_alone(weights: list[torch.Tensor], batch_size: int, repeats: int = 3
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    return _best_time(run, repeats)
+    return best_time(run, repeats)
 
 
 class _StepTimer:
