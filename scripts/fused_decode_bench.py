@@ -71,6 +71,63 @@ def run(engine, args, seed: int, profile: bool = False):
     return step_ms, tokens, None
 
 
+def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
+    """(matmuls, attention): process CPU ms of one decode step's matmuls (the 4 linears of every layer
+    and the LM head) and attention (KV write + paged attention, every layer) alone, replayed on the
+    inputs of the middle decode step of a run (its metadata and KV caches; random activations).
+    Meaningful with --threads 1, where CPU time is the work (with 2, a spinning worker adds to it)."""
+    from pagedllm.model.forward_context import get_forward_context
+
+    model = engine.core.executor.runner.model
+    captured = []
+    real_forward = model.forward
+
+    def capture(input_ids, positions):
+        ctx = get_forward_context()
+        captured.append((input_ids.shape[0], ctx.attn_metadata, ctx.kv_caches))
+        return real_forward(input_ids, positions)
+
+    model.forward = capture  # nn.Module.__call__ looks forward up on the instance
+    try:
+        run(engine, args, seed=3)
+    finally:
+        del model.forward
+    num_tokens, md, kv_caches = captured[len(captured) // 2]
+    layers = model.model.layers
+    hidden = layers[0].input_layernorm.weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    a0 = layers[0].self_attn
+    heads, kv_heads, dim = a0.num_local_heads, a0.num_local_kv_heads, a0.head_dim
+    x_o = torch.randn(num_tokens, heads * dim, generator=gen)
+    x_down = torch.randn(num_tokens, layers[0].mlp.down_proj.input_size_per_partition, generator=gen)
+    q = torch.randn(num_tokens, heads, dim, generator=gen)
+    k, v = torch.randn(2, num_tokens, kv_heads, dim, generator=gen)
+
+    def matmuls():
+        for layer in layers:
+            layer.self_attn.qkv_proj(x), layer.self_attn.o_proj(x_o), layer.mlp.gate_up_proj(x)
+            layer.mlp.down_proj(x_down)
+        model.compute_logits(x)
+
+    def attention():  # writes random K/V into the finished request's slots: nothing reads them again
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.attn
+            attn.backend.attend(q, k, v, kv_caches[i], md, attn.scale, None, None)
+
+    result = []
+    with torch.inference_mode():
+        for fn in (matmuls, attention):
+            fn()
+            times = []
+            for _ in range(reps):
+                start = time.process_time()
+                fn()
+                times.append((time.process_time() - start) * 1e3)
+            result.append(statistics.median(times))
+    return result[0], result[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -123,6 +180,14 @@ def main() -> None:
             step_ms, _, (matmul, attention) = run(engine, args, seed=2, profile=True)
             step = sum(step_ms) / len(step_ms)
             shares[mode].append((step, matmul, attention))
+    if args.cpu_time:
+        matmul, attention = cpu_breakdown(engine, args)
+        for mode in modes:
+            step = statistics.median(steps[mode])
+            other = step - matmul - attention
+            print(f"  {mode:7s} decode step (CPU) {step:.2f} ms: matmuls {matmul:.2f} ms ({matmul / step:.0%}), "
+                  f"attention {attention:.2f} ms ({attention / step:.0%}), else {other:.2f} ms ({other / step:.0%}) "
+                  f"[matmuls and attention replayed alone, CPU time]")
     for mode in modes if args.profile_rounds else ():
         step, matmul, attention = (statistics.median(x) for x in zip(*shares[mode]))
         other = step - matmul - attention
