@@ -172,3 +172,28 @@ def test_switch_off_by_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_DISABLE_FUSED_DECODER", "0")
     PagedRunner(model, block_size=4).step(STEPS[0])
     assert counter.calls == 1
+
+
+def test_a_kv_cache_it_does_not_write_takes_the_per_op_path(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("llama", seed=8, **HEADS_32), tmp_path / "m")).model)
+    fused_decoder.set_enabled(True)
+    runner = PagedRunner(model, block_size=4)
+    runner.kv_caches = [cache.to(torch.float64) for cache in runner.kv_caches]  # not a type the op stores
+    runner.step(STEPS[0])
+    assert counter.calls == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_kv_caches(dtype, tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("qwen2", seed=9, **HEADS_32), tmp_path / "m")).model)
+    results = []
+    for enabled in (False, True):
+        fused_decoder.set_enabled(enabled)
+        runner = PagedRunner(model, block_size=4)
+        runner.kv_caches = [cache.to(dtype) for cache in runner.kv_caches]
+        results.append([runner.step(step) for step in STEPS])
+    assert counter.calls == len(STEPS)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

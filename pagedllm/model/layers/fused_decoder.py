@@ -95,6 +95,8 @@ class FusedDecoder:
         self.silu_block = silu_block
         # Modules whose hooks the fused call would skip: checked each step (a dict's truthiness).
         self._watched = (attn.qkv_proj, attn.attn, layer0)
+        self._checked_caches = None  # the KV cache list last checked (by identity), and whether it is covered
+        self._caches_ok = False
         overload = torch.ops.pagedllm.decoder_layers_cpu.default
         self._op = getattr(overload, "_op", overload)  # the C++ callable, without OpOverload's wrapper
 
@@ -116,6 +118,13 @@ class FusedDecoder:
         ctx = get_forward_context()
         if ctx is None or ctx.kv_caches is None or ctx.attn_metadata is None:
             return False
+        caches = ctx.kv_caches
+        if caches is not self._checked_caches:  # the runner hands the same list every step: check it once
+            # the compiled KV write stores into a contiguous CPU cache of these types
+            self._caches_ok = all(c.dtype in _KV_DTYPES and c.is_contiguous() and c.is_cpu for c in caches)
+            self._checked_caches = caches
+        if not self._caches_ok:
+            return False
         if cpu_fused.usable(hidden_states) is None:  # the small ops switched off (an A/B run of theirs)
             return False
         for module in self._watched:
@@ -129,9 +138,6 @@ class FusedDecoder:
         ctx = get_forward_context()
         md = ctx.attn_metadata
         kv_caches = ctx.kv_caches
-        for cache in kv_caches:  # the compiled KV write stores into a contiguous cache of these types
-            if cache.dtype not in _KV_DTYPES or not cache.is_contiguous():
-                raise ValueError(f"fused decoder: unsupported KV cache {cache.dtype}, contiguous={cache.is_contiguous()}")
         return self._op(hidden_states, cos_sin[0], cos_sin[1], self.weights, self.linear_info, kv_caches,
                         md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
                         self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes, self.silu_block)
