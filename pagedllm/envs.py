@@ -95,6 +95,9 @@ VARIABLES: dict[str, Variable] = {
     "PAGEDLLM_DISABLE_FUSED_CPU_OPS": Variable(
         "Switch: the fused small CPU ops (norms, rotary, SiLU) off, the rest of the library on (A/B).",
         _switch, False),
+    "PAGEDLLM_DISABLE_FUSED_DECODER": Variable(
+        "Switch: run a step's decoder layers op by op from Python instead of in one compiled call (A/B).",
+        _switch, False),
     "PAGEDLLM_DISABLE_CPU_GEMM": Variable(
         "Switch: the linears use MKL instead of the compiled float32 GEMM (A/B).",
         _switch, False),

@@ -21,6 +21,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.distributed.shapes import check_config_tp_size, head_dim_of as _head_dim
 from pagedllm.model.attention.layer import Attention
+from pagedllm.model.layers import fused_decoder
 from pagedllm.model.layers.activation import gated_activation
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.model.layers.linear import (
@@ -241,8 +242,12 @@ class LlamaModel(_DirectChildren):
         residual = None
         # once per step for every layer
         cos_sins = [self.rotaries[key].cos_sin(positions, hidden_states.dtype) for key in self.rotary_keys]
-        for layer, rotary in zip(self.layers, self.layer_rotary):
-            hidden_states, residual = layer(cos_sins[rotary], hidden_states, residual)
+        fused = fused_decoder.for_step(self, hidden_states)
+        if fused is not None:  # every layer in one compiled call, equal to the loop below (fused_decoder.py)
+            hidden_states, residual = fused(hidden_states, cos_sins[0])
+        else:
+            for layer, rotary in zip(self.layers, self.layer_rotary):
+                hidden_states, residual = layer(cos_sins[rotary], hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

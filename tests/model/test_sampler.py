@@ -348,7 +348,8 @@ def test_all_greedy_with_processors_still_applies_them(params):
     assert sampled == (5 if params.logit_bias else 1)
 
 
-@pytest.mark.parametrize("num_rows,vocab", [(1, 128), (16, 49152), (64, 1024), (3, 1000), (5, 256)])
+@pytest.mark.parametrize("num_rows,vocab", [(1, 128), (16, 49152), (64, 1024), (3, 1000), (5, 256),
+                                              (1, 49152), (3, 32768)])
 def test_argmax_rows_equals_argmax_with_ties_nan_and_inf(num_rows, vocab):
     from pagedllm.model.sampling.sampler import argmax_rows
 

@@ -1,0 +1,148 @@
+// torch.ops.pagedllm.decoder_layers_cpu: every decoder layer of a Llama-family step in one call.
+//
+// Per layer, the same ops the per-op path (pagedllm/model/llama.py) runs, in the same order on the
+// same inputs, so the result is that path's bit for bit:
+//
+//   h, res = add_rms_norm(x, res)          (layer 0: res = x; h = rms_norm(x))
+//   qkv    = h Wqkv^T (+ bias)             [T, (H + 2 Hkv) D]
+//   rotary in place on the H + Hkv query and key heads of qkv
+//   kv_write(k, v) at slot_mapping;  a = paged_attention(q)   [T, H, D]
+//   o      = a Wo^T
+//   h, res = add_rms_norm(o, res)
+//   x      = (silu(g) * u) Wdown^T   with [g | u] = h Wgate_up^T (+ bias)
+//
+// and returns (x, res): their sum is the last layer's output (the caller applies the final norm).
+//
+// What it removes is the Python between the ops: at batch 1 a step of the default model ran ~10
+// small ops per layer, each behind a Python frame, a module call and argument checks, which cost
+// about as much as the norms, rotary and activation themselves. The ops are reached through their
+// typed dispatcher handles (found once): a C++ dispatcher call costs well under a microsecond, and
+// the kernels stay where they are (fused_ops.cpp, cpu_gemm_op.cpp, quant_gemm_op.cpp,
+// paged_attention_op.cpp) with one definition each. Each handle's signature is its kernel's C++
+// signature exactly (the dispatcher calls the unboxed kernel through it).
+//
+// Weights: 10 tensors per layer, in this order:
+//   input_norm, qkv, qkv_bias, o, o_bias, post_attention_norm, gate_up, gate_up_bias, down, down_bias
+// a bias being a 0-element tensor where there is none; and 3 ints per linear (12 per layer):
+//   kind (-1 = float32 panels for gemm_packed_cpu, else the quantized kernel type for
+//   quant_gemm_cpu), n (output features), isa (quant_gemm_cpu's isa argument; unused for float32).
+// pagedllm/model/layers/fused_decoder.py builds these lists once and decides when the call applies.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace pagedllm {
+namespace {
+
+using RmsNormSig = at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t);
+using AddRmsNormSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                         double, int64_t);
+using RotarySig = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using SiluSig = at::Tensor(const at::Tensor&, int64_t);
+using KvWriteSig = void(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&);
+using AttentionSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, double, int64_t, int64_t, int64_t, int64_t, int64_t, double);
+using GemmSig = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
+using QuantGemmSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                const c10::optional<at::Tensor>&, int64_t);
+
+c10::OperatorHandle handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<RmsNormSig> rms_norm;
+  c10::TypedOperatorHandle<AddRmsNormSig> add_rms_norm;
+  c10::TypedOperatorHandle<RotarySig> rotary;
+  c10::TypedOperatorHandle<SiluSig> silu_and_mul;
+  c10::TypedOperatorHandle<KvWriteSig> kv_write;
+  c10::TypedOperatorHandle<AttentionSig> attention;
+  c10::TypedOperatorHandle<GemmSig> gemm;
+  c10::TypedOperatorHandle<QuantGemmSig> quant_gemm;
+
+  Ops()
+      : rms_norm(handle("pagedllm::rms_norm_cpu").typed<RmsNormSig>()),
+        add_rms_norm(handle("pagedllm::add_rms_norm_cpu").typed<AddRmsNormSig>()),
+        rotary(handle("pagedllm::rotary_qk_cpu").typed<RotarySig>()),
+        silu_and_mul(handle("pagedllm::silu_and_mul_cpu").typed<SiluSig>()),
+        kv_write(handle("pagedllm::kv_write_cpu").typed<KvWriteSig>()),
+        attention(handle("pagedllm::paged_attention_cpu").typed<AttentionSig>()),
+        gemm(handle("pagedllm::gemm_packed_cpu").typed<GemmSig>()),
+        quant_gemm(handle("pagedllm::quant_gemm_cpu").typed<QuantGemmSig>()) {}
+};
+
+const Ops& ops() {
+  static const Ops instance;  // looked up at the first call: every fragment of the library is registered by then
+  return instance;
+}
+
+constexpr int64_t kWeightsPerLayer = 10;
+constexpr int64_t kIntsPerLinear = 3;
+constexpr int64_t kIntsPerLayer = 4 * kIntsPerLinear;
+
+at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                  const int64_t* info) {
+  const c10::optional<at::Tensor> b = bias.numel() > 0 ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+  if (info[0] < 0) return o.gemm.call(x, weight, b, info[1]);
+  return o.quant_gemm.call(x, weight, info[0], info[1], b, info[2]);
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
+    const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList weights,
+    at::IntArrayRef linear_info, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, int64_t norm_lanes, int64_t silu_block) {
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
+              "decoder_layers_cpu: ", kWeightsPerLayer, " weights per layer expected, got ", weights.size(), " for ",
+              num_layers, " layers");
+  TORCH_CHECK(static_cast<int64_t>(linear_info.size()) == num_layers * kIntsPerLayer,
+              "decoder_layers_cpu: ", kIntsPerLayer, " ints per layer expected");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "decoder_layers_cpu: hidden must be a contiguous float32 [num_tokens, hidden_size] tensor");
+  const Ops& o = ops();
+  const int64_t num_tokens = hidden.size(0);
+  const std::vector<int64_t> head_split{num_heads, num_kv_heads, num_kv_heads};
+  at::Tensor x = hidden, residual, h;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const int64_t* info = linear_info.data() + l * kIntsPerLayer;
+    if (l == 0) {
+      residual = x;
+      h = o.rms_norm.call(x, w[0], eps, norm_lanes);
+    } else {
+      std::tie(h, residual) = o.add_rms_norm.call(x, residual, w[0], eps, norm_lanes);
+    }
+    at::Tensor qkv = linear(o, h, w[1], w[2], info);  // [T, (H + 2 Hkv) D]
+    o.rotary.call(qkv, cos, signed_sin, num_heads + num_kv_heads, head_dim);
+    // [T, H, D], [T, Hkv, D], [T, Hkv, D]: views of qkv, as the per-op path's split_with_sizes
+    const std::vector<at::Tensor> qkv_heads = qkv.view({num_tokens, -1, head_dim}).split_with_sizes(head_split, 1);
+    o.kv_write.call(qkv_heads[1], qkv_heads[2], kv_caches[l], slot_mapping);
+    const at::Tensor attn = o.attention.call(qkv_heads[0], kv_caches[l], block_tables, seq_lens, query_start_loc,
+                                             scale, 0, 0, 0, 0, -1, 0.0);  // [T, H, D]
+    const at::Tensor out = linear(o, attn.view({num_tokens, num_heads * head_dim}), w[3], w[4],
+                                  info + kIntsPerLinear);
+    std::tie(h, residual) = o.add_rms_norm.call(out, residual, w[5], eps, norm_lanes);
+    const at::Tensor gate_up = linear(o, h, w[6], w[7], info + 2 * kIntsPerLinear);
+    x = linear(o, o.silu_and_mul.call(gate_up, silu_block), w[8], w[9], info + 3 * kIntsPerLinear);
+  }
+  if (num_layers == 0) residual = at::zeros_like(x);
+  return {x, residual};
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def(
+      "decoder_layers_cpu(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor[] weights, int[] linear_info, "
+      "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "int num_heads, int num_kv_heads, int head_dim, float scale, float eps, int norm_lanes, int silu_block) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("decoder_layers_cpu", &pagedllm::decoder_layers_cpu);
+}

@@ -1,0 +1,232 @@
+"""A step's decoder layers in one compiled call (``csrc/decoder_layer.cpp``): the CPU analogue of a
+CUDA graph for the Llama family.
+
+At batch 1 on the default model a decode step ran ~10 small ops per layer (norms, the four
+linears, rotary, the KV write, attention, SiLU) from Python, 30 layers: the Python frames, module
+calls and checks between them cost about as much again as the norms, rotary and activation did.
+``decoder_layers_cpu`` runs the same ops, in the same order, on the same inputs, from one C++
+loop, so its output equals the per-op path bit for bit (tests/model/test_fused_decoder.py); the
+per-op path (``LlamaDecoderLayer.forward``) stays the reference and runs everything else.
+
+Covered (checked once, when the model's first step builds the weight lists): CPU float32
+activations, tensor-parallel size 1, every linear either float32 panels of the compiled GEMM or a
+GGUF-quantized weight of the compiled quantized kernel, q/k/v and gate/up biases (o and down
+without), plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows,
+SmolLM2), SiLU, one rotary table, full attention without soft-capping, the compiled attention
+backend. Per step: at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps
+alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers'
+modules (``bench profile`` times modules with hooks). Not covered, per-op path: Qwen3's and Gemma
+3's q/k norms, Gemma's norms and sandwich norms, soft-capping, sliding windows, MoE and other
+MLPs (Phi-3's fused names included), MKL- or F.linear-only weights (the compiled GEMM off or
+unavailable), tensor parallelism, CUDA, longer steps. ``PAGEDLLM_DISABLE_FUSED_DECODER=1`` turns
+it off; ``set_enabled`` switches it in one process (A/B runs, tests).
+
+A model whose layers or weights change after its first step (LoRA adapters, say) must call
+``invalidate(model)``: the weight lists are built once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm import envs
+from pagedllm.model.forward_context import get_forward_context
+from pagedllm.model.layers import cpu_fused
+
+logger = logging.getLogger(__name__)
+
+MAX_TOKENS = 256
+"""Steps of more tokens take the per-op path: there the float32 linears leave the compiled GEMM
+(``linear.GEMM_ROWS``) for MKL, which this call does not reach."""
+
+_ATTR = "_fused_decoder"  # on the LlamaModel instance: (backend, a FusedDecoder or None once refused)
+_enabled: list[bool] = []  # [] = follow the environment; [flag] = set_enabled's choice
+
+
+def set_enabled(enabled: bool | None) -> None:
+    """Force the fused call on (where it applies) or off in this process; None = the environment again."""
+    _enabled.clear()
+    if enabled is not None:
+        _enabled.append(enabled)
+
+
+def enabled() -> bool:
+    return _enabled[0] if _enabled else not envs.PAGEDLLM_DISABLE_FUSED_DECODER
+
+
+def invalidate(model) -> None:
+    """Build the weight lists again at the next step (after a change to ``model``'s layers or weights)."""
+    model.__dict__.pop(_ATTR, None)
+
+
+def for_step(model, hidden_states: torch.Tensor) -> FusedDecoder | None:
+    """The fused call for this step of ``model`` (a ``LlamaModel``), or None: run the layers one by one."""
+    if not (_enabled[0] if _enabled else not envs.PAGEDLLM_DISABLE_FUSED_DECODER):
+        return None
+    # (the attention backend it was decided for, the FusedDecoder or None): decided again when the
+    # backend changes (a model stepped first under the torch reference, then by the runner).
+    backend, fused = model.__dict__.get(_ATTR, (None, None))
+    current = model.layers[0].self_attn.attn.backend if len(model.layers) else None
+    if backend is not current:
+        fused = FusedDecoder.build(model)
+        model.__dict__[_ATTR] = (current, fused)
+    if fused is None or not fused.applies(hidden_states):
+        return None
+    return fused
+
+
+class FusedDecoder:
+    """The weight lists of one model for ``decoder_layers_cpu``, and the per-step conditions."""
+
+    def __init__(self, model, weights: list[torch.Tensor], linear_info: list[int], norm_lanes: int,
+                 silu_block: int) -> None:
+        layer0 = model.layers[0]
+        attn = layer0.self_attn
+        self.weights = weights
+        self.linear_info = linear_info
+        self.num_heads = attn.num_local_heads
+        self.num_kv_heads = attn.num_local_kv_heads
+        self.head_dim = attn.head_dim
+        self.scale = float(attn.attn.scale)
+        self.eps = float(layer0.input_layernorm.eps)
+        self.norm_lanes = norm_lanes
+        self.silu_block = silu_block
+        # Modules whose hooks the fused call would skip: checked each step (a dict's truthiness).
+        self._watched = (attn.qkv_proj, attn.attn, layer0)
+        self._checked_caches = None  # the KV cache list last checked (by identity), and whether it is covered
+        self._caches_ok = False
+        overload = torch.ops.pagedllm.decoder_layers_cpu.default
+        self._op = getattr(overload, "_op", overload)  # the C++ callable, without OpOverload's wrapper
+
+    @classmethod
+    def build(cls, model) -> FusedDecoder | None:
+        """The fused call for ``model``, or None (logged once, with the reason) where it does not apply."""
+        reason = _refusal(model)
+        if isinstance(reason, str):
+            logger.info("fused decoder layers off for this model (%s); the layers run op by op", reason)
+            return None
+        weights, info, lanes, block = reason
+        return cls(model, weights, info, lanes, block)
+
+    def applies(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this step can take the fused call (the model-wide conditions were checked at build)."""
+        if (hidden_states.dtype != torch.float32 or not hidden_states.is_cpu or hidden_states.dim() != 2
+                or hidden_states.shape[0] > MAX_TOKENS or not hidden_states.is_contiguous()):
+            return False
+        ctx = get_forward_context()
+        if ctx is None or ctx.kv_caches is None or ctx.attn_metadata is None:
+            return False
+        caches = ctx.kv_caches
+        if caches is not self._checked_caches:  # the runner hands the same list every step: check it once
+            # the compiled KV write stores into a contiguous CPU cache of these types
+            self._caches_ok = all(c.dtype in _KV_DTYPES and c.is_contiguous() and c.is_cpu for c in caches)
+            self._checked_caches = caches
+        if not self._caches_ok:
+            return False
+        if cpu_fused.usable(hidden_states) is None:  # the small ops switched off (an A/B run of theirs)
+            return False
+        for module in self._watched:
+            if module._forward_hooks or module._forward_pre_hooks:
+                return False
+        return True
+
+    def __call__(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` after the last layer, as the per-op loop leaves them (their sum is its output)."""
+        ctx = get_forward_context()
+        md = ctx.attn_metadata
+        kv_caches = ctx.kv_caches
+        return self._op(hidden_states, cos_sin[0], cos_sin[1], self.weights, self.linear_info, kv_caches,
+                        md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
+                        self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes, self.silu_block)
+
+
+_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _linear_entry(linear, bias_allowed: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]] | str:
+    """(weight, bias or an empty tensor, [kind, n, isa]) for one linear, or why it is not covered."""
+    from pagedllm.model.layers.linear import LinearBase, RowParallelLinear
+
+    # Exactly the forwards the per-op path runs (a subclass or a wrapper may add to the product).
+    if type(linear).forward not in (LinearBase.forward, RowParallelLinear.forward):
+        return f"{type(linear).__name__} has its own forward"
+    if type(linear).matmul is not LinearBase.matmul:
+        return f"{type(linear).__name__} has its own matmul"
+    bias = linear._parameters.get("bias")
+    if bias is not None and not bias_allowed:
+        return "an o_proj or down_proj bias"
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return "a bias that is not contiguous float32"
+    empty = torch.empty(0)
+    quant = linear.quant_weight
+    if quant is not None:
+        return quant.packed, bias if bias is not None else empty, [int(quant.kernel_type), int(quant.n), int(quant.isa)]
+    if linear.gemm_weight is not None:
+        n = int(linear._parameters["weight"].shape[0])
+        return linear.gemm_weight, bias if bias is not None else empty, [-1, n, 0]
+    return "a linear without the compiled GEMM (MKL / F.linear)"
+
+
+def _refusal(model):
+    """Why ``model`` (a LlamaModel) is not covered, as a string; else (weights, linear_info, lanes, block)."""
+    from pagedllm.distributed.parallel_state import get_tp_size
+    from pagedllm.model.attention import cpu_op
+    from pagedllm.model.attention.backend import CpuAttentionBackend
+    from pagedllm.model.layers.activation import SiluAndMul
+    from pagedllm.model.layers.linear import RowParallelLinear
+    from pagedllm.model.layers.norm import RMSNorm
+    from pagedllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    if not cpu_op.load() or not hasattr(torch.ops.pagedllm, "decoder_layers_cpu"):
+        return "the compiled library is unavailable or predates decoder_layers_cpu"
+    ops = cpu_fused.ops()
+    if ops is None or ops.norm_lanes is None or ops.silu_block is None:
+        return "the fused small CPU ops are off or do not round like torch here"
+    if get_tp_size() != 1:
+        return "tensor parallelism"
+    if len(model.layers) == 0 or len(model.rotary_keys) != 1:
+        return "rotary parameters per layer type"
+    weights: list[torch.Tensor] = []
+    info: list[int] = []
+    first = model.layers[0]
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return f"{type(layer).__name__} / {type(attn).__name__} / {type(mlp).__name__} layers"
+        if layer.sandwich_norms or attn.qk_norm:
+            return "sandwich norms or q/k norms"
+        if type(mlp.act) is not SiluAndMul:
+            return f"the {type(mlp.act).__name__} activation"
+        a = attn.attn
+        if a.sliding_window is not None or a.softcap is not None:
+            return "sliding-window or soft-capped attention"
+        if not isinstance(a.backend, CpuAttentionBackend) or a.backend._attention is None:
+            return f"the {a.backend.name} attention backend"
+        if a.backend is not first.self_attn.attn.backend or a.scale != first.self_attn.attn.scale:
+            return "layers with different attention backends or scales"
+        if attn.head_dim not in cpu_op.SUPPORTED_HEAD_DIMS:
+            return f"head_dim {attn.head_dim}"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        for norm in norms:
+            w = norm._parameters["weight"]
+            if type(norm) is not RMSNorm or w.dtype != torch.float32 or not w.is_contiguous() or w.is_cuda:
+                return f"{type(norm).__name__} norms"
+            if norm.eps != first.input_layernorm.eps:
+                return "norms with different eps"
+        entries = []
+        for linear, bias_allowed in ((attn.qkv_proj, True), (attn.o_proj, False), (mlp.gate_up_proj, True),
+                                     (mlp.down_proj, False)):
+            entry = _linear_entry(linear, bias_allowed)
+            if isinstance(entry, str):
+                return entry
+            if isinstance(linear, RowParallelLinear) and linear._parameters.get("bias") is not None:
+                return "a row-parallel bias"
+            entries.append(entry)
+        (qkv_w, qkv_b, qkv_i), (o_w, o_b, o_i), (gu_w, gu_b, gu_i), (d_w, d_b, d_i) = entries
+        weights += [norms[0]._parameters["weight"], qkv_w, qkv_b, o_w, o_b, norms[1]._parameters["weight"],
+                    gu_w, gu_b, d_w, d_b]
+        info += qkv_i + o_i + gu_i + d_i
+    return weights, info, ops.norm_lanes, ops.silu_block

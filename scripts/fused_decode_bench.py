@@ -1,0 +1,200 @@
+"""Batch-1 decode with the fused decoder call (model/layers/fused_decoder.py) vs the per-op path, in
+one engine, runs interleaved (so machine noise hits both), and where each one's step time goes:
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/fused_decode_bench.py [--threads 2] [--rounds 4]
+        [--batch 1] [--prompt-len 128] [--max-tokens 128] [--profile-steps 24]
+
+The engine is the default model as ``LLMEngine`` runs it (Q4_1 GGUF weights, compiled ops, prefix
+caching off, so every run prefills its prompt). A run: ``batch`` requests of random prompts, greedy,
+``max-tokens`` each (EOS ignored), stepped to the end; its decode steps (every step after the
+first) are timed one by one. ``fused_decoder.set_enabled`` switches the path between runs; the
+order alternates per round.
+
+Breakdown: per mode, ``profile-rounds`` more runs (interleaved) whose first ``profile-steps`` decode
+steps run under torch.profiler; per step, the compiled ops' self time: matmuls (the quantized and
+float32 GEMMs, the greedy LM head) and attention (paged attention and the KV write), and "else",
+the profiled step's wall time minus those two. The profiler's own cost (~1 us an op event) lands in
+"else", and weighs more on the per-op path (~300 op events a step against ~150 fused); medians over
+the rounds.
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+MATMUL_OPS = ("pagedllm::quant_gemm_cpu", "pagedllm::gemm_packed_cpu", "pagedllm::greedy_select_cpu",
+              "aten::mm", "aten::addmm", "aten::matmul", "mkl::_mkl_linear")
+ATTENTION_OPS = ("pagedllm::paged_attention_cpu", "pagedllm::kv_write_cpu")
+
+
+def run(engine, args, seed: int, profile: bool = False):
+    from pagedllm.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for i in range(args.batch):
+        ids = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+        engine.add_request(f"r{seed}-{i}", {"prompt_token_ids": ids}, params)
+    step_ms, tokens, prof = [], [], None
+    first = True
+    while engine.has_unfinished_requests():
+        if profile and not first and prof is None:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        outs = engine.step()
+        # profiled steps in wall time, as the profiler times the ops
+        cpu = args.cpu_time and not profile
+        elapsed = ((time.process_time() - cpu_start) if cpu else (time.perf_counter() - start)) * 1e3
+        if not first:
+            step_ms.append(elapsed)
+        first = False
+        for out in outs:
+            if out.finished:
+                tokens.append(list(out.outputs[0].token_ids))
+        if prof is not None and len(step_ms) >= args.profile_steps:
+            break
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        while engine.has_unfinished_requests():
+            engine.step()
+        totals = {}
+        for event in prof.key_averages():
+            totals[event.key] = event.self_cpu_time_total / 1e3  # ms
+        n = len(step_ms)
+        matmul = sum(totals.get(k, 0.0) for k in MATMUL_OPS) / n
+        attention = sum(totals.get(k, 0.0) for k in ATTENTION_OPS) / n
+        return step_ms, tokens, (matmul, attention)
+    return step_ms, tokens, None
+
+
+def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
+    """(matmuls, attention): process CPU ms of one decode step's matmuls (the 4 linears of every layer
+    and the LM head) and attention (KV write + paged attention, every layer) alone, replayed on the
+    inputs of the middle decode step of a run (its metadata and KV caches; random activations).
+    Meaningful with --threads 1, where CPU time is the work (with 2, a spinning worker adds to it)."""
+    from pagedllm.model.forward_context import get_forward_context
+
+    model = engine.core.executor.runner.model
+    captured = []
+    real_forward = model.forward
+
+    def capture(input_ids, positions):
+        ctx = get_forward_context()
+        captured.append((input_ids.shape[0], ctx.attn_metadata, ctx.kv_caches))
+        return real_forward(input_ids, positions)
+
+    model.forward = capture  # nn.Module.__call__ looks forward up on the instance
+    try:
+        run(engine, args, seed=3)
+    finally:
+        del model.forward
+    num_tokens, md, kv_caches = captured[len(captured) // 2]
+    layers = model.model.layers
+    hidden = layers[0].input_layernorm.weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    a0 = layers[0].self_attn
+    heads, kv_heads, dim = a0.num_local_heads, a0.num_local_kv_heads, a0.head_dim
+    x_o = torch.randn(num_tokens, heads * dim, generator=gen)
+    x_down = torch.randn(num_tokens, layers[0].mlp.down_proj.input_size_per_partition, generator=gen)
+    q = torch.randn(num_tokens, heads, dim, generator=gen)
+    k, v = torch.randn(2, num_tokens, kv_heads, dim, generator=gen)
+
+    def matmuls():
+        for layer in layers:
+            layer.self_attn.qkv_proj(x), layer.self_attn.o_proj(x_o), layer.mlp.gate_up_proj(x)
+            layer.mlp.down_proj(x_down)
+        model.compute_logits(x)
+
+    def attention():  # writes random K/V into the finished request's slots: nothing reads them again
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.attn
+            attn.backend.attend(q, k, v, kv_caches[i], md, attn.scale, None, None)
+
+    result = []
+    with torch.inference_mode():
+        for fn in (matmuls, attention):
+            fn()
+            times = []
+            for _ in range(reps):
+                start = time.process_time()
+                fn()
+                times.append((time.process_time() - start) * 1e3)
+            result.append(statistics.median(times))
+    return result[0], result[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--profile-steps", type=int, default=24)
+    parser.add_argument("--profile-rounds", type=int, default=2)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time steps by process CPU time, not wall time: with --threads 1 a contended "
+                             "machine barely moves it (the steps' own work, without the waits for a core)")
+    args = parser.parse_args()
+
+    from pagedllm.config.engine_args import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.model.layers import fused_decoder
+
+    engine = LLMEngine(EngineArgs(model=None, num_threads=args.threads, enable_prefix_caching=False,
+                                  max_num_seqs=max(args.batch, 1)))
+    modes = {"fused": True, "per-op": False}
+    steps = {m: [] for m in modes}
+    walls = {m: [] for m in modes}
+    outputs = {}
+    run(engine, args, seed=0)  # warm-up
+    for r in range(args.rounds):
+        order = list(modes) if r % 2 == 0 else list(modes)[::-1]
+        for mode in order:
+            fused_decoder.set_enabled(modes[mode])
+            start = time.perf_counter()
+            step_ms, tokens, _ = run(engine, args, seed=1)
+            walls[mode].append(time.perf_counter() - start)
+            steps[mode].append(statistics.median(step_ms))
+            outputs.setdefault(mode, tokens)
+    same = outputs["fused"] == outputs["per-op"]
+    print(f"default model, batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} greedy tokens, "
+          f"{args.threads} threads, {args.rounds} rounds; same tokens fused vs per-op: {same}")
+    for mode in modes:
+        tok_s = [args.batch * args.max_tokens / w for w in walls[mode]]
+        print(f"  {mode:7s} output tok/s (whole run) median {statistics.median(tok_s):.1f} "
+              f"[{', '.join(f'{t:.1f}' for t in tok_s)}]; decode step ms ({'CPU' if args.cpu_time else 'wall'}) median {statistics.median(steps[mode]):.2f} "
+              f"[{', '.join(f'{s:.2f}' for s in steps[mode])}]")
+    ratio = [statistics.median(walls["per-op"]) / statistics.median(walls["fused"]),
+             statistics.median(steps["per-op"]) / statistics.median(steps["fused"])]
+    print(f"  fused / per-op speed: {ratio[0]:.2f}x (whole run), {ratio[1]:.2f}x (decode step)")
+    shares = {m: [] for m in modes}
+    for r in range(args.profile_rounds):
+        for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+            fused_decoder.set_enabled(modes[mode])
+            step_ms, _, (matmul, attention) = run(engine, args, seed=2, profile=True)
+            step = sum(step_ms) / len(step_ms)
+            shares[mode].append((step, matmul, attention))
+    if args.cpu_time:
+        matmul, attention = cpu_breakdown(engine, args)
+        for mode in modes:
+            step = statistics.median(steps[mode])
+            other = step - matmul - attention
+            print(f"  {mode:7s} decode step (CPU) {step:.2f} ms: matmuls {matmul:.2f} ms ({matmul / step:.0%}), "
+                  f"attention {attention:.2f} ms ({attention / step:.0%}), else {other:.2f} ms ({other / step:.0%}) "
+                  f"[matmuls and attention replayed alone, CPU time]")
+    for mode in modes if args.profile_rounds else ():
+        step, matmul, attention = (statistics.median(x) for x in zip(*shares[mode]))
+        other = step - matmul - attention
+        print(f"  {mode:7s} profiled decode step (wall) {step:.2f} ms: matmuls {matmul:.2f} ms ({matmul / step:.0%}), "
+              f"attention {attention:.2f} ms ({attention / step:.0%}), else {other:.2f} ms ({other / step:.0%})")
+    fused_decoder.set_enabled(None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The fused decoder call (model/layers/fused_decoder.py, csrc/decoder_layer.cpp) against the per-op
+path on the same model: logits equal bit for bit (the same ops in the same order) over prefills,
+decode batches of 1..N and mixed steps, for float32 and GGUF-quantized weights, both GEMM ISAs;
+close to Hugging Face; and the models and steps it does not cover take the per-op path."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from pagedllm.model import load_model
+from pagedllm.model.attention.backend import CpuAttentionBackend, set_attention_backend
+from pagedllm.model.layers import fused_decoder
+from tests.model.conftest import require_compiled_cpu_ops
+from tests.model.gguf_writer_helpers import write_llama_gguf
+from tests.model.paged_kv_helpers import PagedRunner
+from tests.model.tiny_models import make_hf_model, save_hf_model
+
+
+@pytest.fixture(autouse=True)
+def compiled(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    require_compiled_cpu_ops()
+    yield
+    fused_decoder.set_enabled(None)
+
+
+HEADS_32 = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+"""The tiny models' 4 heads of 16 are no head_dim the compiled attention has (those take the
+reference attention, and the per-op path): 2 query heads and 1 KV head of 32 instead."""
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Steps of (seq_id, new tokens): prefills of different lengths together, decodes of 1, 2 and 3
+# sequences, a mixed step (a new prompt chunk beside decodes), then decodes again.
+STEPS = [
+    [(0, prompt(0, 13))],
+    [(1, prompt(1, 5)), (2, prompt(2, 9))],
+    [(0, [7])],
+    [(0, [8]), (1, [9])],
+    [(0, [10]), (1, [11]), (2, [12])],
+    [(3, prompt(3, 6)), (0, [13]), (2, [14])],
+    [(0, [15]), (1, [16]), (2, [17]), (3, [18])],
+    [(3, [19])],
+]
+
+
+class Counter:
+    """Counts the steps that took the fused call."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = fused_decoder.FusedDecoder.__call__
+
+        def counted(decoder, *args):
+            self.calls += 1
+            return real(decoder, *args)
+
+        monkeypatch.setattr(fused_decoder.FusedDecoder, "__call__", counted)
+
+
+def run_steps(model, enabled: bool) -> list[torch.Tensor]:
+    fused_decoder.set_enabled(enabled)
+    runner = PagedRunner(model, block_size=4)
+    return [runner.step(step) for step in STEPS]
+
+
+def with_cpu_backend(model):
+    set_attention_backend(model, CpuAttentionBackend())
+    return model
+
+
+def assert_fused_equals_per_op(model, monkeypatch) -> list[torch.Tensor]:
+    counter = Counter(monkeypatch)
+    per_op = run_steps(model, False)
+    assert counter.calls == 0
+    fused = run_steps(model, True)
+    assert counter.calls == len(STEPS)  # every step took the fused call
+    for a, b in zip(fused, per_op):
+        assert torch.equal(a, b)
+    return fused
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied_scaled", "qwen2", "mistral"])
+def test_float32_fused_equals_per_op_and_hf(kind, tmp_path, monkeypatch):
+    hf = make_hf_model(kind, seed=3, **({} if kind == "llama_tied_scaled" else HEADS_32))
+    model = with_cpu_backend(load_model(save_hf_model(hf, tmp_path / kind)).model)
+    fused = assert_fused_equals_per_op(model, monkeypatch)
+    # Sequence 0 alone against HF: its prompt (step 0), then its decode rows.
+    ids = STEPS[0][0][1] + [7, 8, 10, 13, 15]
+    rows = [fused[0]] + [fused[i][0:1] for i in (2, 3, 4)] + [fused[5][6:7], fused[6][0:1]]
+    torch.testing.assert_close(torch.cat(rows), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_float32_both_gemm_isas(isa, tmp_path, monkeypatch):
+    from pagedllm.model.layers import cpu_gemm
+
+    if cpu_gemm.panel_width(isa) == 0:
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM_ISA", isa)
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("llama", seed=4, **HEADS_32), tmp_path / "m")).model)
+    assert model.model.layers[0].self_attn.qkv_proj.gemm_weight.shape[-1] == cpu_gemm.panel_width(isa)
+    assert_fused_equals_per_op(model, monkeypatch)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("isa", ["best", "avx2"])
+def test_quantized_fused_equals_per_op(qtype, isa, tmp_path, monkeypatch):
+    from pagedllm.model.layers import quantized
+
+    if not quantized.kernel_available():
+        pytest.skip("compiled quantized kernel unavailable")
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM_ISA", isa)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_llama_gguf(make_hf_model("llama_tied", seed=5), path, GGMLQuantizationType[qtype])
+    model = with_cpu_backend(load_model(str(path)).model)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_weight is not None
+    if isa == "avx2":
+        assert qkv.quant_weight.isa == 1
+    assert_fused_equals_per_op(model, monkeypatch)
+
+
+def test_not_covered_models_take_the_per_op_path(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    for kind in ("qwen3", "mistral_window", "gemma2"):
+        model = load_model(save_hf_model(make_hf_model(kind, **HEADS_32), tmp_path / kind)).model
+        with_cpu_backend(model)
+        run_steps(model, True)
+        assert model.model.__dict__["_fused_decoder"][1] is None, kind
+    assert counter.calls == 0
+
+
+def test_torch_backend_hooks_and_long_steps_take_the_per_op_path(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    model = load_model(save_hf_model(make_hf_model("llama", seed=6, **HEADS_32), tmp_path / "m")).model
+    run_steps(model, True)  # the torch reference backend: not covered
+    assert counter.calls == 0
+    with_cpu_backend(model)  # decided again for the compiled backend
+    run_steps(model, True)
+    assert counter.calls == len(STEPS)
+    # A hook on a layer's module (bench profile's timers) must see its calls: per-op path.
+    seen = []
+    handle = model.model.layers[0].self_attn.qkv_proj.register_forward_hook(lambda *a: seen.append(1))
+    run_steps(model, True)
+    handle.remove()
+    assert counter.calls == len(STEPS) and len(seen) == len(STEPS)
+    # Over MAX_TOKENS tokens in one step: per-op path, same logits as per-op path.
+    monkeypatch.setattr(fused_decoder, "MAX_TOKENS", 8)
+    runner = PagedRunner(model, block_size=4)
+    long_fused = runner.step([(0, prompt(9, 12))])
+    assert counter.calls == len(STEPS)
+    fused_decoder.set_enabled(False)
+    assert torch.equal(long_fused, PagedRunner(model, block_size=4).step([(0, prompt(9, 12))]))
+
+
+def test_switch_off_by_environment(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("llama", seed=7, **HEADS_32), tmp_path / "m")).model)
+    fused_decoder.set_enabled(None)
+    monkeypatch.setenv("PAGEDLLM_DISABLE_FUSED_DECODER", "1")
+    PagedRunner(model, block_size=4).step(STEPS[0])
+    assert counter.calls == 0
+    monkeypatch.setenv("PAGEDLLM_DISABLE_FUSED_DECODER", "0")
+    PagedRunner(model, block_size=4).step(STEPS[0])
+    assert counter.calls == 1
+
+
+def test_a_kv_cache_it_does_not_write_takes_the_per_op_path(tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("llama", seed=8, **HEADS_32), tmp_path / "m")).model)
+    fused_decoder.set_enabled(True)
+    runner = PagedRunner(model, block_size=4)
+    runner.kv_caches = [cache.to(torch.float64) for cache in runner.kv_caches]  # not a type the op stores
+    runner.step(STEPS[0])
+    assert counter.calls == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_kv_caches(dtype, tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("qwen2", seed=9, **HEADS_32), tmp_path / "m")).model)
+    results = []
+    for enabled in (False, True):
+        fused_decoder.set_enabled(enabled)
+        runner = PagedRunner(model, block_size=4)
+        runner.kv_caches = [cache.to(dtype) for cache in runner.kv_caches]
+        results.append([runner.step(step) for step in STEPS])
+    assert counter.calls == len(STEPS)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
