@@ -9,6 +9,11 @@ template, the grammar that forces a call, and the parsing of the answer.
                                           parallel_tool_calls is false)
     named         yes                     one call or more to that function            calls
 
+Streamed, a call's first delta carries its index, id, type and name, then its arguments follow in pieces:
+as the model writes them when the calls are grammar-constrained (every row above but auto in a format
+with no grammar), else whole once the call is complete (tool_parsers/base.py says why and what a client
+sees when the output ends inside a call).
+
 A template that takes no `tools` (SmolLM2's, for one) gets them the way Hermes-style models are
 prompted: a system message listing the tools' JSON schemas and the call format of the server's
 --tool-call-parser; earlier calls are written back in that format and tool results as user messages
