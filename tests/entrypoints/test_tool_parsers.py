@@ -1,7 +1,8 @@
 """Tool-call and reasoning parsers without a server: recorded model outputs parse to the expected calls,
 broken calls come back as content, every split of an output (at every UTF-8 byte, so inside a multi-byte
-character and inside the markers) streams exactly what the one-shot parse returns (hypothesis), and the
-grammars of forced calls accept what the parsers read and nothing else."""
+character and inside the markers) streams exactly what the one-shot parse returns (hypothesis), with the
+arguments of constrained calls streamed in pieces, and the grammars of forced calls accept what the
+parsers read and nothing else."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from xgrammar.testing import _is_grammar_accept_string
 
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
-from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCall
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCall, assemble
 from pagedllm.entrypoints.openai.tool_parsers.grammar import (
     after_reasoning,
     either_grammar,
@@ -101,34 +102,104 @@ def _stream(feed, finish, text: str, cuts: list[int]) -> list:
     return out
 
 
+# The same machine with stream_arguments (the output was generated under a grammar that admits only valid calls):
+# a hermes call is committed once its header reaches the arguments' `{`, and its arguments are the text the model
+# wrote, streamed as it grows. Broken calls a grammar cannot produce commit all the same; unknown names and headers
+# in another shape are held whole, as without a grammar.
+LONG_CITY = "Llanfair\\u00e9 \\\"pwll\\\" " + "Zürich 東京 😀 " * 12
+RECORDED_STREAMED = [
+    *[("hermes", text, content, calls) for parser, text, content, calls in RECORDED[:5] if parser == "hermes"
+      and "argum'" not in text[-7:]],
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n{"name": '
+               '"add", "arguments": {"a": 3',  # cut by max_tokens inside the arguments: a call with what was written
+     "", [call("add", a=1, b=2), ToolCall("add", '{"a": 3')]),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call> sorry',  # no grammar writes it
+     "sorry", [ToolCall("add", '{"a": 1,}')]),
+    ("hermes", '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', []),
+    ("hermes", '<tool_call>{"arguments": {"a": 1, "b": 2}, "name": "add"}</tool_call>', "", [call("add", a=1, b=2)]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + LONG_CITY + '", "unit": "celsius"}}\n'
+               '</tool_call>', "", [ToolCall("get_weather", '{"city": "' + LONG_CITY + '", "unit": "celsius"}')]),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": {"x": [1, "}]\\""]}, "b": 2}}\n</tool_call>', "",
+     [ToolCall("add", '{"a": {"x": [1, "}]\\""]}, "b": 2}')]),
+]
+CASES = [(False, *r) for r in RECORDED] + [(True, *r) for r in RECORDED_STREAMED]
+CASE_IDS = [f"{r[1]}-{'streamed' if r[0] else 'held'}-{i}" for i, r in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("stream,parser,text,content,calls", CASES[len(RECORDED):], ids=CASE_IDS[len(RECORDED):])
+def test_constrained_outputs_parse_to_their_calls(stream, parser, text, content, calls):
+    out = TOOL_PARSERS[parser](NAMES, stream_arguments=stream).parse(text)
+    assert (out.content, out.calls) == (content, calls)
+
+
 @st.composite
 def split_outputs(draw):
-    index = draw(st.integers(0, len(RECORDED) - 1))
-    parser, text = RECORDED[index][:2]
+    stream, parser, text = draw(st.sampled_from(CASES))[:3]
     size = len(text.encode())
     cuts = draw(st.lists(st.integers(0, size), max_size=size))
-    return parser, text, cuts
+    return stream, parser, text, cuts
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+def _check_deltas(deltas) -> None:
+    """Each call opens with its name before any of its arguments, and is named once."""
+    named: set[int] = set()
+    for d in deltas:
+        assert d.index in named or d.name is not None, d
+        assert d.name is None or d.index not in named, d
+        named.add(d.index)
+
+
+@settings(max_examples=600, deadline=None, derandomize=True, database=None)
 @given(split_outputs())
 def test_every_split_streams_what_the_whole_parse_returns(case):
-    parser_name, text, cuts = case
-    whole = TOOL_PARSERS[parser_name](NAMES).parse(text)
-    parser = TOOL_PARSERS[parser_name](NAMES)
+    stream, parser_name, text, cuts = case
+    whole = TOOL_PARSERS[parser_name](NAMES, stream_arguments=stream).parse(text)
+    parser = TOOL_PARSERS[parser_name](NAMES, stream_arguments=stream)
     pieces = _stream(parser.feed, parser.finish, text, cuts)
+    deltas = [c for p in pieces for c in p.calls]
+    _check_deltas(deltas)
     assert "".join(p.content for p in pieces) == whole.content
-    assert [c for p in pieces for c in p.calls] == whole.calls
+    assert assemble(deltas) == whole.calls  # the concatenated argument pieces are the one-shot arguments
 
 
-@pytest.mark.parametrize("parser,text,content,calls", RECORDED, ids=[f"{r[0]}-{i}" for i, r in enumerate(RECORDED)])
-def test_one_byte_at_a_time_and_every_single_cut(parser, text, content, calls):
+@pytest.mark.parametrize("stream,parser,text,content,calls", CASES, ids=CASE_IDS)
+def test_one_byte_at_a_time_and_every_single_cut(stream, parser, text, content, calls):
     """The exhaustive small cases beside hypothesis: every single cut, and every byte its own piece."""
     size = len(text.encode())
     for cuts in [[i] for i in range(size + 1)] + [list(range(size + 1))]:
-        p = TOOL_PARSERS[parser](NAMES)
+        p = TOOL_PARSERS[parser](NAMES, stream_arguments=stream)
         pieces = _stream(p.feed, p.finish, text, cuts)
-        assert ("".join(x.content for x in pieces), [c for x in pieces for c in x.calls]) == (content, calls), cuts
+        deltas = [c for x in pieces for c in x.calls]
+        _check_deltas(deltas)
+        assert ("".join(x.content for x in pieces), assemble(deltas)) == (content, calls), cuts
+
+
+def test_a_long_constrained_call_streams_its_arguments_in_pieces():
+    """Fed as a model writes (a few characters at a time), a long call sends its name first, then its arguments
+    as they grow, never a partial escape, never the wrapper's closing brace; held, it comes whole at the end."""
+    text = CASES[-2][2]
+    arguments = CASES[-2][4][0].arguments
+    for stream in (True, False):
+        parser = TOOL_PARSERS["hermes"](NAMES, stream_arguments=stream)
+        deltas = [d for i in range(0, len(text), 3) for d in parser.feed(text[i:i + 3]).calls]
+        deltas += parser.finish().calls
+        assert deltas[0].name == "get_weather" and deltas[0].arguments == ""
+        pieces = [d.arguments for d in deltas[1:]]
+        assert all(d.name is None for d in deltas[1:]) and json.loads("".join(pieces)) == json.loads(arguments)
+        if not stream:  # held, the arguments come whole, re-encoded (\u00e9 written as é)
+            assert len(pieces) == 1
+            continue
+        assert "".join(pieces) == arguments  # streamed, they are the model's own text
+        assert len(pieces) > 20, pieces
+        sent = ""
+        for piece in pieces:
+            sent += piece
+            tail = sent[len(sent.rstrip("0123456789abcdefABCDEF")) - 2:]
+            assert not sent.endswith("\\") or sent.endswith("\\\\"), sent  # no lone backslash at a piece's end
+            assert not tail.startswith("\\u") or len(sent) == len(arguments), sent
+        # the name went out before the arguments were complete: the first piece came with the header
+        assert len(pieces[0]) < len(arguments) // 4
 
 
 REASONING = [
@@ -151,28 +222,31 @@ def test_reasoning_is_split_from_the_answer_at_every_cut(name, text, reasoning, 
         assert ("".join(r for r, _ in pieces), "".join(a for _, a in pieces)) == (reasoning, answer), cuts
 
 
-def _plan(parser="hermes") -> ToolPlan:
+def _plan(parser="hermes", constrained=False) -> ToolPlan:
     tools = [ToolDefinition.model_validate({"type": "function", "function": {"name": n, "parameters": s}})
              for n, s in SCHEMAS.items()]
-    return ToolPlan(parser, tools, tools, None)
+    return ToolPlan(parser, tools, tools, None, constrained=constrained)
 
 
 @settings(max_examples=100, deadline=None, derandomize=True, database=None)
-@given(st.lists(st.integers(0, 200), max_size=30))
-def test_choice_parser_streams_reasoning_then_calls_as_openai_deltas(cuts):
+@given(st.lists(st.integers(0, 200), max_size=30), st.booleans())
+def test_choice_parser_streams_reasoning_then_calls_as_openai_deltas(cuts, constrained):
     text = ('<think>Weather first, in Zürich.</think>\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Zürich", "unit": "celsius"}}\n</tool_call>')
-    whole = ChoiceParser(_plan(), "qwen3").message(text)
+    whole = ChoiceParser(_plan(constrained=constrained), "qwen3").message(text)
     assert whole["reasoning_content"] == "Weather first, in Zürich." and whole["content"] is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == \
         [("get_weather", '{"city": "Zürich", "unit": "celsius"}')]
-    parser = ChoiceParser(_plan(), "qwen3")
+    parser = ChoiceParser(_plan(constrained=constrained), "qwen3")
     pieces = _stream(lambda t: parser.deltas(t, final=False), lambda: parser.deltas("", final=True), text, cuts)
     deltas = [d for p in pieces for d in p]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
     assert not any(d.get("content") for d in deltas)
     calls = [tc for d in deltas for tc in d.get("tool_calls", ())]
     assert calls[0]["id"].startswith("call_") and calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"} for tc in calls[1:])
+    if not constrained:
+        assert len(calls) == 2  # held: the name, then the arguments whole
     assert "".join(tc["function"]["arguments"] for tc in calls) == whole["tool_calls"][0]["function"]["arguments"]
     assert parser.finish_reason("stop") == "tool_calls" and parser.finish_reason("length") == "length"
 

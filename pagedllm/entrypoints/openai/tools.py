@@ -9,6 +9,11 @@ template, the grammar that forces a call, and the parsing of the answer.
                                           parallel_tool_calls is false)
     named         yes                     one call or more to that function            calls
 
+Streamed, a call's first delta carries its index, id, type and name, then its arguments follow in pieces:
+as the model writes them when the calls are grammar-constrained (every row above but auto in a format
+with no grammar), else whole once the call is complete (tool_parsers/base.py says why and what a client
+sees when the output ends inside a call).
+
 A template that takes no `tools` (SmolLM2's, for one) gets them the way Hermes-style models are
 prompted: a system message listing the tools' JSON schemas and the call format of the server's
 --tool-call-parser; earlier calls are written back in that format and tool results as user messages
@@ -119,6 +124,9 @@ class ToolPlan:
     """parallel_tool_calls: more than one call allowed."""
     opened_call_grammar: str | None = None
     """Under auto: EBNF of free text whose opened calls are constrained (None: the format has no marker)."""
+    constrained: bool = False
+    """The calls are generated under a grammar that admits only valid ones: the parser may stream their
+    arguments as they grow (tool_parsers/base.py). Set by prepare_tools with the grammar."""
 
     def auto_grammar(self, answer_format) -> str | None:
         """Under auto, the grammar to generate with: calls constrained once opened, or, with a response_format
@@ -167,10 +175,13 @@ def prepare_tools(request, parser_name: str, enable_auto: bool, reasoning_parser
     if plan is not None:
         if plan.grammar is not None:
             request.set_grammar(plan.grammar, forced_call=True)
+            plan.constrained = True
         elif plan.called:
             answer_format = request.structured_outputs_params()
             answer = _grammar_of(answer_format) if answer_format is not None else None
-            request.set_grammar(plan.auto_grammar(answer), forced_call=False)
+            grammar = plan.auto_grammar(answer)
+            request.set_grammar(grammar, forced_call=False)
+            plan.constrained = grammar is not None
         if plan.called and TOOL_PARSERS[plan.parser_name].needs_special_tokens:
             request.skip_special_tokens = False  # its markers ([TOOL_CALLS], <|python_tag|>) are special tokens
     if reasoning_parser is not None and (spec := request.structured_outputs_params()) is not None:
@@ -274,7 +285,7 @@ class ChoiceParser:
         self.reasoning: ReasoningParser | None = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.tools: ToolParser | None = None
         if plan is not None and plan.called:
-            self.tools = TOOL_PARSERS[plan.parser_name](t.function.name for t in plan.called)
+            self.tools = TOOL_PARSERS[plan.parser_name]((t.function.name for t in plan.called), plan.constrained)
         self.num_calls = 0
 
     def deltas(self, text: str, final: bool) -> list[dict]:
@@ -295,11 +306,13 @@ class ChoiceParser:
             parsed.extend(self.tools.finish())
         if parsed.content:
             out.append({"content": parsed.content})
-        for call in parsed.calls:
-            index, self.num_calls = self.num_calls, self.num_calls + 1
-            out.append({"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+        for call in parsed.calls:  # a call's first delta: id, type and name; then its arguments in pieces
+            if call.name is not None:
+                self.num_calls += 1
+                out.append({"tool_calls": [{"index": call.index, "id": new_call_id(), "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            if call.arguments:
+                out.append({"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]})
         return out
 
     def message(self, text: str) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ParsedDelta, ToolCall, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.base import CallDelta, Parsed, ParsedDelta, ToolCall, ToolParser, assemble
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.tail_formats import (
     Llama3JsonToolParser,
@@ -14,4 +14,4 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
 
-__all__ = ["TOOL_PARSERS", "ParsedDelta", "ToolCall", "ToolParser"]
+__all__ = ["TOOL_PARSERS", "CallDelta", "Parsed", "ParsedDelta", "ToolCall", "ToolParser", "assemble"]

@@ -5,7 +5,8 @@
     mistral      content [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
     pythonic     [f(a=1, b="x"), g()]   (Llama 3.2 / 4 style), only when the output opens with "["
 
-An output that opens a call block but does not parse is returned as content, whole.
+An output that opens a call block but does not parse is returned as content, whole. These formats emit
+each call whole even when the output is constrained (`stream_arguments` is accepted and not used yet).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser, arguments_
 class _TailParser(ToolParser):
     """Content until the call block starts, then the block is held to the end and parsed whole."""
 
-    def __init__(self, tool_names) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names, stream_arguments: bool = False) -> None:
+        super().__init__(tool_names, stream_arguments)
         self._block: str | None = None  # the held call block, once it started
 
     def _block_start(self) -> int | None:
@@ -66,8 +67,8 @@ class _OpensWith(_TailParser):
 
     openers: tuple[str, ...] = ()
 
-    def __init__(self, tool_names) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names, stream_arguments: bool = False) -> None:
+        super().__init__(tool_names, stream_arguments)
         self._is_content = False
 
     def _block_start(self) -> int | None:
