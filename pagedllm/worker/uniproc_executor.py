@@ -14,6 +14,15 @@ from pagedllm.worker.kv_cache_sizing import kv_cache_info, profile_num_kv_blocks
 from pagedllm.worker.model_runner import ModelRunner
 
 
+def make_lora_manager(model, config):
+    """The LoRA manager patching `model`'s linears with `config`'s slots; None when LoRA is off."""
+    if config is None:
+        return None
+    from pagedllm.lora.manager import LoRAManager
+
+    return LoRAManager(model, config.max_loras, config.max_lora_rank, config.num_cpu_loras)
+
+
 class UniprocExecutor(Executor):
     """The whole model in this process."""
 
@@ -57,6 +66,7 @@ class UniprocExecutor(Executor):
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             cuda_graphs=None if args.enforce_eager else scheduler_config, tokenizer=self.loaded.tokenizer, draft=draft,
+            lora=make_lora_manager(model, args.lora_config()),
         )
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec)
 
