@@ -218,7 +218,7 @@ class AsyncLLM:
             raise
         if self.metrics is not None:
             self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time,
-                                              request.priority)
+                                              request.priority, lora_request.lora_name if lora_request else None)
             if request.sampling_params.structured_outputs is not None:
                 self.metrics.record_grammar_stats(self.input_processor.grammar_stats())
         return request_stream

@@ -84,6 +84,12 @@ def test_adapters_and_base_mixed_concurrently_match_peft(setup):
     for (model, i), text in asyncio.run(everything()).items():
         assert text == references[model][i], (model, i)
     srv.wait_idle_without_leaks()
+    metrics = httpx.get(f"{srv.url}/metrics").text
+    for name in ("ad-r8", "ad-r4"):  # per-adapter counts; nothing left waiting or running
+        labels = f'lora_name="{name}",model_name="tiny"'
+        assert f"pagedllm_lora_requests_total{{{labels}}} {float(len(PROMPTS))}" in metrics, metrics
+        assert f"pagedllm_lora_requests_waiting{{{labels}}} 0.0" in metrics
+        assert f"pagedllm_lora_requests_running{{{labels}}} 0.0" in metrics
 
 
 def test_unknown_adapter_is_404_naming_it(setup):
