@@ -35,7 +35,7 @@ def _linear_parts(linear) -> list[int]:
         return [linear.q_size, linear.kv_size, linear.kv_size]
     if hasattr(linear, "output_sizes"):
         return [s // linear.tp_size for s in linear.output_sizes]
-    return [linear.weight.shape[0]]
+    return [linear.output_size]  # a row-parallel linear keeps every output (a quantized one's weight is empty)
 
 
 class LoRAManager:
@@ -47,8 +47,8 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         layers = model.model.layers
         self.num_layers = len(layers)
-        param = next(model.parameters())
-        dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+        embedding = model.model.embed_tokens.weight  # the activations' dtype and device
+        dtype, device = embedding.dtype, embedding.device
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for index, layer in enumerate(layers):
             for name in _NUM_PARTS:
@@ -57,7 +57,7 @@ class LoRAManager:
                     continue
                 linear.lora = self.slots[(index, name)] = LoRASlots(
                     linear.input_size_per_partition if hasattr(linear, "input_size_per_partition") else linear.input_size,
-                    _linear_parts(linear), max_loras, max_lora_rank, dtype, param.device)
+                    _linear_parts(linear), max_loras, max_lora_rank, dtype, device)
         self.cpu_cache: OrderedDict[int, LoRAWeights] = OrderedDict()
         """Read adapters by id, least recently used first."""
         self.slot_of: OrderedDict[int, int] = OrderedDict()
@@ -78,7 +78,7 @@ class LoRAManager:
             except LoRAError as error:
                 failed[lora_id] = error
                 continue
-            slot = self.free_slots.pop() if self.free_slots else self._evict_slot(keep=wanted)
+            slot = self.free_slots.pop(0) if self.free_slots else self._evict_slot(keep=wanted)
             self._fill(slot, weights)
             self.slot_of[lora_id] = slot
         return failed
