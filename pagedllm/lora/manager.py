@@ -1,5 +1,5 @@
 """The worker's adapters: read ones in a CPU LRU (max_cpu_loras), resident ones in the model's fixed slots
-(max_loras), and each step's rows grouped by slot.
+(max_loras), and each step's rows' slots (LoRAStep).
 
 The scheduler admits no more distinct adapters into the running set than there are slots
 (core/lora_admission.py), so ``activate`` always finds a slot: free, or held by an adapter this step does
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from pagedllm.lora.layers import LoRASlots, RowGroup
+from pagedllm.lora.layers import LoRASlots, LoRAStep
 from pagedllm.lora.peft import LoRAWeights, load_adapter
 from pagedllm.lora.request import LoRAError, LoRARequest
 
@@ -49,6 +49,7 @@ class LoRAManager:
         self.num_layers = len(layers)
         embedding = model.model.embed_tokens.weight  # the activations' dtype and device
         dtype, device = embedding.dtype, embedding.device
+        self.device = device
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for index, layer in enumerate(layers):
             for name in _NUM_PARTS:
@@ -94,10 +95,10 @@ class LoRAManager:
         kept.sort(key=lambda i: -1 if lora_requests[i] is None else self.slot_of[lora_requests[i].lora_int_id])
         return kept, failed
 
-    def step_row_groups(self, lora_requests: Sequence[LoRARequest | None], num_rows: Sequence[int]) -> list[RowGroup]:
-        """The (slot, start, end) row groups of a batch whose request i runs num_rows[i] rows (all resident)."""
-        return self.row_groups([(None if r is None else self.slot_of[r.lora_int_id], n)
-                                for r, n in zip(lora_requests, num_rows)])
+    def step_rows(self, lora_requests: Sequence[LoRARequest | None], num_rows: Sequence[int]) -> LoRAStep | None:
+        """The adapted rows of a batch whose request i runs num_rows[i] rows (its adapters resident); None when
+        every row is the base model's."""
+        return self.rows_of([None if r is None else self.slot_of[r.lora_int_id] for r in lora_requests], num_rows)
 
     def slot(self, lora_int_id: int) -> int:
         return self.slot_of[lora_int_id]
@@ -111,19 +112,16 @@ class LoRAManager:
                 slots.clear_slot(slot)
             self.free_slots.append(slot)
 
-    @staticmethod
-    def row_groups(slots_and_lengths: Sequence[tuple[int | None, int]]) -> list[RowGroup]:
-        """(slot or None, rows) per request in batch order -> (slot, start, end) groups, adjacent runs merged."""
-        groups: list[RowGroup] = []
-        start = 0
-        for slot, rows in slots_and_lengths:
-            if slot is not None:
-                if groups and groups[-1][0] == slot and groups[-1][2] == start:
-                    groups[-1] = (slot, groups[-1][1], start + rows)
-                else:
-                    groups.append((slot, start, start + rows))
-            start += rows
-        return groups
+    def rows_of(self, slots: Sequence[int | None], num_rows: Sequence[int]) -> LoRAStep | None:
+        """(slot or None per request, rows per request), in batch order -> the step's LoRAStep (None: no adapter).
+        Rows before the first adapted request are skipped; a base request after it gets slot -1 (no delta)."""
+        first = next((i for i, slot in enumerate(slots) if slot is not None), None)
+        if first is None:
+            return None
+        start = sum(num_rows[:first])
+        row_slots = [(-1 if slot is None else slot) for slot, n in zip(slots[first:], num_rows[first:])
+                     for _ in range(n)]
+        return LoRAStep(start, torch.tensor(row_slots, device=self.device), self.max_loras)
 
     def _read(self, request: LoRARequest) -> LoRAWeights:
         weights = self.cpu_cache.get(request.lora_int_id)

@@ -19,7 +19,7 @@ import torch
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.lora.layers import lora_row_groups
+from pagedllm.lora.layers import lora_step
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
@@ -254,12 +254,11 @@ class ModelRunner:
         """Forward, sample, and only then append the sampled tokens (so a failure changes nothing). The
         computed counts move on with the scheduler's next CachedRequestData."""
         input_ids, positions, metadata = self.prepare_inputs(states, num_scheduled)
-        lora_groups = () if self.lora is None else \
-            self.lora.step_row_groups([s.lora_request for s in states], num_scheduled)
-        if self.decode_graphs is not None and not lora_groups and self.decode_graphs.can_run(metadata):
+        lora_rows = None if self.lora is None else self.lora.step_rows([s.lora_request for s in states], num_scheduled)
+        if self.decode_graphs is not None and lora_rows is None and self.decode_graphs.can_run(metadata):
             hidden_states = self.decode_graphs.run(input_ids, positions, metadata)
         else:
-            with set_forward_context(metadata, self.kv_caches), lora_row_groups(lora_groups):
+            with set_forward_context(metadata, self.kv_caches), lora_step(lora_rows):
                 hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
 
         output = ModelRunnerOutput(sampled_token_ids={})

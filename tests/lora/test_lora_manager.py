@@ -45,9 +45,14 @@ def test_slots_are_reused_least_recently_used_first_and_the_cpu_cache_is_bounded
         manager.activate([loras[1], loras[2], loras[3]])
 
 
-def test_row_groups_merge_adjacent_rows_of_one_slot():
-    groups = LoRAManager.row_groups([(None, 3), (0, 2), (0, 1), (1, 4), (None, 1), (0, 2)])
-    assert groups == [(0, 3, 6), (1, 6, 10), (0, 11, 13)]
+def test_step_rows_skip_the_leading_base_rows_and_mark_later_ones(setup):
+    model, _ = setup
+    manager = LoRAManager(model, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    step = manager.rows_of([None, 0, 0, 1, None, 0], [3, 2, 1, 2, 1, 2])
+    assert step.start == 3
+    assert step.row_slots.tolist() == [0, 0, 0, 1, 1, -1, 0, 0]
+    assert step.mask(2, torch.float32).tolist()[3:6] == [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
+    assert manager.rows_of([None, None], [4, 1]) is None
 
 
 def test_peft_tensors_land_in_their_fused_parts(setup):
@@ -59,11 +64,13 @@ def test_peft_tensors_land_in_their_fused_parts(setup):
     a_q, b_q = weights[(1, "q_proj")]
     a_v, b_v = weights[(1, "v_proj")]
     q, kv = slots.part_sizes[0], slots.part_sizes[1]
-    assert slots.widths[0] == 3 * 4
-    torch.testing.assert_close(slots.a[0, 0:4], a_q, rtol=0, atol=0)
-    torch.testing.assert_close(slots.a[0, 8:12], a_v, rtol=0, atol=0)
-    assert not slots.a[0, 4:8].any() and not slots.b[0, 4:8].any()  # k is not targeted
-    torch.testing.assert_close(slots.b[0, 0:4, :q], b_q.t(), rtol=0, atol=0)
-    torch.testing.assert_close(slots.b[0, 8:12, q + kv:], b_v.t(), rtol=0, atol=0)
-    assert not slots.b[0, 0:4, q:].any() and not slots.b[0, 8:12, :q + kv].any()  # block-diagonal
-    assert manager.slots[(1, "mlp.gate_up_proj")].widths[0] == 0  # untargeted linears stay off
+    a, b = slots.slot_a(0), slots.slot_b(0)  # [in, 3*8], [3*8, out]: rank 4 uses columns 0-11
+    torch.testing.assert_close(a[:, 0:4], a_q.t(), rtol=0, atol=0)
+    torch.testing.assert_close(a[:, 8:12], a_v.t(), rtol=0, atol=0)
+    assert not a[:, 4:8].any() and not b[4:8].any()  # k is not targeted
+    assert not a[:, 12:].any() and not b[12:].any()  # beyond the rank
+    torch.testing.assert_close(b[0:4, :q], b_q.t(), rtol=0, atol=0)
+    torch.testing.assert_close(b[8:12, q + kv:], b_v.t(), rtol=0, atol=0)
+    assert not b[0:4, q:].any() and not b[8:12, :q + kv].any()  # block-diagonal
+    assert not slots.slot_a(1).any()  # the other slot is empty
+    assert not manager.slots[(1, "mlp.gate_up_proj")].slot_b(0).any()  # untargeted linears stay off
