@@ -100,18 +100,6 @@ class LoRAManager:
         every row is the base model's."""
         return self.rows_of([None if r is None else self.slot_of[r.lora_int_id] for r in lora_requests], num_rows)
 
-    def slot(self, lora_int_id: int) -> int:
-        return self.slot_of[lora_int_id]
-
-    def remove(self, lora_int_id: int) -> None:
-        """Forget an adapter (unloaded): its slot is free, its weights are dropped."""
-        self.cpu_cache.pop(lora_int_id, None)
-        slot = self.slot_of.pop(lora_int_id, None)
-        if slot is not None:
-            for slots in self.slots.values():
-                slots.clear_slot(slot)
-            self.free_slots.append(slot)
-
     def rows_of(self, slots: Sequence[int | None], num_rows: Sequence[int]) -> LoRAStep | None:
         """(slot or None per request, rows per request), in batch order -> the step's LoRAStep (None: no adapter).
         Rows before the first adapted request are skipped; a base request after it gets slot -1 (no delta)."""
