@@ -10,12 +10,14 @@ import os
 # of a step unless the process is contended (csrc/thread_pool.cpp).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
+           "__version__"]
 
 
 def __getattr__(name: str):

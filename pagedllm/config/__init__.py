@@ -14,6 +14,7 @@ from pagedllm.config.runtime import (
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     CacheConfig,
+    LoRAConfig,
     ParallelConfig,
     RequestLimits,
     SchedulerConfig,
@@ -24,7 +25,7 @@ from pagedllm.config.runtime import (
 __all__ = [
     "ATTENTION_BACKENDS", "DEFAULT_MAX_MODEL_LEN_CAP", "DISTRIBUTED_SECRET_ENV", "DTYPES", "EXECUTOR_BACKENDS",
     "KV_CACHE_DTYPES", "MIN_SECRET_CHARS", "PREEMPTION_MODES", "ROUTINGS", "SCHEDULING_POLICIES",
-    "SPECULATIVE_METHODS", "CacheConfig", "EngineArgs", "ParallelConfig", "RequestLimits", "SchedulerConfig",
+    "SPECULATIVE_METHODS", "CacheConfig", "EngineArgs", "LoRAConfig", "ParallelConfig", "RequestLimits", "SchedulerConfig",
     "SpeculativeConfig", "add_flags", "check_choices", "field_docs", "flag", "parse_memory_size",
     "parse_speculative_config", "setting",
 ]

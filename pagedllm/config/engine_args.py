@@ -17,6 +17,7 @@ from pagedllm import envs
 from pagedllm.config.flags import add_flags, check_choices, flag, parse_memory_size
 from pagedllm.config.runtime import (
     CacheConfig,
+    LoRAConfig,
     ParallelConfig,
     RequestLimits,
     SchedulerConfig,
@@ -28,6 +29,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _TP, _DP, _LIMITS, _DEVICE = "tensor parallelism", "data parallelism", "request limits", "device"
+_LORA = "LoRA adapters"
 
 
 def setting(config_cls, name: str, *, aliases: tuple[str, ...] = (), group: str | None = None,
@@ -107,6 +109,11 @@ class EngineArgs:
     max_sequences_per_request: int = setting(RequestLimits, "max_sequences_per_request", group=_LIMITS)
     max_prompt_logprobs_positions: int = setting(RequestLimits, "max_prompt_logprobs_positions", group=_LIMITS)
 
+    enable_lora: bool = setting(LoRAConfig, "enable_lora", group=_LORA)
+    max_loras: int = setting(LoRAConfig, "max_loras", group=_LORA)
+    max_lora_rank: int = setting(LoRAConfig, "max_lora_rank", group=_LORA)
+    max_cpu_loras: int | None = setting(LoRAConfig, "max_cpu_loras", group=_LORA)
+
     def __post_init__(self) -> None:
         # Each runtime config validates its own fields: build each once, so a bad value is refused now.
         self.cache_config()
@@ -114,6 +121,9 @@ class EngineArgs:
         self.parallel_config()
         self.request_limits()
         self.speculative()
+        lora = self.lora_config()
+        if lora is not None and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
         # The fields no runtime config owns (they choose the model, its device and kernels).
         check_choices(self)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -149,6 +159,11 @@ class EngineArgs:
 
     def request_limits(self) -> RequestLimits:
         return self._config(RequestLimits)
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The validated LoRA config; None when enable_lora is off."""
+        config = self._config(LoRAConfig)
+        return config if config.enable_lora else None
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative-decoding config; None when off."""

@@ -230,6 +230,32 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (pagedllm/lora/): requests may name a PEFT LoRA adapter of the base model."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters: a request may name one (offline: lora_request; server: its model field)."""
+    max_loras: int = 1
+    """Adapters resident at once, hence most distinct adapters in one step (the others wait)."""
+    max_lora_rank: int = 16
+    """Highest adapter rank accepted (the slots' width)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept read in host memory, least recently used dropped first; default max_loras."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class RequestLimits:
     """How much one request may ask for; the front end refuses more with an InvalidRequestError naming
     the limit (HTTP 400). They bound what one request can cost its neighbours per step."""

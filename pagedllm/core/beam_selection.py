@@ -224,7 +224,7 @@ class BeamGroup:
         """The prompt as the group's only beam (the scheduler computes it like any prompt)."""
         req = self.request
         beam = Request(self.new_beam_id(), list(req.prompt_token_ids), self.row_params, frozenset(req.eos_token_ids),
-                       req.max_tokens, req.arrival_time, req.cache_salt, priority=req.priority,
+                       req.max_tokens, req.arrival_time, req.cache_salt, priority=req.priority, lora_request=req.lora_request,
                        beam_group_id=self.req_id)
         self.beam_req_ids = [beam.req_id]
         return beam

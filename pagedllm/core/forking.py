@@ -80,7 +80,7 @@ class Forker:
         """
         assert parent.status == RequestStatus.RUNNING and parent.num_computed_tokens == parent.num_tokens - 1
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids,
-                        parent.max_tokens, parent.arrival_time, parent.cache_salt, parent.priority,
+                        parent.max_tokens, parent.arrival_time, parent.cache_salt, parent.priority, parent.lora_request,
                         stop_token_id_set=parent.stop_token_id_set, beam_group_id=parent.beam_group_id)
         child.output_token_ids = parent.output_token_ids[:-1] + [last_token_id]
         child.all_token_ids = child.prompt_token_ids + child.output_token_ids

@@ -343,6 +343,8 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         extra_keys = (request.cache_salt,) if request.cache_salt is not None else ()
+        if request.lora_request is not None:  # an adapter's KV differs from the base's and every other adapter's
+            extra_keys += (request.lora_request.cache_key,)
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra_keys)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:

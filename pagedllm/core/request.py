@@ -8,6 +8,7 @@ from collections.abc import Collection
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class EngineCoreRequest(msgspec.Struct):
     """Extra prefix-cache key: requests with different salts share no cached blocks."""
     priority: int = 0
     """With the 'priority' scheduling policy: lower runs sooner (ties by arrival). Must be 0 under 'fcfs'."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter to generate with; None = the base model. Also a prefix-cache key."""
 
     def sequence_req_ids(self) -> list[str]:
         """The core request id of each sequence: `req_id`, or `req_id#i` for n > 1 / best_of.
@@ -119,7 +122,8 @@ class Request(EngineCoreRequest, eq=False):
         stop_set = frozenset(params.stop_token_ids)
         return [
             cls(seq_id, prompt, params if len(seq_ids) == 1 else params.for_sequence(index),
-                eos, req.max_tokens, req.arrival_time, req.cache_salt, req.priority, stop_token_id_set=stop_set)
+                eos, req.max_tokens, req.arrival_time, req.cache_salt, req.priority, req.lora_request,
+                stop_token_id_set=stop_set)
             for index, seq_id in enumerate(seq_ids)
         ]
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,8 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
     """Parallel samples to draw from this request's first sampling logits, one row each."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request generates with; None = the base model."""
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int], fork_children: Iterable[Request]) -> NewRequestData:
@@ -31,7 +34,7 @@ class NewRequestData:
         the value before this step's tokens are added."""
         return cls(request.req_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
                    block_ids, request.num_computed_tokens, request.eos_token_ids,
-                   [(c.req_id, c.sampling_params) for c in fork_children])
+                   [(c.req_id, c.sampling_params) for c in fork_children], request.lora_request)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ The rest it asks of collaborators, which answer and never call back:
     beam_gang          core/beam_gang.py      a beam group's beams scheduled as one, or not at all
     SpecDecoder        core/spec_planner.py   speculative proposals: plan before the step, settle after
     Forker             core/forking.py        parallel samples and beam candidates sharing blocks
+    LoRASlotLimit      core/lora_admission.py at most max_loras distinct adapters running (the head waits)
     KV cache manager   core/kv_cache_interface.py  blocks, through KVCacheManagerProtocol only
 """
 
@@ -27,6 +28,7 @@ from pagedllm.core.beam_gang import (admit_beam_group, allocate_running_group, b
                                      beam_group_token_counts, group_block_bound)
 from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
+from pagedllm.core.lora_admission import LoRASlotLimit
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import SchedulingPolicy, WaitingQueue, make_waiting_queue
 from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
@@ -41,7 +43,8 @@ class Scheduler:
     priority, the worst-ranked) request when blocks run out."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol,
-                 preemption_mode: str = "recompute", speculative_config: SpeculativeConfig | None = None) -> None:
+                 preemption_mode: str = "recompute", speculative_config: SpeculativeConfig | None = None,
+                 max_loras: int | None = None) -> None:
         assert preemption_mode in ("recompute", "swap"), f"CacheConfig validates preemption_mode, got {preemption_mode!r}"
         self.preemption_mode = preemption_mode
         self.config = config
@@ -63,6 +66,8 @@ class Scheduler:
         next CachedRequestData."""
         self.spec = SpecDecoder(speculative_config) if speculative_config is not None else None
         """Speculative decoding (core/spec_planner.py); None when off."""
+        self.lora_limit = LoRASlotLimit(max_loras) if max_loras is not None else None
+        """At most max_loras distinct adapters running (core/lora_admission.py); None when LoRA is off."""
 
     # --- admission -------------------------------------------------------------------
 
@@ -170,6 +175,8 @@ class Scheduler:
             num_seqs = len(members) + len(self.forks.samples_of(head))
             if len(self.running) + num_seqs > self.config.max_num_seqs:
                 break
+            if self.lora_limit is not None and not self.lora_limit.admits(head, self.running):
+                break  # strict order: the head waits for an adapter slot, nobody overtakes it
             if head.beam_group_id is not None:
                 admitted = admit_beam_group(self.kv, members, step.token_budget, headroom.num_blocks)
             else:

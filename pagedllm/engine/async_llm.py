@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pagedllm.config import EngineArgs, RequestLimits
+from pagedllm.config import EngineArgs, LoRAConfig, RequestLimits
 from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.dp_client import ReplicaLostMsg
 from pagedllm.engine.frontend import FrontendCore
@@ -36,6 +36,7 @@ from pagedllm.engine.protocol import (
     RequestRejectedMsg,
 )
 from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import ServerMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -138,7 +139,8 @@ class AsyncLLM:
     """Serve many concurrent requests from one event loop. Build it with `await AsyncLLM.start(args)`."""
 
     def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None,
-                 num_threads: int = 4, limits: RequestLimits | None = None, scheduling_policy: str = "fcfs") -> None:
+                 num_threads: int = 4, limits: RequestLimits | None = None, scheduling_policy: str = "fcfs",
+                 lora_config: LoRAConfig | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_path = ready.model_path
@@ -148,7 +150,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
         self.frontend = FrontendCore(client, tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids,
-                                     limits, scheduling_policy)
+                                     limits, scheduling_policy, lora_config)
         self.metrics = metrics
         self.latest_stats: EngineStatsMsg | None = None
         self.dead_error: EngineDeadError | None = None
@@ -179,7 +181,7 @@ class AsyncLLM:
             client.shutdown()
             raise
         return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits(),
-                   engine_args.scheduling_policy)
+                   engine_args.scheduling_policy, engine_args.lora_config())
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -193,7 +195,8 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          cache_salt: str | None = None, stream: bool = True, priority: int = 0) -> RequestStream:
+                          cache_salt: str | None = None, stream: bool = True, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, tokenize (off the event loop) and queue a request; iterate the returned stream.
 
         Raises InvalidRequestError (nothing queued) for a request that can never be served, and
@@ -208,7 +211,7 @@ class AsyncLLM:
         self._streams[request_id] = request_stream  # holds the id (and counts as waiting) while tokenizing
         try:
             text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
-                                                    cache_salt, priority)
+                                                    cache_salt, priority, lora_request)
             self._check_alive()
             if request_stream.error is not None:  # aborted (e.g. by a shutdown) while tokenizing
                 raise request_stream.error
@@ -218,7 +221,7 @@ class AsyncLLM:
             raise
         if self.metrics is not None:
             self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time,
-                                              request.priority)
+                                              request.priority, lora_request.lora_name if lora_request else None)
             if request.sampling_params.structured_outputs is not None:
                 self.metrics.record_grammar_stats(self.input_processor.grammar_stats())
         return request_stream

@@ -54,7 +54,8 @@ class EngineCore:
             executor.shutdown()  # tensor-parallel workers may already be running
             raise
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode,
-                                   speculative_config=engine_args.speculative())
+                                   speculative_config=engine_args.speculative(),
+                                   max_loras=lora.max_loras if (lora := engine_args.lora_config()) else None)
         self.beams = BeamGroups(self.scheduler_config, self.kv_cache_manager.num_blocks,
                                 self.kv_cache_manager.num_blocks_for_tokens)
         """Beam-search requests: stepped after each step from their beams' top logprobs; they decide,

@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from pagedllm.config import RequestLimits
+from pagedllm.config import LoRAConfig, RequestLimits
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,22 +37,23 @@ class FrontendCore:
 
     def __init__(self, core: CoreInput, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: Sequence[int], limits: RequestLimits | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", lora_config: LoRAConfig | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids, limits,
-                                              scheduling_policy)
+                                              scheduling_policy, lora_config)
         self.output_processor = OutputProcessor(tokenizer)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    cache_salt: str | None = None, stream: bool = False, priority: int = 0) -> EngineCoreRequest:
+                    cache_salt: str | None = None, stream: bool = False, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         """Validate, tokenize, register and send a request to the core; returns what was sent.
 
         Raises InvalidRequestError (nothing registered, nothing sent) if the request is malformed
         or its id is taken. If the core refuses it at once (in-process: it can never fit the KV
         cache), the request is unregistered and the error propagates.
         """
-        text, request = self.input_processor.process(request_id, prompt, params, cache_salt, priority)
+        text, request = self.input_processor.process(request_id, prompt, params, cache_salt, priority, lora_request)
         self.submit(request, text, stream)
         return request
 

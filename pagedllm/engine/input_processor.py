@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-from pagedllm.config import RequestLimits
+from pagedllm.config import LoRAConfig, RequestLimits
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora.peft import read_adapter_config
+from pagedllm.lora.request import LoRAError, LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
@@ -23,8 +25,14 @@ class InputProcessor:
     """Turns (request id, prompt, params) into a complete EngineCoreRequest, or InvalidRequestError."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
-                 limits: RequestLimits | None = None, scheduling_policy: str = "fcfs") -> None:
+                 limits: RequestLimits | None = None, scheduling_policy: str = "fcfs",
+                 lora_config: LoRAConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.lora_config = lora_config
+        """Adapters a request may name (None: LoRA is off, a lora_request is refused)."""
+        self._checked_loras: dict[LoRARequest, None] = {}
+        self._lora_ids: dict[int, LoRARequest] = {}
+        """Each adapter id's request, as first checked: one id never names two adapters."""
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -57,7 +65,8 @@ class InputProcessor:
         return self.tokenizer.encode(text)
 
     def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
-                cache_salt: str | None = None, priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+                cache_salt: str | None = None, priority: int = 0,
+                lora_request: LoRARequest | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize; returns (prompt text if any, the request for the core).
 
         Raises InvalidRequestError naming what is wrong. With n > 1 the one request stands for
@@ -68,6 +77,7 @@ class InputProcessor:
         self.check_limits(params)
         self.check_priority(priority)
         self.check_structured_outputs(params)
+        self.check_lora(lora_request)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
@@ -103,7 +113,30 @@ class InputProcessor:
             max_tokens=max_tokens,
             cache_salt=cache_salt,
             priority=priority,
+            lora_request=lora_request,
         )
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse an adapter this engine cannot serve (LoRAError naming why); its config is read once."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise LoRAError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if lora_request in self._checked_loras:
+            return
+        if self.lora_config is None:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} was asked for, but LoRA is not enabled; "
+                            f"start the engine with enable_lora (--enable-lora)")
+        known = self._lora_ids.get(lora_request.lora_int_id)
+        if known is not None and known != lora_request:
+            raise LoRAError(f"lora_int_id {lora_request.lora_int_id} already names adapter {known.lora_name!r} at "
+                            f"{known.lora_path!r}; give {lora_request.lora_name!r} another id")
+        if not isinstance(lora_request.lora_int_id, int) or lora_request.lora_int_id < 1:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r}: lora_int_id must be an integer >= 1, "
+                            f"got {lora_request.lora_int_id!r}")
+        read_adapter_config(lora_request.lora_path, self.lora_config.max_lora_rank)
+        self._checked_loras[lora_request] = None
+        self._lora_ids[lora_request.lora_int_id] = lora_request
 
     def check_limits(self, params: SamplingParams, num_prompts: int = 1) -> None:
         """Refuse params beyond the engine's RequestLimits, naming the limit (InvalidRequestError).

@@ -15,6 +15,7 @@ from pagedllm.engine.frontend import FrontendCore
 from pagedllm.engine.generation_defaults import read_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineStatsMsg
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.interface import eos_token_ids_of
@@ -37,7 +38,8 @@ class LLMEngine:
         self.frontend = FrontendCore(self.core, self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                      eos_token_ids_of(self.hf_config, self.tokenizer),
                                      limits=self.engine_args.request_limits(),
-                                     scheduling_policy=self.engine_args.scheduling_policy)
+                                     scheduling_policy=self.engine_args.scheduling_policy,
+                                     lora_config=self.engine_args.lora_config())
         self.generation_defaults = read_generation_defaults(loaded.model_path)
         """Sampling fields of the model's generation_config.json: the defaults of a request given no params."""
 
@@ -51,12 +53,13 @@ class LLMEngine:
         return self.frontend.input_processor
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    cache_salt: str | None = None, stream: bool = False, priority: int = 0) -> None:
+                    cache_salt: str | None = None, stream: bool = False, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (nothing queued) if it is malformed or cannot fit.
 
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise)."""
         self.frontend.add_request(request_id, prompt, params if params is not None else self.default_sampling_params(),
-                                  cache_salt, stream, priority)
+                                  cache_salt, stream, priority, lora_request)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of the requests it touched."""

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -53,10 +54,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         `priority`: one integer per prompt, lower runs sooner (needs scheduling_policy='priority').
+        `lora_request`: the LoRA adapter to generate with (needs enable_lora), one for all prompts or one
+        per prompt (None: the base model).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -74,7 +78,10 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
-        return self._run(prompts, params_list, use_tqdm, priorities)
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
+        return self._run(prompts, params_list, use_tqdm, priorities, loras)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams | Sequence[BeamSearchParams]):
@@ -115,12 +122,13 @@ class LLM:
         return list(ids)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
-             priorities: list[int] | None = None) -> list[RequestOutput]:
+             priorities: list[int] | None = None, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         request_ids = []
         try:
-            for prompt, params, priority in zip(prompts, params_list, priorities or [0] * len(prompts)):
+            for prompt, params, priority, lora in zip(prompts, params_list, priorities or [0] * len(prompts),
+                                                      loras or [None] * len(prompts)):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, prompt, params, priority=priority)
+                self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)

@@ -37,6 +37,8 @@ class _RequestTiming:
     arrival_time: float
     last_token_time: float | None = None
     priority: int = 0
+    lora_name: str | None = None
+    admitted: bool = False
 
 
 class ServerMetrics:
@@ -115,6 +117,13 @@ class ServerMetrics:
         self._last_stats: EngineStatsMsg | None = None
         self._init_replica_metrics()
         self._timings: dict[str, _RequestTiming] = {}
+        lora_labels = ["model_name", "lora_name"]
+        self.lora_requests = Counter("pagedllm_lora_requests", "Requests accepted, by LoRA adapter",
+                                     labelnames=lora_labels, registry=r)
+        self.lora_waiting = Gauge("pagedllm_lora_requests_waiting", "Requests not yet admitted by the scheduler, by "
+                                  "LoRA adapter", labelnames=lora_labels, registry=r)
+        self.lora_running = Gauge("pagedllm_lora_requests_running", "Admitted requests not finished, by LoRA adapter",
+                                  labelnames=lora_labels, registry=r)
 
     # --- engine core ----------------------------------------------------------------------
 
@@ -227,15 +236,19 @@ class ServerMetrics:
     # --- requests -----------------------------------------------------------------------
 
     def record_request_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float,
-                             priority: int = 0) -> None:
+                             priority: int = 0, lora_name: str | None = None) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
-        self._timings[request_id] = _RequestTiming(arrival_time, priority=priority)
+        self._timings[request_id] = _RequestTiming(arrival_time, priority=priority, lora_name=lora_name)
+        if lora_name is not None:
+            self.lora_requests.labels(self._model_name, lora_name).inc()
+            self.lora_waiting.labels(self._model_name, lora_name).inc()
 
     def record_queue_time(self, request_id: str, queue_time: float) -> None:
         """The core admitted this request `queue_time` seconds after it arrived (observed once per request)."""
         timing = self._timings.get(request_id)
         if timing is None:
             return
+        self._lora_admitted(timing)
         label = str(timing.priority)
         if label not in self._priority_labels:
             if len(self._priority_labels) >= MAX_PRIORITY_LABELS:
@@ -263,9 +276,18 @@ class ServerMetrics:
         timing = self._timings.pop(request_id, None)
         if timing is None:
             return
+        if timing.lora_name is not None:
+            gauge = self.lora_running if timing.admitted else self.lora_waiting
+            gauge.labels(self._model_name, timing.lora_name).dec()
         self.request_success.labels(self._model_name, finish_reason or "abort").inc()
         if finish_reason != "abort":
             self.e2e_latency.observe(now - timing.arrival_time)
+
+    def _lora_admitted(self, timing: _RequestTiming) -> None:
+        if timing.lora_name is not None and not timing.admitted:
+            self.lora_waiting.labels(self._model_name, timing.lora_name).dec()
+            self.lora_running.labels(self._model_name, timing.lora_name).inc()
+        timing.admitted = True
 
     def record_grammar_stats(self, totals: tuple[int, int, int]) -> None:
         """(structured requests, grammar-cache hits, misses), cumulative (InputProcessor.grammar_stats):

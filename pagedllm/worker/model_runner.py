@@ -19,6 +19,8 @@ import torch
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.lora.layers import lora_step
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.forward_context import set_forward_context
@@ -47,6 +49,8 @@ class RunnerRequestState:
     tensors: RequestTensors | None = None
     """logit_bias and min_tokens ids as tensors, shared with the request's other sequences (None: built
     per step, for states made outside the runner)."""
+    lora_request: LoRARequest | None = None
+    """The adapter this request generates with (None: the base model)."""
 
 
 class InputRow(Protocol):
@@ -72,7 +76,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int, *,
                  num_host_blocks: int, device: torch.device | str, seed: int, attention_backend: str,
-                 cuda_graphs: SchedulerConfig | None, tokenizer=None, draft=None) -> None:
+                 cuda_graphs: SchedulerConfig | None, tokenizer=None, draft=None, lora=None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
@@ -85,6 +89,8 @@ class ModelRunner:
             self.host_kv_caches = [cache.pin_memory() for cache in self.host_kv_caches]
         self.attn_backend = make_attention_backend(attention_backend, self.device)
         set_attention_backend(model, self.attn_backend)
+        self.lora = lora
+        """The LoRA adapters' manager (pagedllm/lora/manager.py) when LoRA is enabled; None otherwise."""
         self.draft = draft
         """The draft model's proposer (worker/draft_proposer.py) for speculative 'draft_model'; None otherwise."""
         # Block copies and swaps move the draft's KV with the target's: its cache shares the block ids.
@@ -134,6 +140,7 @@ class ModelRunner:
                 eos_token_ids=eos_token_ids,
                 fork_children=list(new.fork_children),
                 tensors=self.request_tensors.acquire(new.sampling_params, eos_token_ids),
+                lora_request=new.lora_request,
             )
             self._ensure_generator(new.req_id, new.sampling_params)
             for child_id, child_params in new.fork_children:
@@ -209,7 +216,14 @@ class ModelRunner:
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
-        output = self._execute_isolating_failures(states, num_scheduled)
+        lora_failed = {}
+        if self.lora is not None:  # adapters resident, each adapter's rows side by side (one GEMM pair each)
+            order, failed = self.lora.prepare_step([s.lora_request for s in states])
+            lora_failed = {states[i].req_id: error for i, error in failed.items()}
+            states, num_scheduled = [states[i] for i in order], [num_scheduled[i] for i in order]
+        output = self._execute_isolating_failures(states, num_scheduled) if states else \
+            ModelRunnerOutput(sampled_token_ids={})
+        output.failed.update(lora_failed)
         if sched.num_draft_tokens:  # the scheduler counts acceptance against what was scored
             output.spec_token_ids = {r: self._spec_tokens[r] for r in sched.num_draft_tokens}
         return output
@@ -240,10 +254,11 @@ class ModelRunner:
         """Forward, sample, and only then append the sampled tokens (so a failure changes nothing). The
         computed counts move on with the scheduler's next CachedRequestData."""
         input_ids, positions, metadata = self.prepare_inputs(states, num_scheduled)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
+        lora_rows = None if self.lora is None else self.lora.step_rows([s.lora_request for s in states], num_scheduled)
+        if self.decode_graphs is not None and lora_rows is None and self.decode_graphs.can_run(metadata):
             hidden_states = self.decode_graphs.run(input_ids, positions, metadata)
         else:
-            with set_forward_context(metadata, self.kv_caches):
+            with set_forward_context(metadata, self.kv_caches), lora_step(lora_rows):
                 hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
 
         output = ModelRunnerOutput(sampled_token_ids={})

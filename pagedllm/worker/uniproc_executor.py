@@ -14,6 +14,15 @@ from pagedllm.worker.kv_cache_sizing import kv_cache_info, profile_num_kv_blocks
 from pagedllm.worker.model_runner import ModelRunner
 
 
+def make_lora_manager(model, config):
+    """The LoRA manager patching `model`'s linears with `config`'s slots; None when LoRA is off."""
+    if config is None:
+        return None
+    from pagedllm.lora.manager import LoRAManager
+
+    return LoRAManager(model, config.max_loras, config.max_lora_rank, config.num_cpu_loras)
+
+
 class UniprocExecutor(Executor):
     """The whole model in this process."""
 
@@ -26,6 +35,8 @@ class UniprocExecutor(Executor):
         self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device),
                                  gguf_dequantize=engine_args.gguf_dequantize)
         self.model_info = ModelInfo.from_loaded(self.loaded)
+        self.lora = make_lora_manager(self.loaded.model, engine_args.lora_config())
+        """The LoRA adapters' slots, made before CUDA profiling so the KV cache leaves room for them."""
         speculative = engine_args.speculative()
         self.draft_loaded = None
         """The draft model of speculative 'draft_model' (loaded before CUDA profiling counts the weights)."""
@@ -57,6 +68,7 @@ class UniprocExecutor(Executor):
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             cuda_graphs=None if args.enforce_eager else scheduler_config, tokenizer=self.loaded.tokenizer, draft=draft,
+            lora=self.lora,
         )
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec)
 

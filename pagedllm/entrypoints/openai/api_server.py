@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.tools import ToolPlan
+from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes, parse_lora_module
 from pagedllm.errors import EngineDeadError, PagedLLMError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
@@ -102,7 +103,14 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
             {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": name,
              "max_model_len": engine.max_model_len}
             for name in ctx.served_model_names
+        ] + [  # LoRA adapters: "parent" is the base model
+            {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": name,
+             "parent": ctx.model_name, "max_model_len": engine.max_model_len}
+            for name in (ctx.loras.adapters if ctx.loras is not None else ())
         ]}
+
+    if ctx.loras is not None and config.allow_runtime_lora_updating:
+        add_lora_routes(app, ctx.loras, ctx.served_model_names, body)
 
     @app.get("/health")
     async def health():
@@ -178,6 +186,20 @@ def default_served_model_name(engine_args: EngineArgs) -> str:
     return Path(engine_args.model).expanduser().name or engine_args.model
 
 
+def lora_registry(engine_args: EngineArgs, config: ServerConfig, engine: AsyncLLM,
+                  names: list[str]) -> LoRARegistry | None:
+    """The served adapters (--lora-modules, each checked now: a LoRAError stops the server); None without
+    --enable-lora."""
+    if not engine_args.enable_lora:
+        if config.lora_modules or config.allow_runtime_lora_updating:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+        return None
+    registry = LoRARegistry(engine.input_processor.check_lora)
+    for spec in config.lora_modules:
+        registry.add(*parse_lora_module(spec), names)
+    return registry
+
+
 def _ignore_signal(signum, frame) -> None:
     logger.info("received signal %d; shutting down", signum)
 
@@ -203,7 +225,8 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_man
             logger.warning("no API key set: /v1/*, /tokenize and /detokenize are open to anyone who can reach %s",
                            config.host)
         lifecycle = Lifecycle()
-        app = build_app(ServingContext(engine, names, config, metrics), config, metrics, lifecycle)
+        loras = lora_registry(engine_args, config, engine, names)
+        app = build_app(ServingContext(engine, names, config, metrics, loras), config, metrics, lifecycle)
         uvicorn_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
             lifespan="off", http=h11_protocol_with_header_timeout(config.timeout_request_header),

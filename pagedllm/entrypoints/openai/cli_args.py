@@ -73,6 +73,10 @@ class ServerConfig:
     """Allow tool_choice "auto" (the model decides whether to call a tool, parsed from its text)."""
     reasoning_parser: Optional[str] = flag(None, choices=_REASONING_PARSERS, group="tools")
     """Split <think>...</think> reasoning into message.reasoning_content."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served as models, name=path each (flag: --lora-modules, repeatable; needs --enable-lora)."""
+    allow_runtime_lora_updating: bool = flag(False, group="LoRA adapters")
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key when keys are set)."""
     log_level: str = dataclasses.field(default="INFO", metadata={"cli": False})
     """Set by the top-level --log-level."""
 
@@ -114,6 +118,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "repeatable or comma-separated; default none)")
     serve.add_argument("--served-model-name", dest="served_model_names", action="append", default=None,
                        help="a name clients use for the model (repeatable; the first is reported)")
+    serve.add_argument("--lora-modules", dest="lora_modules", action="append", default=None, metavar="NAME=PATH",
+                       help="a PEFT LoRA adapter served as the model NAME (repeatable; needs --enable-lora)")
     EngineArgs.add_cli_args(serve)
 
 
@@ -129,6 +135,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
     flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     server_config = ServerConfig(**{**flagged, "api_keys": tuple(api_keys),
                                     "served_model_names": tuple(args.served_model_names or ()),
+                                    "lora_modules": tuple(args.lora_modules or ()),
                                     "allowed_origins": tuple(o.strip() for arg in (args.allowed_origins or ())
                                                              for o in arg.split(","))})
     return EngineArgs.from_cli_args(args), server_config

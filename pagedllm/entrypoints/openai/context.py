@@ -13,6 +13,8 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import request_api_key, tenant_cache_salt
 from pagedllm.entrypoints.openai.cli_args import ServerConfig
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.serving_lora import LoRARegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import ServerMetrics
 
 
@@ -24,6 +26,8 @@ class ServingContext:
     served_model_names: list[str]
     config: ServerConfig
     metrics: ServerMetrics | None = None
+    loras: LoRARegistry | None = None
+    """The LoRA adapters a request's model may name (serving_lora.py); None when LoRA is off."""
 
     @property
     def model_name(self) -> str:
@@ -40,8 +44,15 @@ class ServingContext:
         """The model name to answer with; 404 for a model this server does not serve."""
         if requested is None or requested in self.served_model_names:
             return requested or self.model_name
+        if self.loras is not None and requested in self.loras.adapters:
+            return requested
+        served = [*self.served_model_names, *(self.loras.adapters if self.loras is not None else ())]
         raise APIError(404, f"the model {requested!r} does not exist; this server serves "
-                            f"{', '.join(map(repr, self.served_model_names))}", param="model", code="model_not_found")
+                            f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a (checked) model name stands for; None for the base model."""
+        return self.loras.adapters.get(model) if self.loras is not None else None
 
     def cache_salt(self, raw_request: Request, request_salt: str | None) -> str | None:
         return tenant_cache_salt(request_api_key(raw_request), request_salt, self.config.share_prefix_cache_across_keys)

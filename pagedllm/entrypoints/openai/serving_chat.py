@@ -86,7 +86,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                             f"leaves of max_model_len ({engine.max_model_len})", param="min_tokens")
     request_id = new_id("chatcmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
-    streams = await open_streams(ctx, request_id, [prompt_ids], params, salt, request.stream, request.priority)
+    streams = await open_streams(ctx, request_id, [prompt_ids], params, salt, request.stream, request.priority,
+                                 ctx.lora_request(model))
     parse = plan is not None and bool(plan.called) or reasoning is not None
     parsers = (lambda: ChoiceParser(plan, reasoning)) if parse else None
     if request.stream:

@@ -67,7 +67,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request, ct
     engine = ctx.engine
     request_id = new_id("cmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
-    streams = await open_streams(ctx, request_id, request.prompts(), params, salt, request.stream, request.priority)
+    streams = await open_streams(ctx, request_id, request.prompts(), params, salt, request.stream, request.priority,
+                                 ctx.lora_request(model))
     if request.stream:
         return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model))
 

@@ -27,7 +27,7 @@ IndexedOutputs = AsyncIterator[tuple[int, RequestOutput]]
 
 
 async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, params, salt: str | None,
-                       stream: bool, priority: int = 0) -> list[RequestStream]:
+                       stream: bool, priority: int = 0, lora_request=None) -> list[RequestStream]:
     """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others); APIError on failure.
 
     Past the bound on waiting requests the answer is 429 (nothing queued); past the request
@@ -51,7 +51,8 @@ async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, 
         # prompts x max(n, best_of) is bounded per request, not per prompt
         engine.input_processor.check_limits(params, num_prompts=len(prompts))
         for i, prompt in enumerate(prompts):
-            streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream, priority))
+            streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream, priority,
+                                                    lora_request))
     except BaseException as e:
         for s in streams:
             s.close()

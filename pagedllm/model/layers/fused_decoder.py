@@ -219,6 +219,8 @@ def _refusal(model):
         entries = []
         for linear, bias_allowed in ((attn.qkv_proj, True), (attn.o_proj, False), (mlp.gate_up_proj, True),
                                      (mlp.down_proj, False)):
+            if getattr(linear, "lora", None) is not None:  # its deltas are added in forward(), which C++ skips
+                return "LoRA adapter slots"
             entry = _linear_entry(linear, bias_allowed)
             if isinstance(entry, str):
                 return entry

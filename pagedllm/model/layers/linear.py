@@ -83,6 +83,7 @@ class LinearBase(nn.Module):
     gemm_weight: torch.Tensor | None = None  # ``weight`` packed for the compiled GEMM, or None
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
     quant_weight: QuantizedWeight | None = None  # a GGUF-quantized weight (layers/quantized.py), or None
+    lora = None  # LoRA adapter slots (pagedllm/lora/layers.py), set when LoRA is enabled; adds the step's deltas
 
     def process_weights_after_loading(self) -> None:
         self.quant_weight = quantized.finalize(self.weight)
@@ -108,7 +109,8 @@ class LinearBase(nn.Module):
         return packed_linear(x, self._parameters["weight"], bias, gemm_weight, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self._parameters["bias"])
+        y = self.matmul(x, self._parameters["bias"])
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -189,6 +191,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
+        if self.lora is not None:  # before the reduction (LoRA is refused with tensor parallelism for now)
+            y = self.lora.apply(x, y)
         if self.tp_size > 1:
             tp_all_reduce(y)
         if self.bias is not None:
