@@ -45,7 +45,6 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol,
                  preemption_mode: str = "recompute", speculative_config: SpeculativeConfig | None = None,
                  max_loras: int | None = None) -> None:
-        assert preemption_mode in ("recompute", "swap"), f"CacheConfig validates preemption_mode, got {preemption_mode!r}"
         self.preemption_mode = preemption_mode
         self.config = config
         self.kv = kv_cache_manager
@@ -58,16 +57,12 @@ class Scheduler:
         """Parallel samples waiting for their leader, and forks the runner has not seen yet."""
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        self.num_beam_group_preemptions = 0
-        """Beam groups preempted (each whole); their beams are also counted in num_preemptions."""
+        self.num_beam_group_preemptions = 0  # each whole; their beams are also counted in num_preemptions
         self._swap_out, self._swap_in = [], []  # (src, dst) block copies for this step's output
         self._num_kept_block_ids: dict[str, int] = {}
-        """Speculative rollback: req_id -> its block table's length after `kv.trim`, sent once with its
-        next CachedRequestData."""
-        self.spec = SpecDecoder(speculative_config) if speculative_config is not None else None
-        """Speculative decoding (core/spec_planner.py); None when off."""
-        self.lora_limit = LoRASlotLimit(max_loras) if max_loras is not None else None
-        """At most max_loras distinct adapters running (core/lora_admission.py); None when LoRA is off."""
+        """Speculative rollback: req_id -> its table's length after `kv.trim`, sent once in its next CachedRequestData."""
+        self.spec = SpecDecoder(speculative_config) if speculative_config is not None else None  # None: off
+        self.lora_limit = LoRASlotLimit(max_loras) if max_loras is not None else None  # None: LoRA off
 
     # --- admission -------------------------------------------------------------------
 
