@@ -109,11 +109,10 @@ def test_every_registered_architecture_is_verified(capsys):
     assert all(arch in listed for arch in supported_architectures())
 
 
+@pytest.mark.parametrize("setup", sorted(WINDOWED), indirect=True)  # the windowed kinds' setups only
 def test_window_is_exercised(setup):
     """The window changes HF's greedy outputs on these prompts, so matching HF tests it."""
     kind, hf_model, _, prompts, references = setup
-    if kind not in WINDOWED:
-        pytest.skip("no sliding window")
     assert hf_model.config.sliding_window == WINDOW
     full = make_hf_model(kind, seed=1, max_position_embeddings=1024, sliding_window=4096)
     full.generation_config.eos_token_id = None
