@@ -7,7 +7,7 @@
 # Prints one line per run, then each side's output tok/s per round over the first side's.
 set -euo pipefail
 rounds=$1; shift
-py=${PY:-$(realpath "$(dirname "$0")/../.venv/bin/python")}
+py=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}  # not realpath: that leaves the venv
 out=$(mktemp -d)
 for round in $(seq 1 "$rounds"); do
   for trace in sharegpt alpaca; do
