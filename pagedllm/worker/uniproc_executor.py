@@ -57,6 +57,7 @@ class UniprocExecutor(Executor):
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             cuda_graphs=None if args.enforce_eager else scheduler_config, tokenizer=self.loaded.tokenizer, draft=draft,
+            batch_invariant=args.batch_invariant,
         )
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec)
 
