@@ -100,7 +100,7 @@ def test_batches_of_random_neighbours(setup, threads):
         assert _logprobs(llm, neighbours=size - 1, seed=size) == reference, f"batch of {size}, {threads} threads"
 
 
-@pytest.mark.parametrize("budget", [16, 37, 64])
+@pytest.mark.parametrize("budget", [5, 16, 37, 64])  # 5: chunks short enough for the per-key path by default
 def test_chunked_prefill(setup, budget):
     model, reference = setup
     llm = _llm(model, num_threads=2, max_num_batched_tokens=budget, enable_prefix_caching=False)
@@ -133,3 +133,20 @@ def test_default_mode_is_not_invariant(tiny_dir):
     llm = LLM(model=tiny_dir, block_size=16, num_threads=1, enable_prefix_caching=False)
     alone = _logprobs(llm)
     assert any(_logprobs(llm, neighbours=size - 1, seed=size) != alone for size in (2, 4, 9, 16))
+
+
+@pytest.mark.parametrize("planted", [
+    ("GEMM_MIN_ROWS", 1),  # the compiled GEMM's 1-4-row blocks: 4 or 2 accumulator sets, not 1
+    ("ATTENTION_TILE_MIN_ROWS", 0),  # the op's default: chunks of 10+ rows take the tiled path
+])
+def test_a_planted_reduction_order_change_is_caught(tiny_dir, monkeypatch, planted):
+    """One kernel call of the mode put back to a row-count-dependent order: the comparisons above
+    (batches, then chunked prefill) see it."""
+    from pagedllm.model import batch_invariant
+
+    monkeypatch.setattr(batch_invariant, *planted)
+    reference = _logprobs(_llm(tiny_dir, num_threads=1, enable_prefix_caching=False))
+    llm = _llm(tiny_dir, num_threads=1, enable_prefix_caching=False)
+    chunked = _llm(tiny_dir, num_threads=1, max_num_batched_tokens=5, enable_prefix_caching=False)
+    assert (any(_logprobs(llm, neighbours=size - 1, seed=size) != reference for size in (2, 4, 9, 16))
+            or _logprobs(chunked, neighbours=5, seed=5) != reference)
