@@ -83,6 +83,10 @@ class EngineArgs:
     attention_backend: str = flag("auto", "auto (triton on CUDA; on the CPU the compiled op when it is built, else "
                                           "torch), torch (the PyTorch reference), cpu (the compiled CPU op) or "
                                           "triton.", choices=ATTENTION_BACKENDS, group=_DEVICE)
+    batch_invariant: bool = flag(False, "CPU only: one request's logits (and logprobs) bitwise the same alone and "
+                                        "in any batch, whatever the prompt's chunking, prefix-cache hits, preemption "
+                                        "by recompute and thread count; kernels with a fixed per-row sum order, "
+                                        "slower (pagedllm/model/batch_invariant.py).", group=_DEVICE)
     num_threads: int | None = flag(None, "CPU intra-op threads of the process that runs the model (tensor_parallel_size "
                                          "1); default: torch's, the cores this process may run on.", group=_DEVICE)
 
@@ -130,6 +134,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.batch_invariant and (self.tensor_parallel_size > 1 or self.device.startswith("cuda")):
+            raise ValueError("batch_invariant runs on the CPU with tensor_parallel_size 1 only")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -21,6 +21,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.lora.layers import lora_step
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model import batch_invariant as batch_invariant_mode
 from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.forward_context import set_forward_context
@@ -76,7 +77,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int, *,
                  num_host_blocks: int, device: torch.device | str, seed: int, attention_backend: str,
-                 cuda_graphs: SchedulerConfig | None, tokenizer=None, draft=None, lora=None) -> None:
+                 cuda_graphs: SchedulerConfig | None, tokenizer=None, draft=None, lora=None,
+                 batch_invariant: bool) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
@@ -91,6 +93,8 @@ class ModelRunner:
         set_attention_backend(model, self.attn_backend)
         self.lora = lora
         """The LoRA adapters' manager (pagedllm/lora/manager.py) when LoRA is enabled; None otherwise."""
+        if batch_invariant:  # EngineArgs.batch_invariant: kernels with a fixed per-row sum order
+            batch_invariant_mode.apply(model, self.attn_backend)
         self.draft = draft
         """The draft model's proposer (worker/draft_proposer.py) for speculative 'draft_model'; None otherwise."""
         # Block copies and swaps move the draft's KV with the target's: its cache shares the block ids.

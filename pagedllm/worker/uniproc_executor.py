@@ -69,6 +69,7 @@ class UniprocExecutor(Executor):
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             cuda_graphs=None if args.enforce_eager else scheduler_config, tokenizer=self.loaded.tokenizer, draft=draft,
             lora=self.lora,
+            batch_invariant=args.batch_invariant,
         )
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec)
 

@@ -77,6 +77,8 @@ class CpuAttentionBackend(AttentionBackend):
     """
 
     name = "cpu"
+    batch_invariant = False
+    """Set by model/batch_invariant.apply: no context splits, every row on the per-key path."""
 
     def __init__(self):
         from pagedllm.model.attention import cpu_op
@@ -85,6 +87,9 @@ class CpuAttentionBackend(AttentionBackend):
         # The ops' C++ callables, bound once (None where the library is not loaded): calling them
         # skips cpu_op's wrappers and OpOverload.__call__, two Python frames per call.
         self._kv_write = self._attention = None
+        from pagedllm.model import batch_invariant
+
+        self._invariant_args = (batch_invariant.ATTENTION_NUM_SPLITS, batch_invariant.ATTENTION_TILE_MIN_ROWS)
         if cpu_op.load():
             ns = torch.ops.pagedllm
             self._kv_write = getattr(ns.kv_write_cpu.default, "_op", ns.kv_write_cpu.default)
@@ -99,8 +104,11 @@ class CpuAttentionBackend(AttentionBackend):
                 and kv_cache.is_contiguous() and query.shape[-1] in self._op.SUPPORTED_HEAD_DIMS
                 and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1):
             self._kv_write(key, value, kv_cache, metadata.slot_mapping)
+            # 0 = the op's defaults; the batch-invariant mode fixes the split and path choices
+            # (model/batch_invariant.py).
+            splits, tile_min_rows = self._invariant_args if self.batch_invariant else (0, 0)
             return self._attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                   metadata.query_start_loc, scale, 0, 0, 0, 0,
+                                   metadata.query_start_loc, scale, splits, 0, tile_min_rows, 0,
                                    -1 if sliding_window is None else sliding_window,
                                    0.0 if softcap is None else softcap)
         self.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)

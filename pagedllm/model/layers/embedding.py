@@ -27,7 +27,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
 from pagedllm.model.layers.greedy_head import GreedyHead
 from pagedllm.model.layers import quantized
-from pagedllm.model.layers.linear import pack_for_cpu, packed_linear
+from pagedllm.model.layers.linear import invariant_matmul, pack_for_cpu, packed_linear
 from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
 
 
@@ -94,9 +94,13 @@ class LMHead(VocabEmbedding):
             return None
         return self.greedy_head.argmax(hidden_states, self.weight)
 
+    batch_invariant: bool = False  # set by model/batch_invariant.apply: row-count-independent sums
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight
-        if self.quant_weight is not None:
+        if self.batch_invariant:
+            logits = invariant_matmul(hidden_states, None, self.quant_weight, self.gemm_weight, self.weight.shape[0])
+        elif self.quant_weight is not None:
             logits = self.quant_weight.matmul(hidden_states)
         elif self.gemm_weight is not None:
             logits = packed_linear(hidden_states, self.weight, None, self.gemm_weight, None)

@@ -221,6 +221,8 @@ def _refusal(model):
                                      (mlp.down_proj, False)):
             if getattr(linear, "lora", None) is not None:  # its deltas are added in forward(), which C++ skips
                 return "LoRA adapter slots"
+            if linear.batch_invariant:  # the padded, unsplit calls of model/batch_invariant.py live in forward()
+                return "the batch-invariant mode"
             entry = _linear_entry(linear, bias_allowed)
             if isinstance(entry, str):
                 return entry

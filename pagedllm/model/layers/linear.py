@@ -37,6 +37,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_reduce
 from pagedllm.distributed.shapes import tp_shape
+from pagedllm.model import batch_invariant
 from pagedllm.model.layers import cpu_gemm, quantized
 from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
 
@@ -84,6 +85,7 @@ class LinearBase(nn.Module):
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
     quant_weight: QuantizedWeight | None = None  # a GGUF-quantized weight (layers/quantized.py), or None
     lora = None  # LoRA adapter slots (pagedllm/lora/layers.py), set when LoRA is enabled; adds the step's deltas
+    batch_invariant: bool = False  # set by model/batch_invariant.apply: row-count-independent sums
 
     def process_weights_after_loading(self) -> None:
         self.quant_weight = quantized.finalize(self.weight)
@@ -97,6 +99,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the fastest call for ``x``'s row count."""
+        if self.batch_invariant:
+            return invariant_matmul(x, bias, self.quant_weight, self.gemm_weight, self._parameters["weight"].shape[0])
         if self.quant_weight is not None:
             return self.quant_weight.matmul(x, bias)
         gemm_weight = self.gemm_weight
@@ -234,6 +238,21 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             # given; the packed layout does not depend on it, so give it this call's row count.
             return torch.ops.mkl._mkl_linear(x, mkl_weight, weight, bias, rows)
     return F.linear(x, weight, bias)
+
+
+def invariant_matmul(x: torch.Tensor, bias: torch.Tensor | None, quant_weight: QuantizedWeight | None,
+                     gemm_weight: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T (+ bias)`` with each row's sum order independent of the other rows (batch-invariant
+    mode; the row padding and cutting that make it so are in model/batch_invariant.py)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float().contiguous()
+    if quant_weight is not None:
+        y = batch_invariant.rowwise(lambda part: quant_weight.matmul(part, bias), x2,
+                                    batch_invariant.QUANT_MIN_ROWS, None)
+    else:
+        y = batch_invariant.rowwise(lambda part: cpu_gemm.gemm(part, gemm_weight, bias, n), x2,
+                                    batch_invariant.GEMM_MIN_ROWS, batch_invariant.GEMM_MAX_ROWS)
+    return y.view(*shape[:-1], y.shape[-1])
 
 
 def mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,152 @@
+"""The batch-invariant mode (issue 29): one request's per-token logprobs are bitwise equal (``==``)
+alone and in batches of 2-16 random neighbours, with its prompt chunked at several
+max_num_batched_tokens, after a prefix-cache hit, after preemption by recompute, and at 1 and 2
+threads; on a tiny random Llama (float32, compiled GEMM) and on the default model (Q4_1 kernels).
+
+Without the mode the same comparisons differ in the low bits (the GEMMs' accumulator sets change
+with the row count, attention switches paths and splits with the batch): see
+``test_default_mode_is_not_invariant``, which keeps the tests honest (they can fail).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.attention import cpu_op
+from tests.engine.tiny_llama_dir import build_tiny_llama_dir
+
+pytestmark = pytest.mark.skipif(not cpu_op.load(), reason="the mode needs the compiled CPU ops")
+
+NUM_TOKENS = 10
+PARAMS = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 4000) for _ in range(length)]
+
+
+TARGET = _prompt(random.Random(29), 70)  # 70 tokens: several blocks, several chunks below
+
+
+def _neighbours(seed: int, count: int, most_tokens: int = 16) -> tuple[list[dict], list[SamplingParams]]:
+    """Random prompts (5-120 tokens) and lengths (1-``most_tokens`` tokens): the batch changes every
+    few steps."""
+    rng = random.Random(seed)
+    inputs = [{"prompt_token_ids": _prompt(rng, rng.randrange(5, 120))} for _ in range(count)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, most_tokens + 1), ignore_eos=True)
+              for _ in range(count)]
+    return inputs, params
+
+
+def _logprobs(llm: LLM, neighbours: int = 0, seed: int = 0, most_tokens: int = 16) -> list[list[tuple[int, float]]]:
+    """The target's per-token top logprobs, run with ``neighbours`` random requests around it."""
+    inputs, params = _neighbours(seed, neighbours, most_tokens)
+    at = random.Random(seed).randrange(neighbours + 1)
+    inputs.insert(at, {"prompt_token_ids": TARGET})
+    params.insert(at, PARAMS)
+    out = llm.generate(inputs, params, use_tqdm=False)[at].outputs[0]
+    assert len(out.token_ids) == NUM_TOKENS
+    return [sorted((t, lp.logprob) for t, lp in step.items()) for step in out.logprobs]
+
+
+def _llm(model: str, **kwargs) -> LLM:
+    return LLM(model=model, batch_invariant=True, **{"block_size": 16, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """A tiny random Llama with head_dim 32 (the compiled attention op's smallest; the shared tiny
+    directory's 16 goes to the torch reference, which the mode refuses)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = build_tiny_llama_dir(tmp_path_factory.mktemp("tiny_bi"), initializer_range=0.2)
+    config = LlamaConfig.from_pretrained(path)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 32
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def test_refuses_kernels_without_an_invariant_call(tmp_path):
+    path = build_tiny_llama_dir(tmp_path)  # head_dim 16: attention would fall back to SDPA
+    with pytest.raises(ValueError, match="head_dim 16"):
+        LLM(model=str(path), batch_invariant=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        LLM(model=str(path), batch_invariant=True, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module", params=["tiny", "default"])
+def setup(request, tiny_dir):
+    """(model, the target's logprobs alone at 1 thread with the whole prompt in one step)."""
+    model = tiny_dir if request.param == "tiny" else None
+    threads = torch.get_num_threads()
+    try:
+        reference = _logprobs(_llm(model, num_threads=1, enable_prefix_caching=False))
+        yield model, reference
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batches_of_random_neighbours(setup, threads):
+    model, reference = setup
+    llm = _llm(model, num_threads=threads, enable_prefix_caching=False)
+    assert _logprobs(llm) == reference
+    for size in (2, 4, 9, 16):
+        assert _logprobs(llm, neighbours=size - 1, seed=size) == reference, f"batch of {size}, {threads} threads"
+
+
+@pytest.mark.parametrize("budget", [5, 16, 37, 64])  # 5: chunks short enough for the per-key path by default
+def test_chunked_prefill(setup, budget):
+    model, reference = setup
+    llm = _llm(model, num_threads=2, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    assert _logprobs(llm, neighbours=5, seed=budget) == reference
+
+
+def test_after_a_prefix_cache_hit(setup):
+    model, reference = setup
+    llm = _llm(model, num_threads=2, enable_prefix_caching=True)
+    # Another request with the target's first 48 tokens (3 full blocks) leaves them cached.
+    llm.generate([{"prompt_token_ids": TARGET[:48] + [7, 8, 9]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    hits = llm.engine.core.stats().prefix_cache_hits
+    assert _logprobs(llm, neighbours=3, seed=5) == reference
+    assert llm.engine.core.stats().prefix_cache_hits > hits, "the target was meant to hit the prefix cache"
+
+
+def test_after_preemption_by_recompute(setup):
+    model, reference = setup
+    # 40 blocks of 4 tokens for 8 requests of up to 180 tokens: running requests run out of blocks
+    # as they decode, and the newest are preempted and recomputed.
+    llm = _llm(model, num_threads=2, block_size=4, num_kv_blocks=40, preemption_mode="recompute",
+               enable_prefix_caching=False)
+    got = _logprobs(llm, neighbours=7, seed=11, most_tokens=60)
+    assert llm.engine.core.stats().num_preemptions > 0, "the cache was meant to be too small"
+    assert got == reference
+
+
+def test_default_mode_is_not_invariant(tiny_dir):
+    """Without the mode, the same comparisons differ: the tests above can fail."""
+    llm = LLM(model=tiny_dir, block_size=16, num_threads=1, enable_prefix_caching=False)
+    alone = _logprobs(llm)
+    assert any(_logprobs(llm, neighbours=size - 1, seed=size) != alone for size in (2, 4, 9, 16))
+
+
+@pytest.mark.parametrize("planted", [
+    ("GEMM_MIN_ROWS", 1),  # the compiled GEMM's 1-4-row blocks: 4 or 2 accumulator sets, not 1
+    ("ATTENTION_TILE_MIN_ROWS", 0),  # the op's default: chunks of 10+ rows take the tiled path
+])
+def test_a_planted_reduction_order_change_is_caught(tiny_dir, monkeypatch, planted):
+    """One kernel call of the mode put back to a row-count-dependent order: the comparisons above
+    (batches, then chunked prefill) see it."""
+    from pagedllm.model import batch_invariant
+
+    monkeypatch.setattr(batch_invariant, *planted)
+    reference = _logprobs(_llm(tiny_dir, num_threads=1, enable_prefix_caching=False))
+    llm = _llm(tiny_dir, num_threads=1, enable_prefix_caching=False)
+    chunked = _llm(tiny_dir, num_threads=1, max_num_batched_tokens=5, enable_prefix_caching=False)
+    assert (any(_logprobs(llm, neighbours=size - 1, seed=size) != reference for size in (2, 4, 9, 16))
+            or _logprobs(chunked, neighbours=5, seed=5) != reference)
