@@ -32,13 +32,9 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(hf_model, path, qtype: GGMLQuantizationType, arch: str = "llama", override: dict | None = None):
-    """Write ``hf_model`` as GGUF with 2-D weights in ``qtype`` (1-D norms stay F32).
-
-    Returns the HF state dict as the file holds it (quantized then dequantized), for reference.
-    ``override`` maps a GGUF tensor name to a (raw bytes array, raw qtype) to plant odd tensors.
-    """
-    cfg = hf_model.config
+def decoder_writer(cfg, path, arch: str, always_head_dim: bool) -> GGUFWriter:
+    """A GGUFWriter for ``arch`` with a Llama-like decoder's hyperparameters from the HF ``cfg``; the
+    head size is written when it is not hidden / heads, or always (``always_head_dim``)."""
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -49,9 +45,20 @@ def write_llama_gguf(hf_model, path, qtype: GGMLQuantizationType, arch: str = "l
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if always_head_dim or cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    return writer
+
+
+def write_llama_gguf(hf_model, path, qtype: GGMLQuantizationType, arch: str = "llama", override: dict | None = None):
+    """Write ``hf_model`` as GGUF with 2-D weights in ``qtype`` (1-D norms stay F32).
+
+    Returns the HF state dict as the file holds it (quantized then dequantized), for reference.
+    ``override`` maps a GGUF tensor name to a (raw bytes array, raw qtype) to plant odd tensors.
+    """
+    cfg = hf_model.config
+    writer = decoder_writer(cfg, path, arch, always_head_dim=False)
     reference = {}
     tied = cfg.tie_word_embeddings
     for name, tensor in hf_model.state_dict().items():

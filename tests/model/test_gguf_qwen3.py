@@ -5,12 +5,11 @@ and matches its Hugging Face twin, through the engine."""
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
 
 from pagedllm import LLM
 from pagedllm.model import load_model
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
-from tests.model.gguf_writer_helpers import gguf_name as llama_gguf_name
+from tests.model.gguf_writer_helpers import decoder_writer, gguf_name as llama_gguf_name
 from tests.model.tiny_models import make_hf_model
 
 _QK_NORMS = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
@@ -24,19 +23,7 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_qwen3_gguf(hf_model, path) -> None:
-    cfg = hf_model.config
-    writer = GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = decoder_writer(hf_model.config, path, "qwen3", always_head_dim=True)
     for name, tensor in hf_model.state_dict().items():
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(tensor.float().numpy()))
     writer.write_header_to_file()
