@@ -34,6 +34,18 @@ def hash_block_tokens(
     return h.digest()
 
 
+def prefix_extra_keys(cache_salt: str | None, lora_cache_key: str | None) -> tuple[str, ...]:
+    """The extra keys every block hash of a request carries: its cache salt, and its LoRA adapter
+    (an adapter's KV differs from the base's and every other adapter's). The engine core's cache and
+    the data-parallel router hash with the same keys, so an affinity hit means a real cache hit."""
+    keys: tuple[str, ...] = ()
+    if cache_salt is not None:
+        keys += (cache_salt,)
+    if lora_cache_key is not None:
+        keys += (lora_cache_key,)
+    return keys
+
+
 def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],

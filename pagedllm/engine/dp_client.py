@@ -184,7 +184,9 @@ class DPCoreClient:
     def _dispatch(self, entry: _InFlight) -> None:
         while True:
             try:
-                decision = self.router.route(entry.request.prompt_token_ids, entry.request.cache_salt)
+                lora = entry.request.lora_request
+                decision = self.router.route(entry.request.prompt_token_ids, entry.request.cache_salt,
+                                             lora.cache_key if lora is not None else None)
             except NoReplicaUpError:
                 raise EngineDeadError(f"no engine replica is up ({self._describe_states()})") from None
             try:

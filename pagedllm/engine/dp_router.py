@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.core.block_hash import BlockHash, hash_block_tokens
+from pagedllm.core.block_hash import BlockHash, hash_block_tokens, prefix_extra_keys
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -101,9 +101,10 @@ class DPRouter:
 
     # --- decisions --------------------------------------------------------------------------
 
-    def leading_block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+    def leading_block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None,
+                             lora_cache_key: str | None = None) -> list[BlockHash]:
         """The prefix cache's hashes of the prompt's first (up to num_affinity_blocks) full blocks."""
-        extra_keys = (cache_salt,) if cache_salt is not None else ()
+        extra_keys = prefix_extra_keys(cache_salt, lora_cache_key)
         num_blocks = min(len(prompt_token_ids) // self.block_size, self.num_affinity_blocks)
         hashes: list[BlockHash] = []
         for i in range(num_blocks):
@@ -111,14 +112,18 @@ class DPRouter:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block, extra_keys))
         return hashes
 
-    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> RouteDecision:
+    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None,
+              lora_cache_key: str | None = None) -> RouteDecision:
         """Choose an up replica for a prompt (does not count it as sent: call on_sent()).
+
+        Under prefix affinity, a LoRA request's prefix is its adapter's own (as in the cores' caches),
+        so requests of one adapter sharing a prompt gather on one replica, and never follow the base's.
 
         Raises NoReplicaUpError when every replica is down."""
         least = self._least_loaded()
         if self.policy is RoutingPolicy.LEAST_LOADED:
             return self._choose(least, RouteReason.LEAST_LOADED)
-        hashes = self.leading_block_hashes(prompt_token_ids, cache_salt)
+        hashes = self.leading_block_hashes(prompt_token_ids, cache_salt, lora_cache_key)
         if not hashes:
             return self._choose(least, RouteReason.LEAST_LOADED)
         affine = self._deepest_known(hashes)

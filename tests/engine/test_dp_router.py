@@ -111,3 +111,24 @@ def test_bad_settings_are_refused():
         DPRouter(2, "random")
     with pytest.raises(ValueError):
         DPRouter(2, max_load_imbalance=-1)
+
+
+def test_an_adapters_prefix_is_its_own_so_it_neither_follows_nor_moves_the_bases():
+    from pagedllm.core.block_hash import prefix_extra_keys
+    from pagedllm.lora.request import LoRARequest
+
+    adapter = LoRARequest("ad", 1, "/adapters/ad").cache_key
+    router = DPRouter(2, "prefix-affinity", block_size=4, num_affinity_blocks=4, max_load_imbalance=8)
+    tokens = prompt(1, 1)
+    expected: list[bytes] = []
+    extend_block_hashes(expected, tokens, 4, prefix_extra_keys("salt", adapter))
+    assert router.leading_block_hashes(tokens, "salt", adapter) == expected[:4]  # what the core's cache holds
+
+    base = router.route(prompt(1, 1))
+    router.on_sent(base.replica)
+    first = router.route(prompt(1, 2), lora_cache_key=adapter)  # same tokens, but the base's blocks are no hit
+    assert first.reason is RouteReason.AFFINITY_MISS and first.replica != base.replica
+    router.on_sent(first.replica)
+    again = router.route(prompt(1, 3), lora_cache_key=adapter)
+    assert (again.replica, again.reason) == (first.replica, RouteReason.AFFINITY_HIT)
+    assert router.route(prompt(1, 4)).replica == base.replica  # the base still follows its own
