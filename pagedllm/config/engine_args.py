@@ -125,9 +125,7 @@ class EngineArgs:
         self.parallel_config()
         self.request_limits()
         self.speculative()
-        lora = self.lora_config()
-        if lora is not None and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
+        self.lora_config()
         # The fields no runtime config owns (they choose the model, its device and kernels).
         check_choices(self)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -52,11 +52,13 @@ class LoRAManager:
         dtype, device = embedding.dtype, embedding.device
         self.device = device
         self.slots: dict[tuple[int, str], LoRASlots] = {}
+        self.linears: dict[tuple[int, str], torch.nn.Module] = {}
         for index, layer in enumerate(layers):
             for name in _NUM_PARTS:
                 linear = layer.get_submodule(name) if _has(layer, name) else None
                 if linear is None:
                     continue
+                self.linears[(index, name)] = linear
                 linear.lora = self.slots[(index, name)] = LoRASlots(
                     linear.input_size_per_partition if hasattr(linear, "input_size_per_partition") else linear.input_size,
                     _linear_parts(linear), max_loras, max_lora_rank, dtype, device)
@@ -143,9 +145,28 @@ class LoRAManager:
                 if target == name and (layer, proj) in weights.weights:
                     parts[part] = weights.weights[(layer, proj)]
             if any(p is not None for p in parts):
-                slots.set_slot(slot, weights.rank, parts)
+                linear = self.linears[(layer, name)]
+                slots.set_slot(slot, weights.rank, [None if p is None else _shard(linear, i, *p)
+                                                    for i, p in enumerate(parts)])
             else:
                 slots.clear_slot(slot)
+
+
+def _shard(linear, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of one part's (A [rank, in], B [out, rank]), sharded as the linear it patches: a
+    column-parallel linear keeps its rows of B; a row-parallel one its columns of A, so each rank adds
+    B (A_shard x_shard) before the linear's all-reduce, which sums them to B A x."""
+    if linear.tp_size == 1:
+        return a, b
+    if hasattr(linear, "q_size"):  # q heads split; KV heads split or replicated (kv_head_start says where)
+        start, size = ((linear.tp_rank * linear.q_size, linear.q_size) if part == 0
+                       else (linear.kv_head_start * linear.head_dim, linear.kv_size))
+        return a, b.narrow(0, start, size)
+    if hasattr(linear, "output_sizes"):
+        size = linear.output_sizes[part] // linear.tp_size
+        return a, b.narrow(0, linear.tp_rank * size, size)
+    size = linear.input_size_per_partition
+    return a.narrow(1, linear.tp_rank * size, size).contiguous(), b
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:

@@ -71,6 +71,8 @@ class MultiprocTPExecutor(Executor):
         self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model))
         gguf = None if engine_args.gguf_dequantize or dtype != torch.float32 else gguf_source(engine_args.model)
         self.gguf_path = None if gguf is None else str(gguf.resolve())
+        lora = engine_args.lora_config()
+        self.lora_slots = None if lora is None else (lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras)
         self.parallel_config = parallel_config
         self.seed = engine_args.seed
         self.dtype = dtype
@@ -168,7 +170,8 @@ class MultiprocTPExecutor(Executor):
                     hosts[hello.rank] = hello.hostname
         init = proto.InitWorkerMsg(model_dir=model_dir, dtype=dtype, num_blocks=num_blocks,
                                    num_host_blocks=num_host_blocks, block_size=kv_spec.block_size,
-                                   seed=seed, timeout_s=self.timeout_s, gguf_path=self.gguf_path)
+                                   seed=seed, timeout_s=self.timeout_s, gguf_path=self.gguf_path,
+                                   lora_slots=self.lora_slots)
         self._broadcast(proto.encoder.encode(init))
         ready: set[int] = set()
         deadline = time.monotonic() + self.timeout_s

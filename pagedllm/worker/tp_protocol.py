@@ -82,6 +82,9 @@ class InitWorkerMsg(msgspec.Struct, tag="init"):
     gguf_path: str | None = None
     """The GGUF model_dir was converted from: the rank reads its shard of the weights from it, the
     quantized ones kept quantized (the same path on every host); None: model_dir's safetensors."""
+    lora_slots: tuple[int, int, int] | None = None
+    """(max_loras, max_lora_rank, max_cpu_loras) when LoRA is on: each rank patches its shard's linears and
+    reads an adapter's weights, keeping its own share, the first time a step names it; None: LoRA off."""
 
 
 class ReadyMsg(msgspec.Struct, tag="ready"):

@@ -128,6 +128,7 @@ def run_worker(args: argparse.Namespace) -> int:
         init_tensor_parallel,
         take_collective_error,
     )
+    from pagedllm.lora.manager import LoRAManager
     from pagedllm.model.loader import load_hf_dir
     from pagedllm.worker import tp_protocol as proto
     from pagedllm.worker.kv_cache import KVCacheSpec
@@ -170,7 +171,8 @@ def run_worker(args: argparse.Namespace) -> int:
         runner = ModelRunner(model, vocab_size=loaded.hf_config.vocab_size, kv_spec=kv_spec,
                              num_blocks=init.num_blocks, seed=init.seed, num_host_blocks=init.num_host_blocks,
                              device="cpu", attention_backend="torch", cuda_graphs=None,  # ranks run eagerly on the CPU
-                             tokenizer=loaded.tokenizer, batch_invariant=False)  # EngineArgs refuses it at TP > 1
+                             tokenizer=loaded.tokenizer, batch_invariant=False,  # EngineArgs refuses it at TP > 1
+                             lora=None if init.lora_slots is None else LoRAManager(model, *init.lora_slots))
         sock.send(proto.encoder.encode(proto.ReadyMsg(rank, model.num_kv_heads)))
         logger.info("rank %d: ready (%d KV heads, %d blocks)", rank, model.num_kv_heads, init.num_blocks)
 

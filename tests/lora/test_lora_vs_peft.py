@@ -106,3 +106,15 @@ def test_mixed_batch_with_preemption_and_slot_eviction_matches_peft(setup):
 def _new_and_running(llm, sched):
     return [llm.engine.core.scheduler.requests[r] for r in sched.num_scheduled_tokens
             if r in llm.engine.core.scheduler.requests]
+
+
+@pytest.mark.slow  # a second worker process
+def test_tensor_parallel_shards_adapters_as_their_layers_and_matches_peft(setup):
+    """tp=2 on a model of 2 query heads and 1 KV head: q rows of B split, k/v rows replicated (as the KV head
+    is), gate/up rows split, o/down columns of A split; all three adapters and the base in one batch."""
+    model_path, prompts, loras, references = setup
+    llm = LLM(model=model_path, tensor_parallel_size=2, max_loras=3, **COMMON)
+    try:
+        _check(llm, prompts, [None, *ADAPTERS], loras, references, "tp=2")
+    finally:
+        llm.engine.core.shutdown()

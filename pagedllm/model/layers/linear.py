@@ -195,7 +195,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
-        if self.lora is not None:  # before the reduction (LoRA is refused with tensor parallelism for now)
+        if self.lora is not None:  # before the reduction, which sums the ranks' B (A_shard x_shard) to B A x
             y = self.lora.apply(x, y)
         if self.tp_size > 1:
             tp_all_reduce(y)
