@@ -34,7 +34,7 @@ run: setup
 	$(VENV)/bin/pagedllm serve
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The fast tier, for while you work: everything but the tests marked slow (a few minutes).
 test-fast: setup
