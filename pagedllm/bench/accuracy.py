@@ -1,0 +1,179 @@
+"""What the quantized weights cost in accuracy: `pagedllm bench accuracy`.
+
+    pagedllm bench accuracy [--model M.gguf] [--rows 1,17] [--max-text-tokens 1024]
+
+1. Kernels: for every distinct weight shape of the model's first layer and its embedding (the LM head when
+   tied), and every GGUF type the compiled kernel runs, ``x W^T`` by the kernel and by the dequantize-then-
+   float32 path (torch's matmul of the dequantized weight), each against float64 on the same dequantized
+   weight: the largest error over the output, relative to the output's largest magnitude. The weights are
+   the model's own (dequantized, then quantized to each type with the ``gguf`` package); the gguf package
+   cannot quantize to the K-quants, so those use random blocks of the same shape (sane scales), and only
+   where the input width is a multiple of their 256-wide blocks.
+2. Perplexity of the model on a text the package ships (bench/perplexity_text.py) through each path the
+   engine offers for the file: its weights dequantized to float32 (``--gguf-dequantize``) and kept quantized
+   through the kernels (the default); and the same model requantized (from its dequantized weights, with
+   the gguf package) to each ``--requantize`` type, through the kernels. From the prompt logprobs of one
+   request each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagedllm.bench.common import bench_subparser, format_table, int_list, write_result
+
+KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def add_parser(subparsers) -> None:
+    p = bench_subparser(subparsers, "accuracy", bench_accuracy,
+                        help="quantized kernels vs float32 and float64; perplexity per weight path")
+    p.add_argument("--rows", type=int_list, default=[1, 17], help="activation rows of each kernel check")
+    p.add_argument("--max-text-tokens", type=int, default=1024, help="tokens of the shipped text scored")
+    p.add_argument("--skip-perplexity", action="store_true")
+    p.add_argument("--requantize", default="Q8_0,Q4_0",
+                   help="also score the model requantized to these types (ones the gguf package can write)")
+
+
+def _random_k_blocks(qtype, n: int, k: int, magnitude: float, rng) -> np.ndarray:
+    """Random K-quant rows of ``[n, k]`` whose values are about ``magnitude``: random bytes, then each
+    super-block's fp16 scale (and min) set near the size that gives it."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (n, k // 256, block_bytes), dtype=np.uint8)
+    offsets = (208,) if qtype == GGMLQuantizationType.Q6_K else (0, 2)  # where d (and dmin) sit in the block
+    for offset in offsets:
+        d = (rng.uniform(0.5, 1.5, (n, k // 256, 1)) * magnitude / 64).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = d.view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def _model_weights(gguf_path) -> dict[str, np.ndarray]:
+    """One float32 ``[n, k]`` weight per distinct shape: layer 0's projections and the embedding."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    weights: dict[str, np.ndarray] = {}
+    shapes = set()
+    for tensor in GGUFReader(gguf_path).tensors:
+        if len(tensor.shape) != 2 or not (tensor.name.startswith("blk.0.") or tensor.name == "token_embd.weight"):
+            continue
+        w = dequantize(tensor.data, tensor.tensor_type).reshape(int(tensor.shape[1]), int(tensor.shape[0]))
+        if w.shape not in shapes:
+            shapes.add(w.shape)
+            weights[tensor.name.removeprefix("blk.0.").removesuffix(".weight")] = w.astype(np.float32)
+    return weights
+
+
+def kernel_errors(gguf_path, rows: list[int], seed: int = 0, max_out_features: int | None = None) -> list[dict]:
+    """Per (weight, type, rows): the kernel's and the float32 path's largest relative error vs float64
+    (each weight's first ``max_out_features`` rows when given: the same kernels, less time)."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from pagedllm.model.layers.quantized import QuantizedWeight
+
+    rng = np.random.default_rng(seed)
+    results = []
+    for name, w in _model_weights(gguf_path).items():
+        w = w[:max_out_features]
+        n, k = w.shape
+        for type_name in KERNEL_TYPES:
+            qtype = GGMLQuantizationType[type_name]
+            k_quant = type_name.endswith("_K")
+            if k_quant and k % 256:
+                continue
+            raw = (_random_k_blocks(qtype, n, k, float(np.abs(w).mean()), rng) if k_quant
+                   else quantize(w, qtype))
+            w_deq = dequantize(raw, qtype).reshape(n, k)
+            kernel = QuantizedWeight(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)), k)
+            w32 = torch.from_numpy(w_deq.astype(np.float32))
+            for m in rows:
+                x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+                exact = x.double().numpy() @ w_deq.astype(np.float64).T
+                scale = float(np.abs(exact).max())
+                kernel_err = float(np.abs(kernel.matmul(x).double().numpy() - exact).max()) / scale
+                f32_err = float(np.abs((x @ w32.T).double().numpy() - exact).max()) / scale
+                results.append({"weight": name, "shape": f"{n}x{k}", "type": type_name,
+                                "weights": "random blocks" if k_quant else "the model's, requantized",
+                                "rows": m, "kernel_rel_err": kernel_err, "float32_rel_err": f32_err})
+    return results
+
+
+def requantize_gguf(src, dst, type_name: str) -> None:
+    """Copy the GGUF ``src`` to ``dst`` with every quantized 2-D weight dequantized and quantized to
+    ``type_name`` (metadata and float tensors as they are)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(src)
+    qtype = GGMLQuantizationType[type_name]
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the writer writes these itself
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        shape = [int(x) for x in reversed(tensor.shape)]  # numpy order: [rows, columns]
+        if len(shape) == 2 and tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+            raw = quantize(w, qtype)
+            writer.add_tensor(tensor.name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, np.ascontiguousarray(tensor.data).reshape(shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def perplexity(model: str | None, gguf_dequantize: bool, max_tokens: int, engine_args: dict) -> dict:
+    """The model's perplexity on the shipped text, weights through one path (prompt logprobs of one request)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.bench.perplexity_text import TEXT
+
+    llm = LLM(**{**engine_args, "model": model, "gguf_dequantize": gguf_dequantize, "enable_prefix_caching": False})
+    token_ids = llm.get_tokenizer().encode(TEXT)[:max_tokens]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+    logprobs = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
+    del llm
+    return {"tokens_scored": len(logprobs), "perplexity": math.exp(-sum(logprobs) / len(logprobs))}
+
+
+def bench_accuracy(args, engine_args: dict) -> dict:
+    from pagedllm.model.loader import default_gguf_path, gguf_source
+
+    model = engine_args.get("model")
+    gguf_path = gguf_source(model) if model else default_gguf_path()
+    if gguf_path is None:
+        raise SystemExit("bench accuracy needs a .gguf model (the default model is one)")
+    errors = kernel_errors(gguf_path, args.rows)
+    result = {"model": str(gguf_path), "kernels": errors}
+    print(format_table(["weight", "shape", "type", "weights", "rows", "kernel vs float64", "float32 path vs float64"],
+                       [[e["weight"], e["shape"], e["type"], e["weights"], e["rows"], e["kernel_rel_err"],
+                         e["float32_rel_err"]] for e in errors], floatfmt="{:.1e}"))
+    if not args.skip_perplexity:
+        import tempfile
+        from pathlib import Path
+
+        paths = {"float32 (dequantized at load)": (str(gguf_path), True),
+                 "quantized kernels (the file's types)": (str(gguf_path), False)}
+        workdir = Path(tempfile.mkdtemp(prefix="pagedllm-requant-"))
+        for type_name in filter(None, args.requantize.split(",")):
+            dst = workdir / f"{type_name}.gguf"
+            requantize_gguf(gguf_path, dst, type_name)
+            paths[f"requantized to {type_name}, kernels"] = (str(dst), False)
+        result["perplexity"] = {label: perplexity(path, dequantize, args.max_text_tokens, engine_args)
+                                for label, (path, dequantize) in paths.items()}
+        print()
+        print(format_table(["weights", "tokens scored", "perplexity"],
+                           [[label, p["tokens_scored"], p["perplexity"]]
+                            for label, p in result["perplexity"].items()], floatfmt="{:.4f}"))
+    write_result(args.out, "accuracy", result)
+    return result

@@ -1,0 +1,41 @@
+"""bench accuracy's parts: a requantized copy of the default model keeps its metadata and holds each weight in
+the new type, close to the original; the kernel check reports tiny errors on the model's own shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from pagedllm.bench.accuracy import kernel_errors, requantize_gguf
+from pagedllm.model.layers import quantized
+from pagedllm.model.loader import default_gguf_path
+
+
+def test_requantized_copy_keeps_metadata_and_converts_every_quantized_weight(tmp_path):
+    src = GGUFReader(default_gguf_path())
+    requantize_gguf(default_gguf_path(), tmp_path / "q8.gguf", "Q8_0")
+    dst = GGUFReader(tmp_path / "q8.gguf")
+    assert [f for f in dst.fields if not f.startswith("GGUF.")] == [f for f in src.fields if not f.startswith("GGUF.")]
+    assert dst.fields["tokenizer.ggml.tokens"].contents()[:50] == src.fields["tokenizer.ggml.tokens"].contents()[:50]
+    before = {t.name: t for t in src.tensors}
+    for tensor in dst.tensors:
+        old = before[tensor.name]
+        assert [int(x) for x in tensor.shape] == [int(x) for x in old.shape]
+        if len(old.shape) == 1:
+            assert tensor.tensor_type == old.tensor_type and np.array_equal(tensor.data, old.data)
+            continue
+        assert tensor.tensor_type == GGMLQuantizationType.Q8_0, tensor.name
+        if tensor.name == "blk.0.attn_q.weight":
+            a, b = dequantize(old.data, old.tensor_type), dequantize(tensor.data, tensor.tensor_type)
+            assert np.abs(a - b).max() <= np.abs(a).max() / 100  # Q8_0 of Q4_1-rounded values: close
+
+
+@pytest.mark.skipif(not quantized.kernel_available(), reason="compiled quantized kernel unavailable")
+def test_kernel_errors_are_float32_sized_on_every_shape_and_type():
+    rows = kernel_errors(default_gguf_path(), rows=[3], max_out_features=1024)
+    shapes = {r["shape"] for r in rows}
+    assert {"1024x576", "576x576", "192x576", "1024x576", "576x1536"} <= shapes
+    assert {r["type"] for r in rows} == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
+    assert all(r["kernel_rel_err"] < 1e-5 and r["float32_rel_err"] < 1e-5 for r in rows), rows
