@@ -1,0 +1,71 @@
+"""For each GGUF architecture llama.cpp defines beyond llama/qwen3 (gemma2, gemma3, phi3, qwen3moe,
+and Mixtral as ``llama`` with experts), a tiny random HF model written as llama.cpp's converter
+writes it loads through the engine and generates greedily token for token as HF does on the same
+(dequantized) weights, logprobs within 1e-3 (near-tie rule: tests/hf_reference.py).
+
+Each twin is shaped as llama.cpp can read it: Gemma's query scale is head_dim ** -0.5 and Gemma 3
+has 5 local layers to 1 global (neither is stored in GGUF; llama.cpp fixes them), Qwen3-MoE has
+no dense layer, and Mixtral no sliding window (the ``llama`` GGUF keys carry none)."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from pagedllm import LLM
+from pagedllm.errors import ModelLoadError
+from pagedllm.model import load_model
+from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
+from tests.model.gguf_writer_helpers import write_converted_gguf
+from tests.model.tiny_models import make_hf_model
+
+TWINS = {
+    "gemma2": ("Gemma2ForCausalLM", dict(query_pre_attn_scalar=32)),
+    "gemma3": ("Gemma3ForCausalLM", dict(query_pre_attn_scalar=32, num_hidden_layers=6,
+                                         layer_types=["sliding_attention"] * 5 + ["full_attention"])),
+    "phi3": ("Phi3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[])),
+    "mixtral": ("MixtralForCausalLM", dict(sliding_window=None)),
+}
+# Hyperparameters the GGUF must carry (or llama.cpp fix) for the twin to be the same model.
+CHECKED_FIELDS = ("num_hidden_layers", "num_key_value_heads", "sliding_window", "layer_types", "query_pre_attn_scalar",
+                  "attn_logit_softcapping", "final_logit_softcapping", "rope_parameters", "num_experts",
+                  "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "mlp_only_layers", "tie_word_embeddings")
+
+
+def _f32(value):
+    """``value`` with its floats as GGUF stores them (float32): phi3's rope factors 1 + 0.1 * i."""
+    if isinstance(value, float):
+        return float(np.float32(value))
+    if isinstance(value, dict):
+        return {k: _f32(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_f32(v) for v in value]
+    return value
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("kind", list(TWINS))
+def test_gguf_twin_matches_hf(kind, qtype, tmp_path):
+    architecture, overrides = TWINS[kind]
+    hf_model = make_hf_model(kind, seed=7, **overrides)
+    hf_model.generation_config.eos_token_id = None
+    path = tmp_path / f"tiny-{kind}-{qtype}.gguf"
+    hf_model.load_state_dict(write_converted_gguf(hf_model, path, GGMLQuantizationType[qtype]))
+
+    loaded = load_model(str(path))
+    assert type(loaded.model).__name__ == architecture
+    for field in CHECKED_FIELDS:
+        if hasattr(hf_model.config, field):
+            assert _f32(getattr(loaded.hf_config, field)) == _f32(getattr(hf_model.config, field)), field
+
+    llm = LLM(model=str(path), max_num_batched_tokens=37)
+    prompts = [list(range(3, 3 + n)) for n in (1, 9, 40, 77)]  # 77 > 4 windows of 16
+    for prompt, (ids, logprobs) in zip(prompts, engine_greedy(llm, prompts, 10)):
+        ref = hf_greedy(hf_model, prompt, 10)
+        assert assert_matches_reference(ids, logprobs, ref, f"{kind} {qtype} gguf") == "exact"
