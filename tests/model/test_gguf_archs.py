@@ -9,11 +9,14 @@ no dense layer, and Mixtral no sliding window (the ``llama`` GGUF keys carry non
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType
+from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM
 from pagedllm.errors import ModelLoadError
-from pagedllm.model import load_model
+from pagedllm.model import gguf_arch, load_model
+from pagedllm.model.gguf_loader import hf_tensor_name
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
 from tests.model.gguf_writer_helpers import write_converted_gguf
 from tests.model.tiny_models import make_hf_model
@@ -69,3 +72,42 @@ def test_gguf_twin_matches_hf(kind, qtype, tmp_path):
     for prompt, (ids, logprobs) in zip(prompts, engine_greedy(llm, prompts, 10)):
         ref = hf_greedy(hf_model, prompt, 10)
         assert assert_matches_reference(ids, logprobs, ref, f"{kind} {qtype} gguf") == "exact"
+    if qtype == "Q8_0":  # the converted directory is a checkpoint transformers reads as the twin
+        again = AutoModelForCausalLM.from_pretrained(loaded.model_path, dtype=torch.float32).eval()
+        ids = torch.tensor([list(range(3, 40))])
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids).logits, hf_model(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_tensor_names_follow_the_architecture():
+    # One GGUF spelling, two meanings: Llama's norm before the MLP, Gemma's pre-feedforward norm.
+    llama_cfg, gemma_cfg = make_hf_model("llama").config, make_hf_model("gemma2").config
+    assert hf_tensor_name("blk.2.ffn_norm.weight", llama_cfg) == "model.layers.2.post_attention_layernorm.weight"
+    assert hf_tensor_name("blk.2.ffn_norm.weight", gemma_cfg) == "model.layers.2.pre_feedforward_layernorm.weight"
+    assert hf_tensor_name("blk.2.post_attention_norm.weight", gemma_cfg) == "model.layers.2.post_attention_layernorm.weight"
+    with pytest.raises(ModelLoadError, match=r"attn_qkv.*gemma2"):  # a tensor llama.cpp's gemma2 never reads
+        hf_tensor_name("blk.0.attn_qkv.weight", gemma_cfg)
+    with pytest.raises(ModelLoadError, match=r"per-expert"):  # old Mixtral files: one tensor per expert
+        hf_tensor_name("blk.0.ffn_gate.3.weight", llama_cfg)
+
+
+def _meta(values: dict):
+    def meta(key, default=gguf_arch.ROPE_FACTOR_TENSORS):  # any sentinel: "required"
+        if key in values:
+            return values[key]
+        if default is gguf_arch.ROPE_FACTOR_TENSORS:
+            raise ModelLoadError(f"missing {key}")
+        return default
+    return meta
+
+
+def test_phi3_partial_rotary_and_half_longrope_are_refused():
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                  intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+    with pytest.raises(ModelLoadError, match="partial rotary"):
+        gguf_arch.hf_config("phi3", _meta({"rope.dimension_count": 12}), common, set(), {})
+    with pytest.raises(ModelLoadError, match="rope_factors_long / rope_factors_short"):
+        gguf_arch.hf_config("phi3", _meta({}), common, set(), {gguf_arch.ROPE_FACTOR_TENSORS[0]: [1.0] * 8})
+    config = gguf_arch.hf_config("phi3", _meta({}), common, set(), {})  # no factors: plain rope
+    assert config.rope_parameters["rope_type"] == "default" and config.sliding_window is None
