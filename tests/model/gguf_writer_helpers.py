@@ -112,14 +112,18 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3": 
              "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
-def write_converted_gguf(hf_model, path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> dict:
+def write_converted_gguf(hf_model, path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                         vocab: list[str] | None = None) -> dict:
     """Write ``hf_model`` (any architecture in ``GGUF_ARCH``) as llama.cpp's converter would, with
-    2-D and 3-D weights in ``qtype`` (norms and rope factors F32). Returns the HF state dict the file
-    holds (quantized then dequantized, Gemma's norms ``(1 + w) - 1`` in float32), for reference."""
+    2-D and 3-D weights in ``qtype`` (norms and rope factors F32); ``vocab``: a sentencepiece
+    vocabulary for the file (``spm_vocab``). Returns the HF state dict the file holds (quantized
+    then dequantized, Gemma's norms ``(1 + w) - 1`` in float32), for reference."""
     cfg = hf_model.config
     arch = GGUF_ARCH[cfg.model_type]
     writer = decoder_writer(cfg, path, arch, always_head_dim=arch != "llama")
     _write_arch_keys(writer, cfg, arch)
+    if vocab is not None:
+        _write_spm_vocab(writer, vocab)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     reference = {}
     for name, tensor in hf_model.state_dict().items():
@@ -211,3 +215,26 @@ def _write_arch_keys(writer: GGUFWriter, cfg, arch: str) -> None:
         if rope.get("rope_type") == "longrope":
             writer.add_rope_scaling_attn_factors(
                 float(np.sqrt(1 + np.log(scale) / np.log(original))) if scale > 1 else 1.0)
+
+
+SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+def spm_vocab(size: int, pieces: list[str]) -> list[str]:
+    """A sentencepiece vocabulary of ``size``: pad/eos/bos/unk (ids 0-3), the 256 byte tokens, then
+    ``pieces`` (highest scores first), then filler."""
+    tokens = list(SPM_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    return tokens + [f"filler{i}" for i in range(size - len(tokens))]
+
+
+def _write_spm_vocab(writer: GGUFWriter, tokens: list[str]) -> None:
+    """As the converter's sentencepiece vocab (``llama`` tokenizer model): control, byte, normal types."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([float(-i) for i in range(len(tokens))])
+    types = [gguf.TokenType.CONTROL] * 4 + [gguf.TokenType.BYTE] * 256
+    writer.add_token_types([int(t) for t in types] + [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(types)))
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)

@@ -18,7 +18,7 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.model import gguf_arch, load_model
 from pagedllm.model.gguf_loader import hf_tensor_name
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
-from tests.model.gguf_writer_helpers import write_converted_gguf
+from tests.model.gguf_writer_helpers import spm_vocab, write_converted_gguf
 from tests.model.tiny_models import make_hf_model
 
 TWINS = {
@@ -130,3 +130,21 @@ def test_gemma_hyperparameters_llama_cpp_fixes():
     assert stored.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
     unwindowed = gguf_arch.hf_config("gemma3", _meta({}), dict(common, num_hidden_layers=4), set(), {})
     assert unwindowed.layer_types == ["full_attention"] * 4
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "phi3"])
+def test_sentencepiece_tokenizer_comes_from_the_file(kind, tmp_path):
+    """Gemma and Phi-3 GGUFs carry a sentencepiece vocabulary (no merges): the converted directory's
+    tokenizer is rebuilt from it (transformers' GGUF tokenizer builders)."""
+    # Each word with every prefix, so the merges rebuilt from the vocabulary can reach it.
+    pieces = [w[:n] for w in ("\u2581hello", "\u2581world") for n in range(1, len(w) + 1)]
+    vocab = spm_vocab(512, list(dict.fromkeys(pieces + list("helowrd"))))
+    hf_model = make_hf_model(kind, seed=7, **TWINS[kind][1])
+    path = tmp_path / f"tiny-{kind}-vocab.gguf"
+    write_converted_gguf(hf_model, path, vocab=vocab)
+    loaded = load_model(str(path))
+    tokenizer = loaded.tokenizer
+    assert (loaded.hf_config.bos_token_id, loaded.hf_config.eos_token_id) == (2, 1)
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert vocab.index("\u2581world") in ids and all(0 <= i < 512 for i in ids)
+    assert tokenizer.decode(ids) == "hello world"
