@@ -35,6 +35,7 @@ SUPPORTED_TENSOR_TYPES = tuple(
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 )
 
+
 def hf_tensor_name(gguf_name: str, config: PretrainedConfig | None = None) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (``config``: the file's
     HF config, a Llama's if None); ModelLoadError if unknown. Stacked experts: a ``{expert}`` template."""

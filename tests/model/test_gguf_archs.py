@@ -84,18 +84,23 @@ def test_tensor_names_follow_the_architecture():
     llama_cfg, gemma_cfg = make_hf_model("llama").config, make_hf_model("gemma2").config
     assert hf_tensor_name("blk.2.ffn_norm.weight", llama_cfg) == "model.layers.2.post_attention_layernorm.weight"
     assert hf_tensor_name("blk.2.ffn_norm.weight", gemma_cfg) == "model.layers.2.pre_feedforward_layernorm.weight"
-    assert hf_tensor_name("blk.2.post_attention_norm.weight", gemma_cfg) == "model.layers.2.post_attention_layernorm.weight"
+    assert (hf_tensor_name("blk.2.post_attention_norm.weight", gemma_cfg)
+            == "model.layers.2.post_attention_layernorm.weight")
     with pytest.raises(ModelLoadError, match=r"attn_qkv.*gemma2"):  # a tensor llama.cpp's gemma2 never reads
         hf_tensor_name("blk.0.attn_qkv.weight", gemma_cfg)
     with pytest.raises(ModelLoadError, match=r"per-expert"):  # old Mixtral files: one tensor per expert
         hf_tensor_name("blk.0.ffn_gate.3.weight", llama_cfg)
 
 
+_REQUIRED = object()
+
+
 def _meta(values: dict):
-    def meta(key, default=gguf_arch.ROPE_FACTOR_TENSORS):  # any sentinel: "required"
+    """A metadata reader as gguf_to_hf_config hands hf_config one, over ``values``."""
+    def meta(key, default=_REQUIRED):
         if key in values:
             return values[key]
-        if default is gguf_arch.ROPE_FACTOR_TENSORS:
+        if default is _REQUIRED:
             raise ModelLoadError(f"missing {key}")
         return default
     return meta
