@@ -1,9 +1,10 @@
 """GGUF (llama.cpp) checkpoints -> a Hugging Face directory (config.json, float32 safetensors, tokenizer).
 
-The ``llama`` and ``qwen3`` GGUF architectures are read (qwen3: Llama tensors plus per-head q/k
-norms; rotate-half rope in llama.cpp too, so its Q/K rows are not permuted). Tensors are
-dequantized with ``gguf.quants`` and renamed to Hugging Face names. llama.cpp's converter permutes the rows of Q and K (and their
-biases) so that each head's rotary pairs are interleaved::
+The architectures of ``gguf_arch.py`` are read (llama incl. Mixtral, qwen3, qwen3moe, gemma2,
+gemma3, phi3; names and hyperparameters there). Tensors are dequantized with ``gguf.quants`` and
+renamed to Hugging Face names. For ``llama`` only (whose llama.cpp rope rotates adjacent pairs),
+the converter permutes the rows of Q and K (and their biases) so that each head's rotary pairs
+are interleaved::
 
     HF rows of one head:    [x0 x1 ... x(d/2-1) | y0 y1 ... y(d/2-1)]   (rotate-half pairs xi, yi)
     GGUF rows of one head:  [x0 y0 x1 y1 ... ]                          (adjacent pairs)
@@ -21,52 +22,30 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, Qwen3Config
+from transformers import GenerationConfig, LlamaConfig, PretrainedConfig
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.model import gguf_arch
+from pagedllm.model.gguf_arch import SUPPORTED_ARCHITECTURES
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.quantized import QuantTensor
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
-# GGUF architecture -> (HF config class, HF architecture name)
-_HF_ARCHITECTURES = {"llama": (LlamaConfig, "LlamaForCausalLM"), "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
 SUPPORTED_TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 )
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+
+def hf_tensor_name(gguf_name: str, config: PretrainedConfig | None = None) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (``config``: the file's
+    HF config, a Llama's if None); ModelLoadError if unknown. Stacked experts: a ``{expert}`` template."""
+    config = config or LlamaConfig()
+    return gguf_arch.hf_name(config, *gguf_arch.classify(_gguf_arch(config), gguf_name))
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ModelLoadError if unknown."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
-    raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r} (e.g. rope_freqs / llama3 rope is not supported)")
+def _gguf_arch(config: PretrainedConfig) -> str:
+    return {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2",
+            "gemma3_text": "gemma3", "phi3": "phi3"}[config.model_type]
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -93,7 +72,10 @@ def _field(reader: GGUFReader, key: str, default=None):
     return value
 
 
-def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig | Qwen3Config:
+_REQUIRED = object()
+
+
+def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
     """The HF config from the GGUF metadata; ModelLoadError for unsupported architectures."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -105,10 +87,12 @@ def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig | Qwen3Config:
     if embedding is None:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
 
-    def meta(key: str, default=None):
-        value = _field(reader, f"{arch}.{key}", default)
+    def meta(key: str, default=_REQUIRED):
+        value = _field(reader, f"{arch}.{key}", None)
         if value is None:
-            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+            if default is _REQUIRED:
+                raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+            return default
         return value
 
     hidden_size = int(meta("embedding_length"))
@@ -122,9 +106,7 @@ def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig | Qwen3Config:
         raise ModelLoadError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: none, linear")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config_class, hf_architecture = _HF_ARCHITECTURES[arch]
-    return config_class(
-        architectures=[hf_architecture],
+    common = dict(
         vocab_size=int(embedding.shape[1]),  # GGUF shapes list the fastest dimension first
         hidden_size=hidden_size,
         intermediate_size=int(meta("feed_forward_length")),
@@ -136,19 +118,29 @@ def gguf_to_hf_config(reader: GGUFReader) -> LlamaConfig | Qwen3Config:
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_parameters=rope_parameters,
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
         dtype="float32",
     )
+    rope_factors = {}
+    for tensor in reader.tensors:
+        kind = gguf_arch.classify(arch, tensor.name)[0]
+        if kind in gguf_arch.ROPE_FACTOR_TENSORS:
+            values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+            rope_factors[kind] = [float(str(np.float32(x))) for x in values]  # as _field reads floats
+    return gguf_arch.hf_config(arch, meta, common, tensor_names, rope_factors)
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: LlamaConfig,
+def iter_gguf_tensors(reader: GGUFReader, config: PretrainedConfig,
                       keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-    """(HF name, float32 tensor) for every tensor, dequantized and with Q/K rows un-permuted.
+    """(HF name, float32 tensor) for every weight, dequantized, with Q/K rows un-permuted (llama),
+    Gemma's norms back to HF's ``1 + w`` form, and stacked experts split per expert.
     ``keep_quantized``: 2-D tensors of a type the quantized kernel reads (Q8_0, Q4_0, Q4_1) come
-    as ``QuantTensor`` instead (rows un-permuted as they are, still quantized; the bytes are a
-    view of the reader's memory map until a weight loader repacks them)."""
+    as ``QuantTensor`` instead (rows un-permuted as they are, phi3's fused q/k/v split by rows,
+    still quantized; the bytes are a view of the reader's memory map until a weight loader
+    repacks them)."""
+    arch = _gguf_arch(config)
+    permuted = arch == "llama"  # only llama's converter permutes Q/K
     for tensor in reader.tensors:
         qtype = tensor.tensor_type
         if qtype not in SUPPORTED_TENSOR_TYPES:
@@ -156,26 +148,53 @@ def iter_gguf_tensors(reader: GGUFReader, config: LlamaConfig,
                 f"unsupported GGUF tensor type {qtype.name} (tensor {tensor.name!r}); supported: "
                 + ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
             )
-        name = hf_tensor_name(tensor.name)
+        kind, layer, suffix = gguf_arch.classify(arch, tensor.name)
+        if kind in gguf_arch.ROPE_FACTOR_TENSORS:  # read into the config
+            continue
+        name = gguf_arch.hf_name(config, kind, layer, suffix)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if keep_quantized and len(shape) == 2 and int(qtype) in quantized.SUPPORTED:
             raw = np.asarray(tensor.data).reshape(shape[0], -1)  # [rows, row bytes], one row per output
-            if name.endswith("q_proj.weight"):
+            if permuted and name.endswith("q_proj.weight"):
                 raw = _unpermute(raw, config.num_attention_heads)
-            elif name.endswith("k_proj.weight"):
+            elif permuted and name.endswith("k_proj.weight"):
                 raw = _unpermute(raw, config.num_key_value_heads)
-            yield name, QuantTensor(int(qtype), torch.from_numpy(np.array(raw, order="C")), shape[1])  # a copy: the map is read-only
+            raw = torch.from_numpy(np.array(raw, order="C"))  # a copy: the map is read-only
+            for part_name, rows in _split_fused(config, name, raw):
+                yield part_name, QuantTensor(int(qtype), rows.contiguous(), shape[1])
             continue
         try:
             array = dequantize(tensor.data, qtype).reshape(shape)
         except Exception as e:
             raise ModelLoadError(f"corrupt GGUF tensor {tensor.name!r}: {e}") from e
-        permuted = config.model_type == "llama"  # only llama's converter permutes Q/K
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute(array, config.num_attention_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute(array, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array - np.float32(1.0)  # llama.cpp's converter stores Gemma's 1 + w
+        if kind in gguf_arch.EXPERT_TENSORS:
+            for expert in range(array.shape[0]):
+                yield name.format(expert=expert), _tensor(array[expert])
+        else:
+            yield name, _tensor(array)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+
+
+def _split_fused(config: PretrainedConfig, name: str, rows: torch.Tensor):
+    """phi3's fused q/k/v and gate/up rows as the separate tensors the model loads, so they stay
+    quantized (the model splits fused float tensors itself, but would dequantize these)."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        yield from zip((name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")),
+                       rows.split([q, kv, kv], dim=0))
+    elif name.endswith("mlp.gate_up_proj.weight"):
+        yield from zip((name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")), rows.chunk(2, dim=0))
+    else:
+        yield name, rows
 
 
 def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:

@@ -40,15 +40,20 @@ VERIFIED_BY: dict[str, str] = {
     "Qwen3ForCausalLM": f"{_ENGINE_CHECK} (tests/model/test_models_vs_hf.py[qwen3]); GGUF F32 twin "
                         "(tests/model/test_gguf_qwen3.py)",
     "Qwen3MoeForCausalLM": f"{_ENGINE_CHECK}, 8 experts top-2, norm_topk_prob on and off, a dense layer "
-                           "(tests/model/test_models_vs_hf.py[qwen3_moe*])",
+                           "(tests/model/test_models_vs_hf.py[qwen3_moe*]); GGUF qwen3moe F16 and "
+                           "Q8_0 twins (tests/model/test_gguf_archs.py[qwen3_moe-*])",
     "MixtralForCausalLM": f"{_ENGINE_CHECK}, 4 experts top-2, sliding window 16 "
-                          "(tests/model/test_models_vs_hf.py[mixtral])",
+                          "(tests/model/test_models_vs_hf.py[mixtral]); GGUF llama-with-experts F16 and "
+                          "Q8_0 twins (tests/model/test_gguf_archs.py[mixtral-*])",
     "Gemma2ForCausalLM": f"{_ENGINE_CHECK}, local/global layers (window 16), both soft-caps "
-                         "(tests/model/test_models_vs_hf.py[gemma2])",
+                         "(tests/model/test_models_vs_hf.py[gemma2]); GGUF gemma2 F16 and Q8_0 twins "
+                         "(tests/model/test_gguf_archs.py[gemma2-*])",
     "Gemma3ForCausalLM": f"{_ENGINE_CHECK}, 3 local (window 16) : 1 global, two rotary bases, q/k norms "
-                         "(tests/model/test_models_vs_hf.py[gemma3])",
+                         "(tests/model/test_models_vs_hf.py[gemma3]); GGUF gemma3 F16 and Q8_0 twins "
+                         "(tests/model/test_gguf_archs.py[gemma3-*])",
     "Phi3ForCausalLM": f"{_ENGINE_CHECK}, fused weights, longrope below the original length "
-                       "(tests/model/test_models_vs_hf.py[phi3])",
+                       "(tests/model/test_models_vs_hf.py[phi3]); GGUF phi3 F16 and Q8_0 twins "
+                       "(tests/model/test_gguf_archs.py[phi3-*])",
 }
 
 

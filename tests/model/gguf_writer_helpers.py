@@ -1,5 +1,8 @@
-"""Write tiny GGUF files from a Hugging Face Llama the way llama.cpp's converter does (incl. Q/K permutation)."""
+"""Write tiny GGUF files from Hugging Face models the way llama.cpp's converter (convert_hf_to_gguf.py)
+does: Q/K permutation for llama, Gemma's norms stored as 1 + w, stacked experts, phi3's rope
+factor tensors, and each architecture's hyperparameter keys."""
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -42,12 +45,14 @@ def decoder_writer(cfg, path, arch: str, always_head_dim: bool) -> GGUFWriter:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # gemma3: the global layers' base
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    if always_head_dim or cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Phi3: none
+    if always_head_dim or head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     return writer
 
 
@@ -100,3 +105,136 @@ def write_llama_gguf(hf_model, path, qtype: GGMLQuantizationType, arch: str = "l
 def _inverse(w: np.ndarray, num_heads: int) -> np.ndarray:
     head_dim = w.shape[0] // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# HF model_type -> the GGUF architecture llama.cpp's converter writes it as
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+
+
+def write_converted_gguf(hf_model, path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                         vocab: list[str] | None = None) -> dict:
+    """Write ``hf_model`` (any architecture in ``GGUF_ARCH``) as llama.cpp's converter would, with
+    2-D and 3-D weights in ``qtype`` (norms and rope factors F32); ``vocab``: a sentencepiece
+    vocabulary for the file (``spm_vocab``). Returns the HF state dict the file holds (quantized
+    then dequantized, Gemma's norms ``(1 + w) - 1`` in float32), for reference."""
+    cfg = hf_model.config
+    arch = GGUF_ARCH[cfg.model_type]
+    writer = decoder_writer(cfg, path, arch, always_head_dim=arch != "llama")
+    _write_arch_keys(writer, cfg, arch)
+    if vocab is not None:
+        _write_spm_vocab(writer, vocab)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    reference = {}
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused experts: gate rows, then up
+            half = array.shape[1] // 2
+            parts = [("gate_proj", array[:, :half]), ("up_proj", array[:, half:])]
+            held = [_store(writer, names, name.replace("gate_up_proj", f"{p}.weight"), a, cfg, arch, qtype)
+                    for p, a in parts]
+            reference[name] = torch.from_numpy(np.concatenate(held, axis=1))
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            name_in_map = name + ".weight"
+        else:
+            name_in_map = name
+        reference[name] = torch.from_numpy(_store(writer, names, name_in_map, array, cfg, arch, qtype))
+    if cfg.model_type == "phi3" and cfg.rope_parameters.get("rope_type") == "longrope":
+        for kind, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
+                          (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor")):
+            writer.add_tensor(gguf.TENSOR_NAMES[kind] + ".weight",
+                              np.asarray(cfg.rope_parameters[key], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if cfg.tie_word_embeddings:
+        reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
+    return reference
+
+
+def _store(writer, names, name: str, array: np.ndarray, cfg, arch: str, qtype) -> np.ndarray:
+    """Add one tensor as the converter would; returns its value as the file holds it, in HF form."""
+    target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    assert target is not None, name
+    gemma_norm = arch.startswith("gemma") and name.endswith("norm.weight")
+    if gemma_norm:
+        array = array + np.float32(1.0)
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    proj = next((p for p in heads if f".{p}." in name), None)
+    if arch == "llama" and proj is not None:
+        array = llama_cpp_permute(array, heads[proj])
+    if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) and (
+            array.ndim == 1 or array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]):
+        qtype = GGMLQuantizationType.F16  # rows not in whole blocks: the converter falls back to F16
+    if array.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        stored, held = array, array
+    elif qtype == GGMLQuantizationType.F16:
+        stored = array.astype(np.float16)
+        held = stored.astype(np.float32)
+    else:
+        stored = quantize(array, qtype)
+        held = dequantize(stored, qtype).reshape(array.shape)
+    writer.add_tensor(target, stored, raw_dtype=None if stored.dtype != np.uint8 else qtype)
+    if arch == "llama" and proj is not None:
+        held = _inverse(held, heads[proj])
+    if gemma_norm:
+        held = held - np.float32(1.0)
+    return np.array(held, dtype=np.float32)
+
+
+def _write_arch_keys(writer: GGUFWriter, cfg, arch: str) -> None:
+    """The hyperparameters each architecture's converter class adds to the common ones."""
+    if cfg.model_type == "mixtral" or arch == "qwen3moe":
+        writer.add_expert_count(cfg.num_local_experts if cfg.model_type == "mixtral" else cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        full = cfg.rope_parameters["full_attention"]
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "phi3":
+        rope = cfg.rope_parameters
+        original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        scale = cfg.max_position_embeddings / original
+        if rope.get("rope_type") == "longrope":
+            writer.add_rope_scaling_attn_factors(
+                float(np.sqrt(1 + np.log(scale) / np.log(original))) if scale > 1 else 1.0)
+
+
+SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+def spm_vocab(size: int, pieces: list[str]) -> list[str]:
+    """A sentencepiece vocabulary of ``size``: pad/eos/bos/unk (ids 0-3), the 256 byte tokens, then
+    ``pieces`` (highest scores first), then filler."""
+    tokens = list(SPM_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    return tokens + [f"filler{i}" for i in range(size - len(tokens))]
+
+
+def _write_spm_vocab(writer: GGUFWriter, tokens: list[str]) -> None:
+    """As the converter's sentencepiece vocab (``llama`` tokenizer model): control, byte, normal types."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([float(-i) for i in range(len(tokens))])
+    types = [gguf.TokenType.CONTROL] * 4 + [gguf.TokenType.BYTE] * 256
+    writer.add_token_types([int(t) for t in types] + [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(types)))
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)

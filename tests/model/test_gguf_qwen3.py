@@ -2,34 +2,13 @@
 plus ``attn_q_norm`` / ``attn_k_norm``; Q/K rows not permuted, its rope being rotate-half) loads
 and matches its Hugging Face twin, through the engine."""
 
-import numpy as np
 import pytest
-import torch
 
 from pagedllm import LLM
 from pagedllm.model import load_model
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
-from tests.model.gguf_writer_helpers import decoder_writer, gguf_name as llama_gguf_name
+from tests.model.gguf_writer_helpers import write_converted_gguf
 from tests.model.tiny_models import make_hf_model
-
-_QK_NORMS = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
-
-
-def gguf_name(hf_name: str) -> str:
-    parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[3] in _QK_NORMS:
-        return f"blk.{parts[2]}.{_QK_NORMS[parts[3]]}"
-    return llama_gguf_name(hf_name)
-
-
-def write_qwen3_gguf(hf_model, path) -> None:
-    writer = decoder_writer(hf_model.config, path, "qwen3", always_head_dim=True)
-    for name, tensor in hf_model.state_dict().items():
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(tensor.float().numpy()))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +20,7 @@ def test_qwen3_gguf_matches_hf(tmp_path):
     hf_model = make_hf_model("qwen3", seed=2, max_position_embeddings=1024)
     hf_model.generation_config.eos_token_id = None
     path = tmp_path / "tiny-qwen3-f32.gguf"
-    write_qwen3_gguf(hf_model, path)
+    write_converted_gguf(hf_model, path)  # F32
     loaded = load_model(str(path))
     assert type(loaded.model).__name__ == "Qwen3ForCausalLM"
     assert loaded.hf_config.head_dim == hf_model.config.head_dim == 32  # != hidden / heads (16)
