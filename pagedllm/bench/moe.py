@@ -17,9 +17,9 @@ then the engine's decode steps (B rows each) are timed with its MoE layers run
 and against the matmul-only ideal of the active experts: the rows a grouped step's MoE layers
 received (captured by forward hooks) routed again by each layer's router, then only the GEMMs
 those routed rows need, each expert once over its rows (trace_efficiency.moe_groups); for the
-whole step, that plus every other linear layer at B rows and the LM head. Each figure is the
-fastest of `--repeats` (steps) or of at least 3 runs (the ideal): the machine's other load only
-ever adds time. Random routers spread rows about evenly over the experts; a trained model's
+whole step, that plus every other linear layer at B rows and the LM head. The three run in
+rounds (a grouped step, a dense step, the ideal's matmuls), so all see the same load from the rest
+of the machine, and each figure is its fastest of `--repeats` rounds: that load only ever adds time. Random routers spread rows about evenly over the experts; a trained model's
 routing is more skewed, so it activates fewer experts per step at B > 1 than reported here.
 """
 
@@ -51,7 +51,7 @@ def add_parser(subparsers) -> None:
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=default, help=field)
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--context-len", type=int, default=64, help="prompt tokens of each request")
-    p.add_argument("--repeats", type=int, default=3, help="decode steps timed per mode and batch size")
+    p.add_argument("--repeats", type=int, default=5, help="rounds per batch size (grouped step, dense step, ideal)")
     p.add_argument("--model-dir", default=None,
                    help="write (or reuse, if it holds this shape) the random checkpoint here instead of a temp dir")
 
@@ -146,40 +146,52 @@ def _step(engine, recorder, hooks: MoEHooks, batch_size: int) -> tuple[float, fl
     return (wall, hooks.seconds) if last.num_seqs == batch_size and last.kind == "decode" else None
 
 
-def ideal_seconds(model, moes, moe_inputs, batch_size: int) -> tuple[float, float, float]:
-    """(the MoE layers' routers and active experts' GEMMs alone, that plus every other linear at
-    `batch_size` rows and the LM head, mean active experts per layer) for a step whose MoE layers
-    received `moe_inputs` (one [B, hidden] per layer, in order)."""
-    import torch
+class IdealMatmuls:
+    """The matmul-only ideal of a decode step whose MoE layers received `moe_inputs` (one [B, hidden]
+    per layer, in order): `experts()` runs each layer's router and only the experts its rows are
+    routed to, each once over its rows; `rest()` every other linear at B rows and the LM head."""
 
-    from pagedllm.bench.trace_efficiency import _best_of, linear_modules, moe_groups
+    def __init__(self, model, moes, moe_inputs) -> None:
+        import torch
 
-    routed = [(moe, x, moe_groups(moe, x)) for moe, x in zip(moes, moe_inputs)]
-    dtype = moe_inputs[0].dtype
-    linears = linear_modules(model)
-    inputs = {n: torch.randn(batch_size, n, dtype=dtype) for n in {n for _, n in linears}}
-    head_x = torch.randn(batch_size, model.config.hidden_size, dtype=dtype)
+        from pagedllm.bench.trace_efficiency import linear_modules, moe_groups
 
-    def experts():
-        for moe, x, groups in routed:
+        self.model = model
+        self.routed = [(moe, x, moe_groups(moe, x)) for moe, x in zip(moes, moe_inputs)]
+        batch_size, dtype = moe_inputs[0].shape[0], moe_inputs[0].dtype
+        self.linears = linear_modules(model)
+        self.inputs = {n: torch.randn(batch_size, n, dtype=dtype) for n in {n for _, n in self.linears}}
+        self.head_x = torch.randn(batch_size, model.config.hidden_size, dtype=dtype)
+        self.active_per_layer = sum(len(groups) for _, _, groups in self.routed) / len(self.routed)
+        self.time()  # warm-up: first touch of the output buffers
+
+    def experts(self) -> None:
+        for moe, x, groups in self.routed:
             moe.gate(x)
             for expert, rows in groups:
                 moe.expert_mlp(expert, rows)
 
-    def rest():
-        for module, n in linears:
-            module(inputs[n])
-        if model.greedy_token_ids(head_x) is None:
-            model.compute_logits(head_x)
+    def rest(self) -> None:
+        for module, n in self.linears:
+            module(self.inputs[n])
+        if self.model.greedy_token_ids(self.head_x) is None:
+            self.model.compute_logits(self.head_x)
 
-    with torch.inference_mode():
-        moe_s, rest_s = _best_of(experts, 3), _best_of(rest, 3)
-    active = sum(len(groups) for _, _, groups in routed) / len(routed)
-    return moe_s, moe_s + rest_s, active
+    def time(self) -> tuple[float, float]:
+        """(seconds of experts(), seconds of rest()), one run each."""
+        import torch
+
+        with torch.inference_mode():
+            start = time.perf_counter()
+            self.experts()
+            middle = time.perf_counter()
+            self.rest()
+            return middle - start, time.perf_counter() - middle
 
 
 def run_batch(llm, model, moes, batch_size: int, context_len: int, repeats: int, seed: int) -> dict:
-    """One batch size's row: `repeats` grouped and dense decode steps, alternating, and the ideal."""
+    """One batch size's row: `repeats` rounds of a grouped decode step, a dense one and the ideal's
+    matmuls, side by side so that all three see the same load; each figure is its fastest round."""
     import random
 
     from pagedllm.bench.trace_efficiency import StepRecorder
@@ -193,8 +205,8 @@ def run_batch(llm, model, moes, batch_size: int, context_len: int, repeats: int,
     for req_id in ids:
         engine.add_request(req_id, {"prompt_token_ids": [rng.randrange(vocab) for _ in range(context_len)]}, params)
     hooks = MoEHooks(moes)
-    timings = {"grouped": [], "dense": []}
-    moe_inputs = None
+    timings = {"grouped": [], "dense": [], "ideal": []}
+    ideal = None
     try:
         with StepRecorder(engine.core) as recorder:
             for _ in range(4 * batch_size * context_len):  # prefill until the whole batch decodes together
@@ -205,24 +217,27 @@ def run_batch(llm, model, moes, batch_size: int, context_len: int, repeats: int,
             for _ in range(repeats):
                 for mode in ("grouped", "dense"):
                     _set_dense(moes, mode == "dense")
-                    hooks.capture = mode == "grouped" and moe_inputs is None
+                    hooks.capture = mode == "grouped" and ideal is None
                     hooks.inputs = []
                     timed = _step(engine, recorder, hooks, batch_size)
                     if timed is not None:
                         timings[mode].append(timed)
                         if hooks.capture:
-                            moe_inputs = hooks.inputs
+                            ideal = IdealMatmuls(model, moes, hooks.inputs)
+                if ideal is not None:
+                    timings["ideal"].append(ideal.time())
     finally:
         _set_dense(moes, False)
         hooks.remove()
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-    if not timings["grouped"] or not timings["dense"] or moe_inputs is None:
+    if not timings["grouped"] or not timings["dense"] or ideal is None:
         raise RuntimeError(f"batch {batch_size}: the batch did not decode together (KV budget too small?)")
-    moe_ideal_s, step_ideal_s, active = ideal_seconds(model, moes, moe_inputs, batch_size)
-    best = {mode: (min(w for w, _ in t), min(m for _, m in t)) for mode, t in timings.items()}
-    return {"batch_size": batch_size, "active_experts_per_layer": active,
+    best = {mode: (min(a for a, _ in t), min(b for _, b in t)) for mode, t in timings.items()}
+    moe_ideal_s = best["ideal"][0]
+    step_ideal_s = min(a + b for a, b in timings["ideal"])
+    return {"batch_size": batch_size, "active_experts_per_layer": ideal.active_per_layer,
             "step_ms": {"grouped": 1e3 * best["grouped"][0], "dense": 1e3 * best["dense"][0],
                         "ideal": 1e3 * step_ideal_s},
             "moe_ms": {"grouped": 1e3 * best["grouped"][1], "dense": 1e3 * best["dense"][1],

@@ -27,7 +27,7 @@ def test_moe_bench_toy_shape(tmp_path, monkeypatch):
     assert rows[1]["active_experts_per_layer"] == 2  # one row: its top-2 experts
     assert 2 <= rows[5]["active_experts_per_layer"] <= 8
     for r in rows.values():
-        assert r["steps_timed"] == {"grouped": 2, "dense": 2}
+        assert r["steps_timed"] == {"grouped": 2, "dense": 2, "ideal": 2}
         assert all(r[kind][mode] > 0 for kind in ("step_ms", "moe_ms") for mode in ("grouped", "dense", "ideal"))
     # Dense only in the dense steps: 2 steps x 2 layers per batch size, over the whole batch each time.
     assert dense_calls == [1] * 4 + [5] * 4
