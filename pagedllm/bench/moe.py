@@ -19,13 +19,15 @@ received (captured by forward hooks) routed again by each layer's router, then o
 those routed rows need, each expert once over its rows (trace_efficiency.moe_groups); for the
 whole step, that plus every other linear layer at B rows and the LM head. The three run in
 rounds (a grouped step, a dense step, the ideal's matmuls), so all see the same load from the rest
-of the machine, and each figure is its fastest of `--repeats` rounds: that load only ever adds time. Random routers spread rows about evenly over the experts; a trained model's
+of the machine; each time is its fastest of `--repeats` rounds (that load only ever adds time) and
+each ratio the median of its per-round ratios (the machine's slow spells fall on both terms). Random routers spread rows about evenly over the experts; a trained model's
 routing is more skewed, so it activates fewer experts per step at B > 1 than reported here.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -205,7 +207,7 @@ def run_batch(llm, model, moes, batch_size: int, context_len: int, repeats: int,
     for req_id in ids:
         engine.add_request(req_id, {"prompt_token_ids": [rng.randrange(vocab) for _ in range(context_len)]}, params)
     hooks = MoEHooks(moes)
-    timings = {"grouped": [], "dense": [], "ideal": []}
+    rounds = []  # per round: {"grouped": (step s, MoE s), "dense": (...), "ideal": (experts s, rest s)}
     ideal = None
     try:
         with StepRecorder(engine.core) as recorder:
@@ -215,46 +217,55 @@ def run_batch(llm, model, moes, batch_size: int, context_len: int, repeats: int,
                 if last.num_seqs == batch_size and last.kind == "decode":
                     break
             for _ in range(repeats):
+                timed = {}
                 for mode in ("grouped", "dense"):
                     _set_dense(moes, mode == "dense")
                     hooks.capture = mode == "grouped" and ideal is None
                     hooks.inputs = []
-                    timed = _step(engine, recorder, hooks, batch_size)
-                    if timed is not None:
-                        timings[mode].append(timed)
-                        if hooks.capture:
-                            ideal = IdealMatmuls(model, moes, hooks.inputs)
-                if ideal is not None:
-                    timings["ideal"].append(ideal.time())
+                    timed[mode] = _step(engine, recorder, hooks, batch_size)
+                    if hooks.capture and timed[mode] is not None:
+                        ideal = IdealMatmuls(model, moes, hooks.inputs)
+                if ideal is not None and None not in timed.values():
+                    rounds.append({**timed, "ideal": ideal.time()})
     finally:
         _set_dense(moes, False)
         hooks.remove()
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-    if not timings["grouped"] or not timings["dense"] or ideal is None:
+    if not rounds:
         raise RuntimeError(f"batch {batch_size}: the batch did not decode together (KV budget too small?)")
-    best = {mode: (min(a for a, _ in t), min(b for _, b in t)) for mode, t in timings.items()}
-    moe_ideal_s = best["ideal"][0]
-    step_ideal_s = min(a + b for a, b in timings["ideal"])
-    return {"batch_size": batch_size, "active_experts_per_layer": ideal.active_per_layer,
-            "step_ms": {"grouped": 1e3 * best["grouped"][0], "dense": 1e3 * best["dense"][0],
-                        "ideal": 1e3 * step_ideal_s},
-            "moe_ms": {"grouped": 1e3 * best["grouped"][1], "dense": 1e3 * best["dense"][1],
-                       "ideal": 1e3 * moe_ideal_s},
-            "steps_timed": {mode: len(t) for mode, t in timings.items()}}
+    return {"batch_size": batch_size, "active_experts_per_layer": ideal.active_per_layer, **summarize(rounds)}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Each figure's fastest round (ms), and each ratio's median over rounds: a ratio within one
+    round compares runs seconds apart, so a slow spell of the machine falls on both of its terms."""
+    def step(r, mode):
+        return r[mode][0] if mode != "ideal" else r["ideal"][0] + r["ideal"][1]
+
+    def moe(r, mode):
+        return r[mode][1] if mode != "ideal" else r["ideal"][0]
+
+    out = {"rounds": len(rounds)}
+    for key, of in (("step", step), ("moe", moe)):
+        out[f"{key}_ms"] = {mode: 1e3 * min(of(r, mode) for r in rounds) for mode in ("grouped", "dense", "ideal")}
+        out[f"{key}_ratio"] = {f"{mode}/grouped": statistics.median(of(r, mode) / of(r, "grouped") for r in rounds)
+                               for mode in ("dense", "ideal")}
+    return out
 
 
 def moe_table(result: dict) -> tuple[list[str], list[list]]:
+    """Milliseconds: fastest round; ratios: median over rounds (summarize)."""
     headers = ["batch", "active experts / layer", "step ms: grouped", "dense", "matmul-only ideal",
                "dense / grouped", "ideal / grouped", "MoE layers ms: grouped", "dense",
                "active experts' GEMMs alone", "dense / grouped", "GEMMs / grouped"]
     rows = []
     for r in result["rows"]:
-        s, m = r["step_ms"], r["moe_ms"]
+        s, m, sr, mr = r["step_ms"], r["moe_ms"], r["step_ratio"], r["moe_ratio"]
         rows.append([r["batch_size"], r["active_experts_per_layer"], s["grouped"], s["dense"], s["ideal"],
-                     s["dense"] / s["grouped"], s["ideal"] / s["grouped"], m["grouped"], m["dense"], m["ideal"],
-                     m["dense"] / m["grouped"], m["ideal"] / m["grouped"]])
+                     sr["dense/grouped"], sr["ideal/grouped"], m["grouped"], m["dense"], m["ideal"],
+                     mr["dense/grouped"], mr["ideal/grouped"]])
     return headers, rows
 
 
@@ -316,4 +327,4 @@ def _describe(result: dict) -> str:
             f"{s['moe_intermediate']}, top-{s['top_k']}, {s['heads']} / {s['kv_heads']} heads of {s['head_dim']}, "
             f"vocab {s['vocab']}; {result['parameters'] / 1e6:.0f} M parameters ({result['active_parameters'] / 1e6:.0f} M "
             f"active per token), {result['dtype']}, context {result['context_len']}, "
-            f"best of {result['repeats']} steps per mode, {result['torch_threads']} threads")
+            f"{result['repeats']} rounds, {result['torch_threads']} threads")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.entrypoints.cli import main
 from pagedllm.model.layers.moe import SparseMoE
 
@@ -27,7 +29,7 @@ def test_moe_bench_toy_shape(tmp_path, monkeypatch):
     assert rows[1]["active_experts_per_layer"] == 2  # one row: its top-2 experts
     assert 2 <= rows[5]["active_experts_per_layer"] <= 8
     for r in rows.values():
-        assert r["steps_timed"] == {"grouped": 2, "dense": 2, "ideal": 2}
+        assert r["rounds"] == 2 and set(r["step_ratio"]) == {"dense/grouped", "ideal/grouped"}
         assert all(r[kind][mode] > 0 for kind in ("step_ms", "moe_ms") for mode in ("grouped", "dense", "ideal"))
     # Dense only in the dense steps: 2 steps x 2 layers per batch size, over the whole batch each time.
     assert dense_calls == [1] * 4 + [5] * 4
@@ -35,3 +37,19 @@ def test_moe_bench_toy_shape(tmp_path, monkeypatch):
     stamp = (tmp_path / "ckpt" / "layer-000.safetensors").stat().st_mtime_ns
     assert main([*argv[:-4], "--batch-sizes", "1", "--repeats", "1", *argv[-2:]]) == 0
     assert (tmp_path / "ckpt" / "layer-000.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_times_are_the_fastest_round_and_ratios_the_median_of_per_round_ratios():
+    from pagedllm.bench.moe import summarize
+
+    rounds = [{"grouped": (0.010, 0.004), "dense": (0.040, 0.032), "ideal": (0.003, 0.005)},
+              {"grouped": (0.020, 0.010), "dense": (0.060, 0.050), "ideal": (0.008, 0.004)},
+              {"grouped": (0.012, 0.006), "dense": (0.030, 0.024), "ideal": (0.006, 0.006)}]
+    s = summarize(rounds)
+    assert s["rounds"] == 3
+    assert s["step_ms"] == pytest.approx({"grouped": 10.0, "dense": 30.0, "ideal": 8.0})
+    assert s["moe_ms"] == pytest.approx({"grouped": 4.0, "dense": 24.0, "ideal": 3.0})
+    # per-round step ratios: dense 4, 3, 2.5 -> 3; ideal 0.8, 0.6, 1.0 -> 0.8
+    assert s["step_ratio"] == pytest.approx({"dense/grouped": 3.0, "ideal/grouped": 0.8})
+    # MoE: dense 8, 5, 4 -> 5; ideal 0.75, 0.8, 1.0 -> 0.8
+    assert s["moe_ratio"] == pytest.approx({"dense/grouped": 5.0, "ideal/grouped": 0.8})
