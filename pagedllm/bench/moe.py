@@ -247,7 +247,7 @@ def summarize(rounds: list[dict]) -> dict:
     def moe(r, mode):
         return r[mode][1] if mode != "ideal" else r["ideal"][0]
 
-    out = {"rounds": len(rounds)}
+    out = {"rounds": len(rounds), "per_round_ms": [{mode: [1e3 * t for t in r[mode]] for mode in r} for r in rounds]}
     for key, of in (("step", step), ("moe", moe)):
         out[f"{key}_ms"] = {mode: 1e3 * min(of(r, mode) for r in rounds) for mode in ("grouped", "dense", "ideal")}
         out[f"{key}_ratio"] = {f"{mode}/grouped": statistics.median(of(r, mode) / of(r, "grouped") for r in rounds)
