@@ -1,10 +1,10 @@
 """`pagedllm bench moe`: decode steps of a mixture-of-experts model, three ways.
 
-    pagedllm bench moe --batch-sizes 1,16,64 --repeats 3
+    pagedllm bench moe --batch-sizes 1,16,64 --repeats 5
 
 A random Qwen3-MoE checkpoint of a tiny-but-not-toy shape (default: a Qwen3-30B-A3B scaled down to
 hidden 1024, 8 layers, 64 experts of intermediate 384, top-8, 16 query / 4 KV heads of 64, vocab
-32000; about 0.6 B parameters, 2.4 GB in float32) is written to a temporary directory and served
+32000; 691 M parameters, 163 M active per token, 2.8 GB in float32) is written to a temporary directory and served
 by an `LLM`. For each batch size B, B requests of `--context-len` random tokens are prefilled,
 then the engine's decode steps (B rows each) are timed with its MoE layers run
 
@@ -20,8 +20,9 @@ those routed rows need, each expert once over its rows (trace_efficiency.moe_gro
 whole step, that plus every other linear layer at B rows and the LM head. The three run in
 rounds (a grouped step, a dense step, the ideal's matmuls), so all see the same load from the rest
 of the machine; each time is its fastest of `--repeats` rounds (that load only ever adds time) and
-each ratio the median of its per-round ratios (the machine's slow spells fall on both terms). Random routers spread rows about evenly over the experts; a trained model's
-routing is more skewed, so it activates fewer experts per step at B > 1 than reported here.
+each ratio the median of its per-round ratios (the machine's slow spells fall on both terms).
+Random routers spread rows about evenly over the experts; a trained model's routing is more
+skewed, so it activates fewer experts per step at B > 1 than reported here.
 """
 
 from __future__ import annotations
@@ -325,6 +326,6 @@ def _describe(result: dict) -> str:
     s = result["shape"]
     return (f"hidden {s['hidden']}, {s['layers']} layers, {s['experts']} experts of intermediate "
             f"{s['moe_intermediate']}, top-{s['top_k']}, {s['heads']} / {s['kv_heads']} heads of {s['head_dim']}, "
-            f"vocab {s['vocab']}; {result['parameters'] / 1e6:.0f} M parameters ({result['active_parameters'] / 1e6:.0f} M "
-            f"active per token), {result['dtype']}, context {result['context_len']}, "
+            f"vocab {s['vocab']}; {result['parameters'] / 1e6:.0f} M parameters "
+            f"({result['active_parameters'] / 1e6:.0f} M active per token), {result['dtype']}, context {result['context_len']}, "
             f"{result['repeats']} rounds, {result['torch_threads']} threads")
