@@ -4,8 +4,9 @@
 
 A random Qwen3-MoE checkpoint of a tiny-but-not-toy shape (default: a Qwen3-30B-A3B scaled down to
 hidden 1024, 8 layers, 64 experts of intermediate 384, top-8, 16 query / 4 KV heads of 64, vocab
-32000; 691 M parameters, 163 M active per token, 2.8 GB in float32) is written to a temporary directory and served
-by an `LLM`. For each batch size B, B requests of `--context-len` random tokens are prefilled,
+32000; 691 M parameters, 163 M active per token, 2.8 GB in float32) is written to a temporary
+directory and served by an `LLM` (about 2x that in memory: the experts' packed copies). For each
+batch size B, B requests of `--context-len` random tokens are prefilled,
 then the engine's decode steps (B rows each) are timed with its MoE layers run
 
     grouped    the engine's path (model/layers/moe.py): rows sorted by expert, each chosen expert's
