@@ -6,6 +6,8 @@ Default shape: a scaled-down Qwen3-30B-A3B layer (hidden 1024, 64 experts of int
 top-8; the real one is 2048 / 128 x 768 / top-8), random weights, float32.
 
     PYTHONPATH=. python scripts/moe_layer_bench.py [--hidden 1024 --experts 64 --inter 384 --top-k 8]
+
+The same comparison over a whole model's decode steps, through an LLM: `pagedllm bench moe`.
 """
 
 import argparse

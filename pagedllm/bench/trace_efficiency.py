@@ -5,7 +5,10 @@ shape: the tokens it scheduled (rows through every linear layer of every decoder
 sequences it sampled (rows through the LM head). Afterwards, in the same process and with the
 same threads, the model's own layers are timed alone on random inputs at a grid of row counts:
 
-    linear(M)  one pass of every linear layer of the model (QKV, O, gate/up, down; all layers) at M rows
+    linear(M)  one pass of every linear layer of the model (QKV, O, gate/up, down; all layers) at M rows;
+               in a mixture-of-experts layer, its router and only the experts M rows are routed to,
+               each over its own rows (``moe_groups``: the layer's router on the random rows picks
+               them, top_k per row, as a step's real rows would be routed), not all the experts
     head(M)    the LM head at M rows, as a greedy step runs it: model.greedy_token_ids where it
                applies (the exact bfloat16-candidates head, model/layers/greedy_head.py), else
                model.compute_logits (float32 logits)
@@ -161,6 +164,20 @@ def linear_modules(model) -> list[tuple[torch.nn.Module, int]]:
             for m in model.modules() if isinstance(m, LinearBase)]
 
 
+def moe_layers(model) -> list[torch.nn.Module]:
+    """The model's sparse mixture-of-experts MLPs (model/layers/moe.py), if any."""
+    from pagedllm.model.layers.moe import SparseMoE
+
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def moe_groups(moe, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(expert, its rows of ``x``) for each expert the layer's router sends at least one row of
+    ``x`` to: the GEMMs the routed rows need (len(x) * top_k rows in all)."""
+    _, expert_ids = moe.route(x)
+    return [(e, x[(expert_ids == e).any(-1)]) for e in expert_ids.unique().tolist()]
+
+
 def _best_of(fn, repeats: int, budget_s: float = 1.0, max_repeats: int = 20) -> float:
     """Best of `repeats` runs, and of more (up to `max_repeats`) while they fit in `budget_s`:
     cheap shapes get more tries, which matters on a shared, noisy machine."""
@@ -193,15 +210,22 @@ def time_matmul_grid(model, max_tokens: int, max_sampled: int, repeats: int = 3)
     """Seconds of linear(M) and head(M) at a grid of M (see the module docstring)."""
     linears = linear_modules(model)
     assert linears, "no linear layers found in the model"
+    moes = moe_layers(model)
     param = next(model.parameters())
     hidden = model.config.hidden_size
     out = {"linear": {}, "head": {}}
     for m in _grid(max_tokens):
         inputs = {n: torch.randn(m, n, dtype=param.dtype, device=param.device) for n in {n for _, n in linears}}
+        x = torch.randn(m, hidden, dtype=param.dtype, device=param.device)
+        routed = [(moe, moe_groups(moe, x)) for moe in moes]
 
         def run_linears():
             for module, n in linears:
                 module(inputs[n])
+            for moe, groups in routed:
+                moe.gate(x)  # the router's GEMM
+                for expert, rows in groups:
+                    moe.expert_mlp(expert, rows)
 
         out["linear"][m] = _best_of(run_linears, repeats)
     for m in _grid(max(1, max_sampled)):

@@ -13,6 +13,7 @@ The vocabulary is padded up to a multiple of N, so it never limits N.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -73,5 +74,10 @@ def config_tp_shape(hf_config, tp_size: int = 1, tp_rank: int = 0) -> TPShape:
 
 
 def check_config_tp_size(hf_config, tp_size: int) -> None:
-    """``check_tp_size`` for a Hugging Face config."""
-    check_tp_size(tp_size, hf_config.num_attention_heads, num_kv_heads_of(hf_config), hf_config.intermediate_size)
+    """``check_tp_size`` for a Hugging Face config. Qwen3-MoE's experts have their own intermediate
+    size, sliced like the dense one (model/layers/moe.py), so N must divide both: their gcd stands in."""
+    intermediate = hf_config.intermediate_size
+    moe_intermediate = getattr(hf_config, "moe_intermediate_size", None)
+    if moe_intermediate:
+        intermediate = math.gcd(intermediate, moe_intermediate)
+    check_tp_size(tp_size, hf_config.num_attention_heads, num_kv_heads_of(hf_config), intermediate)

@@ -7,7 +7,8 @@ sparse MoE (layers/moe.py).
   renormalised; checkpoints name the block ``block_sparse_moe`` and the projections w1 (gate),
   w3 (up), w2 (down).
 
-Tensor parallelism would shard experts; that is not built, so these refuse tensor_parallel_size > 1.
+Under tensor parallelism each rank holds every expert sliced along the intermediate dimension
+(layers/moe.py says why that over expert parallelism); the router is replicated.
 """
 
 import re
@@ -17,22 +18,17 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import get_tp_size
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.model.layers.moe import SparseMoE
 from pagedllm.model.llama import DecoderSpec, LlamaForCausalLM, LlamaMLP, llama_spec
 
 
-def _check_single_rank(name: str) -> None:
-    if get_tp_size() > 1:
-        raise ValueError(f"{name}: mixture-of-experts models do not run under tensor parallelism yet "
-                         f"(experts are not sharded); use tensor_parallel_size=1")
+def _sparse_moe(config, intermediate_size: int, num_experts: int, renormalize: bool) -> SparseMoE:
+    return SparseMoE(config.hidden_size, intermediate_size, num_experts, config.num_experts_per_tok, renormalize,
+                     config.hidden_act, tp_size=get_tp_size(), tp_rank=get_tp_rank())
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, config):
-        _check_single_rank("Qwen3MoeForCausalLM")
-        super().__init__(config)
-
     @classmethod
     def decoder_spec(cls, config) -> DecoderSpec:
         return replace(llama_spec(config), qk_norm=True)
@@ -42,8 +38,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                   and (layer_idx + 1) % config.decoder_sparse_step == 0)
         if not sparse:
             return LlamaMLP(config, self.spec)
-        return SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                         config.num_experts_per_tok, bool(config.norm_topk_prob), config.hidden_act)
+        return _sparse_moe(config, config.moe_intermediate_size, config.num_experts, bool(config.norm_topk_prob))
 
 
 _MIXTRAL_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -51,13 +46,8 @@ _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config):
-        _check_single_rank("MixtralForCausalLM")
-        super().__init__(config)
-
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
-        return SparseMoE(config.hidden_size, config.intermediate_size, config.num_local_experts,
-                         config.num_experts_per_tok, True, config.hidden_act)
+        return _sparse_moe(config, config.intermediate_size, config.num_local_experts, True)
 
     def hf_weights(self, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         expert = _MIXTRAL_EXPERT.match(name)

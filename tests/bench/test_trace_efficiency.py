@@ -220,3 +220,38 @@ def test_rounds_score_every_engine_run_against_one_grid(tiny_engine_args):
     assert result["median_round_efficiency"] == pytest.approx((rounds[0]["efficiency"] + rounds[1]["efficiency"]) / 2)
     headers, rows = efficiency_rounds_table(result)
     assert [row[0] for row in rows] == [1, 2, "median"]
+
+
+def test_the_ideal_of_a_moe_model_runs_only_the_routed_experts():
+    """A tiny Qwen3-MoE (8 experts, top-2; layers 0 and 2 sparse): at M rows the linear(M) pass
+    runs each sparse layer's router once and only the experts its rows are routed to, M * top_k
+    rows in all; at one row that is top_k experts, not all eight."""
+    import torch
+
+    from pagedllm.bench.trace_efficiency import moe_groups, moe_layers, time_matmul_grid
+    from pagedllm.model.moe import Qwen3MoeForCausalLM
+    from tests.model.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(tiny_config("qwen3_moe"))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.process_weights_after_loading()
+    moes = moe_layers(model)
+    assert len(moes) == 2 and moes[0].num_experts == 8 and moes[0].top_k == 2
+    for m in (1, 3, 40):
+        groups = moe_groups(moes[0], torch.randn(m, 64))
+        assert sum(len(rows) for _, rows in groups) == 2 * m
+        assert len(groups) == len({e for e, _ in groups}) <= min(8, 2 * m)
+
+    router_calls, expert_rows = [], []
+    for moe in moes:
+        moe.gate.register_forward_hook(lambda module, args, out: router_calls.append(len(args[0])))
+        moe.expert_mlp = lambda expert, rows, f=moe.expert_mlp: expert_rows.append(len(rows)) or f(expert, rows)
+    grid = time_matmul_grid(model, max_tokens=1, max_sampled=1, repeats=1)
+    assert list(grid["linear"]) == [1] and router_calls and set(router_calls) == {1}
+    # Each layer's router runs once to route the grid point's rows (moe_groups), then once per timed
+    # pass, and each pass runs top_k experts over one row each.
+    passes = len(router_calls) - len(moes)
+    assert passes >= 2 * len(moes) and expert_rows == [1] * (2 * passes)

@@ -12,29 +12,45 @@ chose::
 Routing follows HF: softmax over all experts in float32, top-k of the probabilities, renormalised
 to sum to 1 when ``renormalize`` (Mixtral always; Qwen3-MoE when ``norm_topk_prob``), cast back to
 the activations' dtype.
+
+Under tensor parallelism every rank holds every expert, sliced along the intermediate dimension as
+a dense MLP is (gate/up rows ``[r*I/N, (r+1)*I/N)``, the same columns of down), and the router whole:
+each rank routes identically, computes its slice of every chosen expert, weights and sums it, and
+one all-reduce per layer (the one a dense MLP's down projection does) adds the slices. Chosen over
+expert parallelism (each rank holding E/N whole experts) because decode is bound by reading the
+chosen experts' weights: sliced, each rank reads 1/N of every chosen expert, whatever the routing;
+split by expert, a step's slowest rank is the one that drew the most chosen experts (at batch 1,
+top-8 of 64 experts over 2 ranks: 5 or more of the 8 on one rank 71% of the time, by the
+hypergeometric odds), and the tokens would need an all-to-all.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import tp_all_reduce
 from pagedllm.model.layers.activation import gated_activation
 from pagedllm.model.layers.linear import materialize, pack_for_cpu, packed_linear
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, activation: str = "silu"):
+                 renormalize: bool, activation: str = "silu", tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        if intermediate_size % tp_size:
+            raise ValueError(f"the experts' intermediate size {intermediate_size} does not split "
+                             f"tensor_parallel_size={tp_size} ways")
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
         self.intermediate_size = intermediate_size
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.tp_size = tp_size
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, whole on every rank
         self.gate.weight.requires_grad_(False)
-        self.experts = _StackedExperts(hidden_size, intermediate_size, num_experts)
+        self.experts = _StackedExperts(hidden_size, intermediate_size, num_experts, tp_size, tp_rank)
+        self.dense = False  # the benchmark's switch: every expert over every token (forward_dense)
         self.act = gated_activation(activation)
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +63,11 @@ class SparseMoE(nn.Module):
         return weights.to(hidden_states.dtype), expert_ids
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        out = self.forward_dense(hidden_states) if self.dense else self._grouped(hidden_states)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
+
+    def _grouped(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (its intermediate slice of each chosen expert)."""
         num_tokens, hidden = hidden_states.shape
         weights, expert_ids = self.route(hidden_states)
         flat_experts = expert_ids.reshape(-1)  # [T*k]: pair p is token p // k's choice p % k
@@ -71,7 +92,7 @@ class SparseMoE(nn.Module):
 
     def forward_dense(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, unchosen ones weighted 0: the benchmark's dense baseline
-        (same routing, so the same result up to rounding)."""
+        (same routing, so the same result up to rounding); this rank's share, unreduced."""
         weights, expert_ids = self.route(hidden_states)
         dense = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=weights.dtype)
         dense.scatter_(1, expert_ids, weights)  # [T, E]
@@ -95,11 +116,16 @@ class SparseMoE(nn.Module):
 
 class _StackedExperts(nn.Module):
     """All experts' weights, stacked: ``w13`` [E, 2*I, hidden] (gate rows, then up rows) and
-    ``w2`` [E, hidden, I]. Checkpoints store them per expert; each loads into its slice."""
+    ``w2`` [E, hidden, I], I this rank's slice of the intermediate features under tensor
+    parallelism. Checkpoints store them per expert; each loads into its slice."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, tp_size: int = 1,
+                 tp_rank: int = 0):
         super().__init__()
+        intermediate_size //= tp_size
         self.intermediate_size = intermediate_size
+        self.tp_rank = tp_rank
+        self.full_intermediate_size = intermediate_size * tp_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.w13.weight_loader = self._load_w13
@@ -117,13 +143,14 @@ class _StackedExperts(nn.Module):
                        for e in range(self.w13.shape[0])]
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
-        expert, part = shard_id  # part 0 = gate_proj, 1 = up_proj
+        expert, part = shard_id  # part 0 = gate_proj [I, hidden], 1 = up_proj
         I = self.intermediate_size
         target = param.data[expert, part * I : (part + 1) * I]
-        assert target.shape == loaded.shape, (target.shape, loaded.shape)
-        target.copy_(materialize(loaded))
+        assert loaded.shape == (self.full_intermediate_size, target.shape[1]), (tuple(loaded.shape), target.shape)
+        target.copy_(materialize(loaded.narrow(0, self.tp_rank * I, I)))  # a lazy slice reads only these rows
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int]) -> None:
+        I = self.intermediate_size  # down_proj [hidden, I]: this rank's columns
         target = param.data[shard_id[0]]
-        assert target.shape == loaded.shape, (target.shape, loaded.shape)
-        target.copy_(materialize(loaded))
+        assert loaded.shape == (target.shape[0], self.full_intermediate_size), (tuple(loaded.shape), target.shape)
+        target.copy_(materialize(loaded.narrow(1, self.tp_rank * I, I)))

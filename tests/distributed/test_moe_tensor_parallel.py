@@ -1,0 +1,53 @@
+"""Mixture-of-experts under tensor parallelism (experts sliced along their intermediate dimension,
+model/layers/moe.py): at N=2, tiny Qwen3-MoE (with a dense layer among the sparse ones) and Mixtral
+give the unsharded engine's and Hugging Face's greedy outputs, with chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
+from tests.model.tiny_models import make_hf_model, save_hf_model
+
+pytestmark = pytest.mark.slow  # two worker processes per engine
+
+MAX_NEW_TOKENS = 8
+PRESSURE = dict(max_num_batched_tokens=37, block_size=8, num_kv_blocks=14)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_moe_tp2_matches_unsharded_and_hf(kind, tmp_path):
+    hf_model = make_hf_model(kind, seed=4, max_position_embeddings=512)
+    hf_model.generation_config.eos_token_id = None
+    path = save_hf_model(hf_model, tmp_path / kind)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 17, 40, 70)]
+    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+    unsharded = engine_greedy(LLM(model=path, **PRESSURE), prompts, MAX_NEW_TOKENS)
+
+    llm = LLM(model=path, tensor_parallel_size=2, **PRESSURE)
+    try:
+        assert not hasattr(llm.engine.core.executor, "runner")  # the ranks run the model, not this process
+        results = engine_greedy(llm, prompts, MAX_NEW_TOKENS)
+        assert llm.engine.core.scheduler.num_preemptions > 0, "the run was meant to preempt"
+        assert llm.engine.core.check_kv_leaks() == []
+    finally:
+        llm.engine.core.shutdown()
+    assert [ids for ids, _ in results] == [ids for ids, _ in unsharded], f"{kind}: differs from the unsharded engine"
+    for (_, logprobs), (_, expected) in zip(results, unsharded):
+        assert logprobs == pytest.approx(expected, abs=1e-4), kind
+    verdicts = [assert_matches_reference(ids, lp, ref, f"{kind} N=2, prompt {i}")
+                for i, ((ids, lp), ref) in enumerate(zip(results, references))]
+    assert verdicts.count("exact") >= len(verdicts) - 1, verdicts
