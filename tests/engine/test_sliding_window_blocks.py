@@ -14,9 +14,11 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams
 from pagedllm.core.kv_cache_interface import paged_kv_cache_manager
 from pagedllm.core.kv_cache_manager import cdiv
-from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
+from tests.engine.test_beam_search import assert_same_beams, hf_beam_search
+from tests.hf_reference import assert_matches_reference, hf_greedy
 from tests.model.conftest import require_compiled_cpu_ops
 from tests.model.tiny_models import WINDOW, make_hf_model, save_hf_model
 
@@ -74,6 +76,9 @@ def _check(llm, prompts, references, label, n=1):
         # the reference gathers whole tables: the null entries read as the never-written (zero) block, masked
         pytest.param(dict(attention_backend="torch"), id="one-batch-torch-reference"),
         pytest.param(dict(max_num_batched_tokens=13), id="chunked-prefill"),
+        # rollbacks move num_computed_tokens back, never below its value when the step was scheduled
+        pytest.param(dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+                     id="speculative-ngram"),
         pytest.param(dict(num_kv_blocks=13, max_num_batched_tokens=24), id="preemption-recompute"),
         pytest.param(dict(num_kv_blocks=13, max_num_batched_tokens=24, preemption_mode="swap",
                           swap_space="4MiB", enable_prefix_caching=False), id="preemption-swap"),
@@ -92,6 +97,8 @@ def test_long_conversation_holds_only_the_window_and_matches_hf(setup, engine_kw
     _check(llm, prompts, references, str(engine_kwargs))
     assert watch.max_decode_blocks == cdiv(WINDOW, BLOCK_SIZE) + 1  # reached, never passed
     assert watch.max_table_len == cdiv(max(PROMPT_LENGTHS) + NEW_TOKENS - 1, BLOCK_SIZE)  # 170 tokens' worth
+    if "speculative_config" in engine_kwargs:
+        assert llm.engine.core.stats().spec_num_draft_tokens > 0, "the run was meant to speculate"
     if "num_kv_blocks" in engine_kwargs:  # 12 usable blocks: three 5-block windows do not fit side by side
         assert llm.engine.core.scheduler.num_preemptions > 0, "the run was meant to preempt"
         assert llm.engine.core.scheduler.num_swap_outs > 0 or engine_kwargs.get("preemption_mode") != "swap"
@@ -121,3 +128,21 @@ def test_without_freeing_the_table_is_held_whole(setup):
     llm.engine.core.step_listeners.append(lambda out, _: held.append(kv.kv_stats().num_used_blocks))
     _check(llm, prompts, references, "no freeing")
     assert max(held) == sum(cdiv(n + NEW_TOKENS - 1, BLOCK_SIZE) for n in PROMPT_LENGTHS)
+
+
+def test_beam_search_with_freed_blocks_matches_hf(setup):
+    """Beams fork the table (null entries included) and copy-on-write their partial last block; the same
+    beams and scores as HF's generate(num_beams=3) over a window that slides as they grow."""
+    path, prompts, _ = setup
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(model=path, block_size=BLOCK_SIZE)
+    watch = BlockWatch(llm)
+    params = BeamSearchParams(3, max_tokens=40, ignore_eos=True)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], params)
+    assert llm.engine.core.check_kv_leaks() == []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        hf_tokens, hf_scores = hf_beam_search(hf_model, prompt, params, [0])
+        assert_same_beams(output, hf_tokens, hf_scores, params.length_penalty, f"windowed beams, prompt {i}")
+    assert watch.max_decode_blocks == cdiv(WINDOW, BLOCK_SIZE) + 1
