@@ -131,6 +131,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from pagedllm.model.loader import load_hf_dir
     from pagedllm.worker import tp_protocol as proto
     from pagedllm.worker.kv_cache import KVCacheSpec
+    from pagedllm.worker.kv_cache_sizing import shared_sliding_window
     from pagedllm.worker.model_runner import ModelRunner
 
     rank = args.rank
@@ -171,7 +172,7 @@ def run_worker(args: argparse.Namespace) -> int:
                              num_blocks=init.num_blocks, seed=init.seed, num_host_blocks=init.num_host_blocks,
                              device="cpu", attention_backend="torch", cuda_graphs=None,  # ranks run eagerly on the CPU
                              tokenizer=loaded.tokenizer, batch_invariant=False)  # EngineArgs refuses it at TP > 1
-        sock.send(proto.encoder.encode(proto.ReadyMsg(rank, model.num_kv_heads)))
+        sock.send(proto.encoder.encode(proto.ReadyMsg(rank, model.num_kv_heads, shared_sliding_window(model))))
         logger.info("rank %d: ready (%d KV heads, %d blocks)", rank, model.num_kv_heads, init.num_blocks)
 
         while True:

@@ -146,3 +146,17 @@ def test_beam_search_with_freed_blocks_matches_hf(setup):
         hf_tokens, hf_scores = hf_beam_search(hf_model, prompt, params, [0])
         assert_same_beams(output, hf_tokens, hf_scores, params.length_penalty, f"windowed beams, prompt {i}")
     assert watch.max_decode_blocks == cdiv(WINDOW, BLOCK_SIZE) + 1
+
+
+@pytest.mark.slow  # tensor-parallel ranks in worker processes
+def test_tensor_parallel_ranks_report_the_window(setup):
+    """The ranks (the torch reference, gathering null entries as zeros) agree with HF with the blocks freed."""
+    path, prompts, references = setup
+    llm = LLM(model=path, block_size=BLOCK_SIZE, tensor_parallel_size=2, max_num_batched_tokens=13)
+    try:
+        assert llm.engine.core.kv_cache_manager.sliding_window == WINDOW
+        watch = BlockWatch(llm)
+        _check(llm, prompts[:2], references[:2], "tensor parallel 2")
+        assert watch.max_decode_blocks == cdiv(WINDOW, BLOCK_SIZE) + 1
+    finally:
+        llm.engine.core.shutdown()
