@@ -60,8 +60,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode,
                                    speculative_config=engine_args.speculative(),
                                    max_loras=lora.max_loras if (lora := engine_args.lora_config()) else None)
-        self.beams = BeamGroups(self.scheduler_config, self.kv_cache_manager.num_blocks,
-                                self.kv_cache_manager.num_blocks_for_tokens)
+        kv, max_step_tokens = self.kv_cache_manager, self.scheduler_config.max_num_batched_tokens
+        self.beams = BeamGroups(self.scheduler_config, kv.num_blocks, lambda n: kv.max_blocks_held(n, max_step_tokens))
         """Beam-search requests: stepped after each step from their beams' top logprobs; they decide,
         this core tells the scheduler (`_step_beam_groups`)."""
         self.kv_bytes_per_block = self.kv_info.bytes_per_block * engine_args.parallel_config().tensor_parallel_size

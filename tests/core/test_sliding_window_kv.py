@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +17,10 @@ from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.errors import InvalidRequestError
 
 from .helpers import make_request
+from .helpers import step as run_step
 from .test_scheduler import _check_block_invariants
 from .test_spec_scheduler import BLOCK_SIZE, DRAFT_DIR, FakeKVRunner, _add
 
@@ -198,3 +201,18 @@ def test_window_freeing_with_chunks_prefix_hits_forks_preemption_and_rollbacks(o
         step()
     assert not sched.has_unfinished_requests()
     assert kv.check_no_leaks() == []
+
+
+def test_a_request_longer_than_the_cache_is_admitted_and_runs():
+    """Admission refuses by the most blocks a request holds at once, not its whole length."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=400)
+    sched = Scheduler(config, KVCacheManager(8, BLOCK_SIZE, False, sliding_window=W))  # 7 usable: 28 tokens
+    req = make_request(20, max_tokens=200)
+    assert sched.kv.max_blocks_held(220, 8) == cdiv(W - 1 + 8, BLOCK_SIZE) + 1 == 5
+    sched.add_request(req)
+    plain = Scheduler(config, KVCacheManager(8, BLOCK_SIZE, False))
+    with pytest.raises(InvalidRequestError, match="whole cache"):
+        plain.add_request(make_request(20, max_tokens=200))
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert req.num_output_tokens == 200 and sched.num_preemptions == 0 and sched.kv.check_no_leaks() == []
