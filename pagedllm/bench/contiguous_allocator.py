@@ -240,6 +240,9 @@ class ContiguousKVCacheManager:
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        return self.num_blocks_for_tokens(num_tokens)  # a region holds the whole sequence
+
     def get_block_ids(self, req_id: str) -> list[int]:
         region = self.regions.get(req_id)
         return [] if region is None else list(range(region.start, region.start + region.num_handed))

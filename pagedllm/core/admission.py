@@ -27,11 +27,12 @@ requests, 300 blocks of 16): 0 -> 92 preemptions, 58% of tokens computed twice; 
 def refuse_if_never_fits(config: SchedulerConfig, kv: KVCacheManagerProtocol, request: Request,
                          num_sequences: int) -> None:
     """InvalidRequestError if this engine could never run `request` with its `num_sequences` parallel
-    sequences: more than max_num_seqs, or more blocks than the whole KV cache at its final length."""
+    sequences: more than max_num_seqs, or more blocks than the whole KV cache at its largest (its final
+    length, or with blocks freed behind a sliding window, its window and one step's tokens)."""
     if num_sequences > config.max_num_seqs:
         raise InvalidRequestError(f"{num_sequences} parallel sequences exceed max_num_seqs ({config.max_num_seqs})")
     final_len = request.num_prompt_tokens + request.max_tokens
-    num_blocks = kv.num_blocks_for_tokens(final_len)
+    num_blocks = kv.max_blocks_held(final_len, config.max_num_batched_tokens)
     if num_blocks > kv.num_blocks:
         raise InvalidRequestError(
             f"this request needs up to {num_blocks} KV blocks ({final_len} tokens) but the whole "

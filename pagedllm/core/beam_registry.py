@@ -38,6 +38,8 @@ class BeamGroups:
     """Every beam group of one engine core, by request id and by beam id."""
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, num_blocks_for_tokens: Callable[[int], int]) -> None:
+        """`num_blocks_for_tokens(n)`: the most blocks one beam of n tokens holds at once (the KV cache
+        manager's `max_blocks_held`: fewer than n's whole length behind a sliding window)."""
         self.config = config
         self.num_kv_blocks = num_kv_blocks
         self.num_blocks_for_tokens = num_blocks_for_tokens
@@ -60,7 +62,7 @@ class BeamGroups:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least the beam width"
             )
         # A group resumed by recomputation shares no blocks until its beams fork again: the whole
-        # cache must hold every beam at full length, unshared.
+        # cache must hold every beam at its largest, unshared.
         num_tokens = len(request.prompt_token_ids) + request.max_tokens
         num_blocks = width * self.num_blocks_for_tokens(num_tokens)
         if num_blocks > self.num_kv_blocks:

@@ -53,6 +53,10 @@ class KVCacheManagerProtocol(Protocol):
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int: ...
 
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence growing to `num_tokens`, at most `max_step_tokens` a step, holds at
+        once (what admission refuses by; less than its whole length when blocks behind a window are freed)."""
+
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table (empty if it holds none)."""
 
@@ -110,7 +114,8 @@ class KVCacheManagerFactory(Protocol):
 
 
 def paged_kv_cache_manager(num_blocks: int, num_host_blocks: int, cache_config: CacheConfig,
-                           scheduler_config: SchedulerConfig) -> KVCacheManagerProtocol:
-    """The product's factory: paged blocks, prefix caching as configured, swap space if any."""
+                           scheduler_config: SchedulerConfig, sliding_window: int | None = None) -> KVCacheManagerProtocol:
+    """The product's factory: paged blocks, prefix caching as configured, swap space if any; with the
+    `sliding_window` every layer shares, blocks behind it are freed (the engine core passes the executor's)."""
     return KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                          num_host_blocks=num_host_blocks)
+                          num_host_blocks=num_host_blocks, sliding_window=sliding_window)

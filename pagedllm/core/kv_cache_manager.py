@@ -6,16 +6,25 @@ block is taken only in the step the request first writes past its last block.
     block_size = 4, 10 tokens computed or scheduled:
     block table:  [ 7 | 2 | 9 ]
                    ####  ####  ##..     '#' slot holds KV, '.' slot free for the next tokens
+
+With a sliding window W on every layer, a query at position p reads keys p - W + 1 .. p only, so
+once `num_computed_tokens` (the first position a step computes) passes a block's last position by
+W, no step reads it again: it goes back to the pool and its table entry points at the null block,
+a reserved id (the last) that is never handed out, never written, and never read by the compiled
+op (it starts at the window); the torch reference gathers it as zeros and masks it.
+
+    W = 6, block_size = 4, 13 tokens computed (the next query, at 13, reads keys 8..13):
+    block table:  [ N | N | 9 | 4 ]     N: null, its block freed (still findable by its prefix hash)
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_hash import extend_block_hashes, prefix_extra_keys
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.kv_stats import KVCacheStats
 from pagedllm.core.request import Request
 
 
@@ -27,53 +36,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True, slots=True)
-class KVCacheStats:
-    """Where the KV cache's memory is now: every device block is exactly one of used, cached or empty.
-
-    Read from counters kept as blocks change hands (no scan). Only running requests hold blocks: a
-    preempted request frees its blocks (recompute) or moves them to host blocks (swap)."""
-
-    num_blocks: int
-    block_size: int
-    num_used_blocks: int
-    """Held by at least one request."""
-    num_cached_blocks: int
-    """Held by nobody but still holding a cached prefix: reclaimable, reused on a prefix hit."""
-    num_empty_blocks: int
-    """Held by nobody, holding nothing."""
-    num_filled_slots: int
-    """Token slots of the used blocks that hold KV (or are written in the step just scheduled)."""
-    num_shared_blocks: int
-    """Used blocks held by more than one sequence (parallel samples, beams, prefix hits)."""
-    num_block_refs: int
-    """Block-table entries over all sequences: what the used blocks would be without sharing."""
-    num_host_blocks: int = 0
-    """Swap space, in blocks."""
-    num_swapped_blocks: int = 0
-    """Host blocks holding swapped-out requests' KV."""
-    blocks_by_priority: dict[int, int] | None = None
-    """Block-table entries by request priority (a shared block counts once per holder); only priorities
-    that hold blocks appear. None: the manager does not break its blocks down by priority."""
-
-    @property
-    def num_allocated_slots(self) -> int:
-        """Token slots of the used blocks, filled or not (filled / allocated: internal fragmentation)."""
-        return self.num_used_blocks * self.block_size
-
-    @property
-    def num_saved_blocks(self) -> int:
-        """Blocks sharing saves: block-table entries minus the distinct blocks they name."""
-        return self.num_block_refs - self.num_used_blocks
-
-
 class KVCacheManager:
     """Allocates, shares and frees the blocks of each request."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        """The window every attention layer shares (None: some layer reads the whole context, nothing is freed)."""
+        self.null_block: KVBlock | None = None
+        if sliding_window is not None:
+            if sliding_window < 1 or num_blocks < 2:
+                raise ValueError(f"a sliding window needs window >= 1 and 2+ blocks, got {sliding_window}, {num_blocks}")
+            num_blocks -= 1  # the last id is the null block: in no table's live part, outside the pool
+            self.null_block = KVBlock(block_id=num_blocks)
+        self._num_null: dict[str, int] = {}
+        """Leading null entries of each windowed table (blocks released out of the window)."""
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -112,6 +91,13 @@ class KVCacheManager:
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """A step writing C slots from n holds positions n - W + 1 .. n + C - 1: ceil((W - 1 + C) / bs) + 1 blocks."""
+        if self.sliding_window is None:
+            return self.num_blocks_for_tokens(num_tokens)
+        return min(self.num_blocks_for_tokens(num_tokens), cdiv(self.sliding_window - 1 + max_step_tokens,
+                                                                self.block_size) + 1)
+
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
 
@@ -124,16 +110,23 @@ class KVCacheManager:
             return [], 0  # prompt logprobs need every prompt position computed
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
+        found: list[KVBlock | None] = []
+        num_hits = run_start = 0  # run_start: the first block of the run of cached blocks ending at i
         for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
             tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = self.pool.get_cached_block(block_hash, tokens)
+            found.append(block)
             if block is None:
-                break
-            hits.append(block)
+                if self.sliding_window is None:
+                    break
+                run_start = i + 1  # a window past this block may still hit
+            elif run_start <= self._num_dead_blocks((i + 1) * self.block_size):
+                num_hits = i + 1  # every block the next query's window reads is cached
+        num_dead = self._num_dead_blocks(num_hits * self.block_size)
+        hits = [self.null_block] * num_dead + found[num_dead:num_hits]
         self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.prefix_cache_hits += num_hits * self.block_size
+        return hits, num_hits * self.block_size
 
     def allocate_slots(
         self,
@@ -153,24 +146,33 @@ class KVCacheManager:
         """
         held = self.req_to_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        if self.null_block is not None and held:
+            # Before the fit check, so the blocks freed count. Only by num_computed_tokens as scheduled:
+            # a speculative rollback never moves it back past that, so nothing freed is read again.
+            self._release_out_of_window(request, held, num_computed)
         num_needed = self.num_blocks_for_tokens(num_computed + num_new_tokens + num_lookahead_tokens)
         num_new_blocks = max(0, num_needed - len(held) - len(new_computed_blocks))
         # The first new token lands in a partially filled last block that others share:
         # this request gets a private copy first. The last sharer writes in place.
         needs_cow = bool(held) and num_computed % self.block_size != 0 and held[-1].ref_cnt > 1
         # A cache hit sitting in the free queue stops being available once we take it.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block is not self.null_block)
         if num_new_blocks + needs_cow + num_headroom_blocks > self.pool.num_free_blocks - num_free_hits:
             return None
 
         if needs_cow:
             self._copy_on_write(request.req_id, held)
-        self.pool.touch(new_computed_blocks)
+        num_null_hits = 0
+        if new_computed_blocks and new_computed_blocks[0] is self.null_block:  # hits behind the window
+            assert not held, "prefix hits are attached at admission only"
+            num_null_hits = new_computed_blocks.count(self.null_block)
+            self._num_null[request.req_id] = num_null_hits
+        self.pool.touch(new_computed_blocks[num_null_hits:])
         new_blocks = list(new_computed_blocks) + self.pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
         blocks.extend(new_blocks)
-        if new_blocks:
-            self._count_refs(request, len(new_blocks))
+        if len(new_blocks) > num_null_hits:
+            self._count_refs(request, len(new_blocks) - num_null_hits)
         # Proposals' slots are written this step too; a rollback (`trim`) unfills the rejected ones.
         self._set_filled(blocks, num_computed // self.block_size, num_computed + num_new_tokens + num_lookahead_tokens)
         if self.enable_caching:
@@ -206,9 +208,12 @@ class KVCacheManager:
         """
         assert child.req_id not in self.req_to_blocks, f"{child.req_id} already holds blocks"
         blocks = list(self.req_to_blocks.get(parent.req_id, []))
-        self.pool.touch(blocks)
+        num_null = self._num_null.get(parent.req_id, 0)  # null entries are shared harmlessly: nobody owns them
+        if num_null:
+            self._num_null[child.req_id] = num_null
+        self.pool.touch(blocks[num_null:])
         self.req_to_blocks[child.req_id] = blocks
-        self._count_refs(child, len(blocks))
+        self._count_refs(child, len(blocks) - num_null)
         num_common_blocks = child.num_computed_tokens // self.block_size
         self._num_cached_blocks[child.req_id] = min(self._num_cached_blocks.get(parent.req_id, 0), num_common_blocks)
         child.block_hashes = parent.block_hashes[:num_common_blocks]
@@ -240,11 +245,12 @@ class KVCacheManager:
         The device blocks are freed (shared ones only lose this request's reference).
         """
         blocks = self.req_to_blocks.get(request.req_id, [])
-        if len(blocks) > len(self.free_host_blocks):
+        num_null = self._num_null.get(request.req_id, 0)  # the null block is not swapped: -1 stands for it
+        if len(blocks) - num_null > len(self.free_host_blocks):
             return None
-        host_blocks = [self.free_host_blocks.pop() for _ in blocks]
+        host_blocks = [-1] * num_null + [self.free_host_blocks.pop() for _ in blocks[num_null:]]
         self.req_to_host_blocks[request.req_id] = host_blocks
-        mapping = [(block.block_id, host) for block, host in zip(blocks, host_blocks)]
+        mapping = [(block.block_id, host) for block, host in zip(blocks[num_null:], host_blocks[num_null:])]
         self.free(request, keep_host_blocks=True)
         return mapping
 
@@ -259,30 +265,64 @@ class KVCacheManager:
         fit while leaving `num_headroom_blocks` free.
         """
         host_blocks = self.req_to_host_blocks[request.req_id]
-        num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+        num_null = host_blocks.count(-1)
+        num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens) - num_null
         if num_needed + num_headroom_blocks > self.pool.num_free_blocks:
             return None
-        device_blocks = self.pool.get_new_blocks(len(host_blocks))
-        self.req_to_blocks[request.req_id] = device_blocks
+        device_blocks = self.pool.get_new_blocks(len(host_blocks) - num_null)
+        table = [self.null_block] * num_null + device_blocks
+        self.req_to_blocks[request.req_id] = table
+        if num_null:
+            self._num_null[request.req_id] = num_null
         self._count_refs(request, len(device_blocks))
-        self._set_filled(device_blocks, 0, request.num_computed_tokens)
-        mapping = [(host, block.block_id) for host, block in zip(host_blocks, device_blocks)]
+        self._set_filled(table, num_null, request.num_computed_tokens)
+        mapping = [(host, block.block_id) for host, block in zip(host_blocks[num_null:], device_blocks)]
         self._release_host_blocks(request.req_id)
         assert self.allocate_slots(request, num_new_tokens) is not None
         return mapping
 
     def _release_host_blocks(self, req_id: str) -> None:
-        self.free_host_blocks.extend(reversed(self.req_to_host_blocks.pop(req_id, [])))
+        self.free_host_blocks.extend(h for h in reversed(self.req_to_host_blocks.pop(req_id, [])) if h >= 0)
 
     def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         """Release every block of the request, tail first so its tail is evicted before shared heads."""
         if not keep_host_blocks:
             self._release_host_blocks(request.req_id)
-        blocks = self.req_to_blocks.pop(request.req_id, [])
+        blocks = self.req_to_blocks.pop(request.req_id, [])[self._num_null.pop(request.req_id, 0):]
         self._num_cached_blocks.pop(request.req_id, None)
         self._replaced.pop(request.req_id, None)
         self._count_refs(request, -len(blocks))
         self.pool.free_blocks(reversed(blocks))
+
+    # --- sliding window -------------------------------------------------------------------
+
+    def _num_dead_blocks(self, num_computed: int) -> int:
+        """Leading blocks no query from position `num_computed` on reads: all their positions are below
+        num_computed - W + 1 (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _release_out_of_window(self, request: Request, blocks: list[KVBlock], num_computed: int) -> None:
+        """Free the blocks that fell out of the window; their entries become the null block (the runner
+        is told through the replaced entries, as for copy-on-write). Oldest first: evicted first."""
+        req_id = request.req_id
+        first = self._num_null.get(req_id, 0)
+        num_dead = min(self._num_dead_blocks(num_computed), len(blocks))
+        if num_dead <= first:
+            return
+        dead = blocks[first:num_dead]
+        blocks[first:num_dead] = [self.null_block] * len(dead)
+        replaced = self._replaced.setdefault(req_id, {})
+        for i in range(first, num_dead):
+            replaced[i] = self.null_block.block_id
+        self._num_null[req_id] = num_dead
+        self._count_refs(request, -len(dead))
+        self.pool.free_blocks(dead)
+
+    def num_live_blocks(self, req_id: str) -> int:
+        """Blocks the request holds: its table less the null entries (for gauges and tests)."""
+        return len(self.req_to_blocks.get(req_id, ())) - self._num_null.get(req_id, 0)
 
     # --- gauges ---------------------------------------------------------------------------
 
@@ -337,14 +377,13 @@ class KVCacheManager:
         for i in range(len(kept) - 1, -1, -1):
             filled = max(0, min(bs, num_tokens - i * bs))
             block = kept[i]
-            if block.num_tokens == filled or block.ref_cnt > 1:
+            if block.num_tokens == filled or block.ref_cnt != 1:  # shared, or the null block
                 break
             self.pool.set_num_tokens(block, filled)
 
     def _update_block_hashes(self, request: Request) -> None:
-        extra_keys = (request.cache_salt,) if request.cache_salt is not None else ()
-        if request.lora_request is not None:  # an adapter's KV differs from the base's and every other adapter's
-            extra_keys += (request.lora_request.cache_key,)
+        lora = request.lora_request
+        extra_keys = prefix_extra_keys(request.cache_salt, lora.cache_key if lora is not None else None)
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra_keys)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
@@ -355,7 +394,7 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         bs = self.block_size
-        for i in range(first, num_full):
+        for i in range(max(first, self._num_null.get(request.req_id, 0)), num_full):
             tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             self.pool.cache_block(blocks[i], request.block_hashes[i], tokens)
         self._num_cached_blocks[request.req_id] = num_full

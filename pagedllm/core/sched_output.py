@@ -47,7 +47,8 @@ class CachedRequestData:
     num_computed_tokens: int
     """Tokens whose KV is in the blocks before this step: the runner takes it as is."""
     replaced_block_ids: dict[int, int] = field(default_factory=dict)
-    """Copy-on-write: block-table index -> the private block that replaces a shared one."""
+    """Block-table index -> new id: copy-on-write's private block for a shared one, or the null block for one
+    freed behind a sliding window (core/kv_cache_manager.py)."""
     num_kept_block_ids: int | None = None
     """After a speculative step: the block table's length once the blocks holding only rejected
     proposals were freed (core/spec_planner.py); None when nothing was rolled back."""

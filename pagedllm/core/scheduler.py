@@ -293,6 +293,7 @@ class Scheduler:
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         """The whole of a request the runner has no state for (computed tokens before this step's)."""
+        self.kv.take_replaced_blocks(request.req_id)  # the full table goes out: nothing to patch later
         return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id), self.forks.samples_of(request))
 
     def _start_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,

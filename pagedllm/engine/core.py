@@ -47,17 +47,21 @@ class EngineCore:
             self.scheduler_config: SchedulerConfig = engine_args.scheduler_config(
                 self.model_info.max_position_embeddings)
             self.kv_info: KVCacheInfo = executor.initialize_kv_cache(self.cache_config, self.scheduler_config)
-            make_kv_cache_manager = kv_cache_manager_factory or paged_kv_cache_manager
-            self.kv_cache_manager: KVCacheManagerProtocol = make_kv_cache_manager(
-                self.kv_info.num_blocks, self.kv_info.num_host_blocks, self.cache_config, self.scheduler_config)
+            if kv_cache_manager_factory is None:  # the product's: frees blocks behind a window all layers share
+                self.kv_cache_manager: KVCacheManagerProtocol = paged_kv_cache_manager(
+                    self.kv_info.num_blocks, self.kv_info.num_host_blocks, self.cache_config, self.scheduler_config,
+                    sliding_window=self.kv_info.sliding_window)
+            else:
+                self.kv_cache_manager = kv_cache_manager_factory(
+                    self.kv_info.num_blocks, self.kv_info.num_host_blocks, self.cache_config, self.scheduler_config)
         except BaseException:
             executor.shutdown()  # tensor-parallel workers may already be running
             raise
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode,
                                    speculative_config=engine_args.speculative(),
                                    max_loras=lora.max_loras if (lora := engine_args.lora_config()) else None)
-        self.beams = BeamGroups(self.scheduler_config, self.kv_cache_manager.num_blocks,
-                                self.kv_cache_manager.num_blocks_for_tokens)
+        kv, max_step_tokens = self.kv_cache_manager, self.scheduler_config.max_num_batched_tokens
+        self.beams = BeamGroups(self.scheduler_config, kv.num_blocks, lambda n: kv.max_blocks_held(n, max_step_tokens))
         """Beam-search requests: stepped after each step from their beams' top logprobs; they decide,
         this core tells the scheduler (`_step_beam_groups`)."""
         self.kv_bytes_per_block = self.kv_info.bytes_per_block * engine_args.parallel_config().tensor_parallel_size
@@ -75,7 +79,8 @@ class EngineCore:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_info.num_blocks
+        """Blocks requests can hold (a windowed cache keeps one back as its null block)."""
+        return self.kv_cache_manager.num_blocks
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request (and its parallel samples); raises InvalidRequestError if it could never be served.

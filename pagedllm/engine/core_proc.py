@@ -99,7 +99,7 @@ class EngineCoreProc:
             max_model_len=self.core.scheduler_config.max_model_len,
             vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids),
-            num_blocks=self.core.kv_info.num_blocks,
+            num_blocks=self.core.num_blocks,
             block_size=self.core.kv_info.block_size,
         ))
 

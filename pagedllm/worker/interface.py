@@ -69,6 +69,9 @@ class KVCacheInfo:
     """K and V of every layer for one block, on one rank."""
     num_kv_heads: int
     """KV heads each rank caches."""
+    sliding_window: int | None = None
+    """The attention window every layer (and a draft model's) shares; None if any reads the whole context
+    (or the executor does not say): the KV cache manager then frees nothing behind it."""
 
 
 class Executor(ABC):

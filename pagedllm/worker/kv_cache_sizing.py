@@ -49,7 +49,14 @@ def profile_num_kv_blocks(model: nn.Module, bytes_per_block: int, num_tokens: in
 
 
 def kv_cache_info(spec: KVCacheSpec, num_blocks: int, num_host_blocks: int,
-                   draft_spec: KVCacheSpec | None = None) -> KVCacheInfo:
+                   draft_spec: KVCacheSpec | None = None, sliding_window: int | None = None) -> KVCacheInfo:
     bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
     return KVCacheInfo(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=spec.block_size,
-                       bytes_per_block=bytes_per_block, num_kv_heads=spec.num_kv_heads)
+                       bytes_per_block=bytes_per_block, num_kv_heads=spec.num_kv_heads, sliding_window=sliding_window)
+
+
+def shared_sliding_window(*models) -> int | None:
+    """The window every attention layer of `models` uses, or None if one layer reads the whole context
+    (or the windows differ: Gemma's local/global mix keeps every block, see docs/design.md)."""
+    windows = [w for model in models for w in (getattr(model, "sliding_windows", None) or [None])]
+    return windows[0] if windows and all(w == windows[0] for w in windows) else None

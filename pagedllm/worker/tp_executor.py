@@ -95,11 +95,12 @@ class MultiprocTPExecutor(Executor):
                                                     self.dtype, self.tp_size)
         num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config)
         logger.info("tensor parallel: %d ranks, %d KV heads each", self.tp_size, spec.num_kv_heads)
-        self._launch(spec, num_blocks, num_host_blocks)
-        return kv_cache_info(spec, num_blocks, num_host_blocks)
+        window = self._launch(spec, num_blocks, num_host_blocks)
+        return kv_cache_info(spec, num_blocks, num_host_blocks, sliding_window=window)
 
-    def _launch(self, kv_spec: KVCacheSpec, num_blocks: int, num_host_blocks: int) -> None:
-        """Host the rendezvous, start the local ranks and wait until every rank holds its shard."""
+    def _launch(self, kv_spec: KVCacheSpec, num_blocks: int, num_host_blocks: int) -> int | None:
+        """Host the rendezvous, start the local ranks and wait until every rank holds its shard; the sliding
+        window every rank's layers share (None if one has none)."""
         config = self.parallel_config
         master_addr, tp_size, timeout_s, num_local = (config.master_addr, self.tp_size, self.timeout_s,
                                                       config.num_local)
@@ -136,14 +137,14 @@ class MultiprocTPExecutor(Executor):
                         "--master-port %d --rank R --world-size %d'", num_local, tp_size - 1,
                         master_addr, self.master_port, tp_size)
         try:
-            self._start(self.model_info.model_path, str(self.dtype).removeprefix("torch."), kv_spec, num_blocks,
-                        num_host_blocks, self.seed)
+            return self._start(self.model_info.model_path, str(self.dtype).removeprefix("torch."), kv_spec,
+                               num_blocks, num_host_blocks, self.seed)
         except _WorkerFailure as failure:
             self._die(f"tensor-parallel start-up failed: {failure}")
 
     # --- start-up --------------------------------------------------------------------------
 
-    def _start(self, model_dir, dtype, kv_spec, num_blocks, num_host_blocks, seed) -> None:
+    def _start(self, model_dir, dtype, kv_spec, num_blocks, num_host_blocks, seed) -> int | None:
         deadline = time.monotonic() + self.timeout_s
         hosts: dict[int, str] = {}
         challenges: dict[bytes, tuple[proto.HelloMsg, bytes]] = {}  # identity -> (hello, engine nonce)
@@ -174,6 +175,7 @@ class MultiprocTPExecutor(Executor):
                                    lora_slots=self.lora_slots)
         self._broadcast(proto.encoder.encode(init))
         ready: set[int] = set()
+        windows: set[int | None] = set()
         deadline = time.monotonic() + self.timeout_s
         while len(ready) < self.tp_size:
             _, msg = self._recv(deadline, "to load its shard", set(range(self.tp_size)) - ready, heartbeats=False)
@@ -182,10 +184,12 @@ class MultiprocTPExecutor(Executor):
                     raise _WorkerFailure(f"rank {msg.rank} holds {msg.num_kv_heads} KV heads, "
                                          f"the engine sized its cache for {kv_spec.num_kv_heads}")
                 ready.add(msg.rank)
+                windows.add(msg.sliding_window)
         now = time.monotonic()
         self._heartbeats = {rank: (-1, now) for rank in range(self.tp_size)}
         logger.info("tensor parallel: %d ranks ready (%s)", self.tp_size,
                     ", ".join(f"rank {r} on {hosts[r]}" for r in sorted(hosts)))
+        return windows.pop() if len(windows) == 1 else None
 
     # --- one step --------------------------------------------------------------------------
 

@@ -91,6 +91,8 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     rank: int
     num_kv_heads: int
     """KV heads in this rank's cache (checked against the engine's sizing)."""
+    sliding_window: int | None = None
+    """The window every layer of this rank's model shares (kv_cache_sizing.shared_sliding_window)."""
 
 
 class ExecuteStepMsg(msgspec.Struct, tag="step"):

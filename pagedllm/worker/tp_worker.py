@@ -132,6 +132,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from pagedllm.model.loader import load_hf_dir
     from pagedllm.worker import tp_protocol as proto
     from pagedllm.worker.kv_cache import KVCacheSpec
+    from pagedllm.worker.kv_cache_sizing import shared_sliding_window
     from pagedllm.worker.model_runner import ModelRunner
 
     rank = args.rank
@@ -173,7 +174,7 @@ def run_worker(args: argparse.Namespace) -> int:
                              device="cpu", attention_backend="torch", cuda_graphs=None,  # ranks run eagerly on the CPU
                              tokenizer=loaded.tokenizer, batch_invariant=False,  # EngineArgs refuses it at TP > 1
                              lora=None if init.lora_slots is None else LoRAManager(model, *init.lora_slots))
-        sock.send(proto.encoder.encode(proto.ReadyMsg(rank, model.num_kv_heads)))
+        sock.send(proto.encoder.encode(proto.ReadyMsg(rank, model.num_kv_heads, shared_sliding_window(model))))
         logger.info("rank %d: ready (%d KV heads, %d blocks)", rank, model.num_kv_heads, init.num_blocks)
 
         while True:

@@ -10,7 +10,7 @@ from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks, resolve_kv_cache_dtype
-from pagedllm.worker.kv_cache_sizing import kv_cache_info, profile_num_kv_blocks
+from pagedllm.worker.kv_cache_sizing import kv_cache_info, profile_num_kv_blocks, shared_sliding_window
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -71,7 +71,9 @@ class UniprocExecutor(Executor):
             lora=self.lora,
             batch_invariant=args.batch_invariant,
         )
-        return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec)
+        # a draft model reads the same block tables, so its layers must share the window too
+        window = shared_sliding_window(model, *([self.draft_loaded.model] if self.draft_loaded is not None else []))
+        return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec, sliding_window=window)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
