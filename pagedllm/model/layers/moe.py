@@ -193,7 +193,8 @@ class _StackedExperts(nn.Module):
         I = self.intermediate_size
         hidden = param.shape[2]
         assert tuple(loaded.shape) == (self.full_intermediate_size, hidden), (tuple(loaded.shape), hidden)
-        self._store(0, param, expert, part * I, loaded.narrow(0, self.tp_rank * I, I))  # a lazy slice reads only these rows
+        # A lazy slice reads only these rows; a QuantTensor's rows stay quantized.
+        self._store(0, param, expert, part * I, loaded.narrow(0, self.tp_rank * I, I))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int]) -> None:
         I = self.intermediate_size  # down_proj [hidden, I]: this rank's columns
