@@ -143,14 +143,16 @@ def test_quantized_experts_stay_quantized_and_equal_their_floats(qtype, size):
 @needs_kernel
 @torch.inference_mode()
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_quantized_tensor_parallel_slices_sum_to_the_whole_layer(tp_size):
+def test_quantized_tensor_parallel_slices_sum_to_the_whole_layer(tp_size, caplog):
     """gate/up slice by rows (always whole blocks: quantized); down by columns: 64 / 2 = 32 columns
     are whole Q8_0 blocks (quantized), 64 / 4 = 16 cut them (that shard dequantized, as a dense
-    row-parallel shard is)."""
+    row-parallel shard is, with one warning per rank's layer, not one per expert)."""
     quant_w, float_w = _quantized_checkpoint(GGMLQuantizationType.Q8_0, 64, 64)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))
     whole = _q_layer(float_w)(x)
-    shards = [_q_layer(quant_w, tp_size, rank) for rank in range(tp_size)]
+    with caplog.at_level("WARNING"):
+        shards = [_q_layer(quant_w, tp_size, rank) for rank in range(tp_size)]
+    assert len([r for r in caplog.records if "cut" in r.getMessage()]) == (0 if tp_size == 2 else tp_size)
     for shard in shards:
         assert shard.experts.quant[0] is not None and shard.experts.w13.numel() == 0
         assert (shard.experts.quant[1] is not None) == (tp_size == 2)
@@ -166,3 +168,17 @@ def test_quantized_experts_without_the_kernel_are_dequantized(monkeypatch):
     torch.testing.assert_close(fallback.experts.w13.detach(), _q_layer(float_w).experts.w13.detach(), atol=0, rtol=0)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(fallback(x), _q_layer(float_w)(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_gate_and_up_of_different_types_are_dequantized_and_down_stays_quantized():
+    q8, f8 = _quantized_checkpoint(GGMLQuantizationType.Q8_0, 64, 64)
+    q4, f4 = _quantized_checkpoint(GGMLQuantizationType.Q4_0, 64, 64)
+    mixed = dict(q8, **{f"{e}.up_proj": q4[f"{e}.up_proj"] for e in range(EXPERTS)})
+    floats = dict(f8, **{f"{e}.up_proj": f4[f"{e}.up_proj"] for e in range(EXPERTS)})
+    layer = _q_layer(mixed)
+    assert layer.experts.quant[0] is None and layer.experts.w13.shape == (EXPERTS, 128, 64)
+    assert layer.experts.quant[1] is not None and layer.experts.w2.numel() == 0
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(layer(x), _q_layer(floats)(x), atol=1e-4, rtol=1e-4)

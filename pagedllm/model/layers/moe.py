@@ -200,7 +200,14 @@ class _StackedExperts(nn.Module):
         I = self.intermediate_size  # down_proj [hidden, I]: this rank's columns
         hidden = param.shape[1]
         assert tuple(loaded.shape) == (hidden, self.full_intermediate_size), (tuple(loaded.shape), hidden)
-        # Columns: whole blocks stay quantized; a slice that cuts blocks comes back dequantized.
+        if isinstance(loaded, QuantTensor) and (self.tp_rank * I % quantized.GGUF_BLOCKS[loaded.qtype][0]
+                                                or I % quantized.GGUF_BLOCKS[loaded.qtype][0]):
+            # A slice that cuts blocks is dequantized, as a dense row-parallel shard is; said once a
+            # layer here rather than once per expert by QuantTensor.narrow.
+            if shard_id[0] == 0:
+                logger.warning("the experts' down columns [%d, %d) cut their %s blocks: dequantized to float32",
+                               self.tp_rank * I, (self.tp_rank + 1) * I, quantized.NAMES[loaded.qtype])
+            loaded = loaded.materialize()
         self._store(1, param, shard_id[0], 0, loaded.narrow(1, self.tp_rank * I, I))
 
 
