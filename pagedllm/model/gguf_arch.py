@@ -8,7 +8,8 @@ what it means to llama.cpp; only the HF side is written down. Read:
   ``gemma2``, ``gemma3`` (text), ``phi3``.
 - Experts are stacked in one tensor per projection, ``ffn_{gate,up,down}_exps`` [experts, ...],
   and come out as the per-expert tensors of the HF checkpoints (Qwen3-MoE's ``mlp.experts.E.*``,
-  Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``); ``ffn_gate_inp`` is the router.
+  Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``; quantized ones stay quantized, one
+  ``QuantTensor`` per expert: ``gguf_loader.iter_gguf_tensors``); ``ffn_gate_inp`` is the router.
 - Hyperparameters llama.cpp does not store but hard-codes per architecture are taken as
   llama.cpp takes them (cited where used): Gemma's local/global layer pattern, Gemma 3's local
   rotary base, Gemma's query scale, Qwen3-MoE's renormalised top-k.

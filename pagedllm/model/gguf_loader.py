@@ -135,10 +135,10 @@ def iter_gguf_tensors(reader: GGUFReader, config: PretrainedConfig,
                       keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """(HF name, float32 tensor) for every weight, dequantized, with Q/K rows un-permuted (llama),
     Gemma's norms back to HF's ``1 + w`` form, and stacked experts split per expert.
-    ``keep_quantized``: 2-D tensors of a type the quantized kernel reads (Q8_0, Q4_0, Q4_1) come
-    as ``QuantTensor`` instead (rows un-permuted as they are, phi3's fused q/k/v split by rows,
-    still quantized; the bytes are a view of the reader's memory map until a weight loader
-    repacks them)."""
+    ``keep_quantized``: 2-D tensors of a type the quantized kernel reads (``quantized.SUPPORTED``)
+    come as ``QuantTensor`` instead (rows un-permuted as they are, phi3's fused q/k/v split by
+    rows, still quantized; the bytes are a copy out of the reader's memory map until a weight
+    loader repacks them), and so do stacked experts of those types, one ``QuantTensor`` per expert."""
     arch = _gguf_arch(config)
     permuted = arch == "llama"  # only llama's converter permutes Q/K
     for tensor in reader.tensors:
@@ -162,6 +162,12 @@ def iter_gguf_tensors(reader: GGUFReader, config: PretrainedConfig,
             raw = torch.from_numpy(np.array(raw, order="C"))  # a copy: the map is read-only
             for part_name, rows in _split_fused(config, name, raw):
                 yield part_name, QuantTensor(int(qtype), rows.contiguous(), shape[1])
+            continue
+        if keep_quantized and kind in gguf_arch.EXPERT_TENSORS and int(qtype) in quantized.SUPPORTED:
+            raw = np.asarray(tensor.data).reshape(shape[0], shape[1], -1)  # [experts, rows, row bytes]
+            for expert in range(shape[0]):  # one expert's bytes copied at a time, out of the read-only map
+                rows = torch.from_numpy(np.array(raw[expert], order="C"))
+                yield name.format(expert=expert), QuantTensor(int(qtype), rows, shape[2])
             continue
         try:
             array = dequantize(tensor.data, qtype).reshape(shape)

@@ -1,6 +1,7 @@
 """Mixture-of-experts under tensor parallelism (experts sliced along their intermediate dimension,
 model/layers/moe.py): at N=2, tiny Qwen3-MoE (with a dense layer among the sparse ones) and Mixtral
-give the unsharded engine's and Hugging Face's greedy outputs, with chunked prefill and preemption."""
+give the unsharded engine's and Hugging Face's greedy outputs, with chunked prefill and preemption;
+a Q8_0 GGUF Mixtral, its experts kept quantized on each rank, gives the unsharded quantized engine's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import random
 import pytest
 import torch
 
+from gguf import GGMLQuantizationType
+
 from pagedllm import LLM
+from pagedllm.model.layers import quantized
+from tests.model.gguf_writer_helpers import write_converted_gguf
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
@@ -51,3 +56,27 @@ def test_moe_tp2_matches_unsharded_and_hf(kind, tmp_path):
     verdicts = [assert_matches_reference(ids, lp, ref, f"{kind} N=2, prompt {i}")
                 for i, ((ids, lp), ref) in enumerate(zip(results, references))]
     assert verdicts.count("exact") >= len(verdicts) - 1, verdicts
+
+
+@pytest.mark.skipif(not quantized.kernel_available(), reason="compiled quantized kernel unavailable")
+def test_quantized_moe_gguf_tp2_matches_unsharded(tmp_path, monkeypatch):
+    """Mixtral's experts of intermediate 128: each rank's 64 gate/up rows and 64 down columns are
+    whole Q8_0 blocks, so every rank keeps its expert slices quantized."""
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-mixtral-Q8_0.gguf"
+    write_converted_gguf(make_hf_model("mixtral", seed=4, sliding_window=None), path, GGMLQuantizationType.Q8_0)
+    prompts = [list(range(3, 20)), [7, 8, 9], list(range(100, 140))]
+    single = LLM(model=str(path), num_kv_blocks=64)
+    moe = single.engine.core.executor.runner.model.model.layers[0].mlp
+    assert moe.experts.quant[0] is not None and moe.experts.quant[1] is not None
+    expected = engine_greedy(single, prompts, MAX_NEW_TOKENS)
+    del single
+    sharded = LLM(model=str(path), tensor_parallel_size=2, num_kv_blocks=64, distributed_timeout=60)
+    try:
+        assert sharded.engine.core.executor.gguf_path == str(path.resolve())  # the ranks read the GGUF
+        results = engine_greedy(sharded, prompts, MAX_NEW_TOKENS)
+    finally:
+        sharded.engine.core.shutdown()
+    assert [ids for ids, _ in results] == [ids for ids, _ in expected]
+    for (_, logprobs), (_, ref) in zip(results, expected):
+        assert logprobs == pytest.approx(ref, abs=1e-4)

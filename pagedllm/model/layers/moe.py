@@ -22,7 +22,18 @@ chosen experts' weights: sliced, each rank reads 1/N of every chosen expert, wha
 split by expert, a step's slowest rank is the one that drew the most chosen experts (at batch 1,
 top-8 of 64 experts over 2 ranks: 5 or more of the 8 on one rank 71% of the time, by the
 hypergeometric odds), and the tokens would need an all-to-all.
+
+A GGUF's stacked experts stay quantized (Q8_0, Q4_0, Q4_1, K-quants: what the dense quantized
+linears take, layers/quantized.py): each expert's gate+up rows and its down rows become one
+``QuantizedWeight`` each, and an active expert's rows go through its compiled kernel. The float
+parameters are then left empty (``[E, 2*I, 0]``, ``[E, hidden, 0]``). Under tensor parallelism
+gate/up are sliced by rows (whole blocks, always quantized) and down by columns: a slice that is
+a multiple of the block width stays quantized, one that cuts blocks is dequantized to float32 as
+a dense row-parallel shard is (``QuantTensor.narrow`` warns). Each of w13 and w2 decides alone,
+so a file with quantized gate/up and float down (rows not in whole blocks) keeps what it can.
 """
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +41,11 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_reduce
 from pagedllm.model.layers.activation import gated_activation
+from pagedllm.model.layers import quantized
 from pagedllm.model.layers.linear import materialize, pack_for_cpu, packed_linear
+from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
+
+logger = logging.getLogger(__name__)
 
 
 class SparseMoE(nn.Module):
@@ -102,16 +117,13 @@ class SparseMoE(nn.Module):
         return out
 
     def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        """One expert's gated MLP over its rows [n, hidden] -> [n, hidden]: through the packed
-        weights (the compiled CPU GEMM, as the dense linears use; measured 2-10x faster than
-        F.linear at 1-16 rows per expert) once ``process_weights_after_loading`` ran."""
+        """One expert's gated MLP over its rows [n, hidden] -> [n, hidden]: through the quantized
+        kernel or the packed weights (the compiled CPU GEMM, as the dense linears use; measured
+        2-10x faster than F.linear at 1-16 rows per expert) once ``process_weights_after_loading``
+        ran."""
         experts = self.experts
-        w13, w2 = experts.w13[expert], experts.w2[expert]
-        if experts.packed is None:
-            return F.linear(self.act(F.linear(rows, w13)), w2)
-        (gemm13, mkl13), (gemm2, mkl2) = experts.packed[expert]
-        gate_up = packed_linear(rows, w13, None, gemm13, mkl13)  # [n, 2 * I]
-        return packed_linear(self.act(gate_up), w2, None, gemm2, mkl2)
+        gate_up = experts.project(0, expert, rows)  # [n, 2 * I]
+        return experts.project(1, expert, self.act(gate_up))
 
 
 class _StackedExperts(nn.Module):
@@ -135,22 +147,95 @@ class _StackedExperts(nn.Module):
         self.w2.shard_ids = [(e,) for e in range(num_experts)]
         # Per expert, ((gemm, mkl) packed copies of w13[e]), (... of w2[e])); None until packed.
         self.packed: list | None = None
+        # Per projection (w13, w2): each expert's QuantizedWeight, or None (float weights).
+        self.quant: list[list[QuantizedWeight] | None] = [None, None]
+        # Per projection, per expert: GGUF shards still quantized, (row offset, QuantTensor).
+        self._staged: list[dict[int, list]] = [{}, {}]
+
+    def project(self, which: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times expert ``expert``'s w13 (``which`` 0) or w2 (1), transposed."""
+        quant = self.quant[which]
+        if quant is not None:
+            return quant[expert].matmul(x)
+        weight = (self.w13, self.w2)[which][expert]
+        if self.packed is None:
+            return F.linear(x, weight)
+        gemm, mkl = self.packed[expert][which]
+        return packed_linear(x, weight, None, gemm, mkl)
+
+    @property
+    def quantized_nbytes(self) -> int:
+        """Bytes of the experts' quantized weights held (0 when they are float)."""
+        return sum(q.nbytes for qs in self.quant if qs is not None for q in qs)
 
     def process_weights_after_loading(self) -> None:
-        """Pack each expert's weights for the CPU GEMM (pack_for_cpu: both None off the CPU or
-        float32, and packed_linear then runs F.linear). Call after the last weight/dtype change."""
-        self.packed = [(pack_for_cpu(self.w13[e].detach()), pack_for_cpu(self.w2[e].detach()))
-                       for e in range(self.w13.shape[0])]
+        """Repack staged quantized experts for the kernel, else pack each expert's float weights
+        for the CPU GEMM (pack_for_cpu: both None off the CPU or float32, and packed_linear then
+        runs F.linear). Call after the last weight/dtype change."""
+        for which, param in enumerate((self.w13, self.w2)):
+            if self._staged[which]:
+                self.quant[which] = _finalize_stacked(param, self._staged[which])
+                self._staged[which] = {}
+        num_experts = self.w13.shape[0]
+        self.packed = [tuple(pack_for_cpu(param[e].detach()) if self.quant[which] is None else (None, None)
+                             for which, param in enumerate((self.w13, self.w2)))
+                       for e in range(num_experts)]
+
+    def _store(self, which: int, param: nn.Parameter, expert: int, row_offset: int, loaded) -> None:
+        if isinstance(loaded, QuantTensor):  # kept quantized until process_weights_after_loading
+            self._staged[which].setdefault(expert, []).append((row_offset, loaded))
+        else:
+            target = param.data[expert].narrow(0, row_offset, loaded.shape[0])
+            target.copy_(materialize(loaded))
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
         expert, part = shard_id  # part 0 = gate_proj [I, hidden], 1 = up_proj
         I = self.intermediate_size
-        target = param.data[expert, part * I : (part + 1) * I]
-        assert loaded.shape == (self.full_intermediate_size, target.shape[1]), (tuple(loaded.shape), target.shape)
-        target.copy_(materialize(loaded.narrow(0, self.tp_rank * I, I)))  # a lazy slice reads only these rows
+        hidden = param.shape[2]
+        assert tuple(loaded.shape) == (self.full_intermediate_size, hidden), (tuple(loaded.shape), hidden)
+        # A lazy slice reads only these rows; a QuantTensor's rows stay quantized.
+        self._store(0, param, expert, part * I, loaded.narrow(0, self.tp_rank * I, I))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int]) -> None:
         I = self.intermediate_size  # down_proj [hidden, I]: this rank's columns
-        target = param.data[shard_id[0]]
-        assert loaded.shape == (target.shape[0], self.full_intermediate_size), (tuple(loaded.shape), target.shape)
-        target.copy_(materialize(loaded.narrow(1, self.tp_rank * I, I)))
+        hidden = param.shape[1]
+        assert tuple(loaded.shape) == (hidden, self.full_intermediate_size), (tuple(loaded.shape), hidden)
+        if isinstance(loaded, QuantTensor) and (self.tp_rank * I % quantized.GGUF_BLOCKS[loaded.qtype][0]
+                                                or I % quantized.GGUF_BLOCKS[loaded.qtype][0]):
+            # A slice that cuts blocks is dequantized, as a dense row-parallel shard is; said once a
+            # layer here rather than once per expert by QuantTensor.narrow.
+            if shard_id[0] == 0:
+                logger.warning("the experts' down columns [%d, %d) cut their %s blocks: dequantized to float32",
+                               self.tp_rank * I, (self.tp_rank + 1) * I, quantized.NAMES[loaded.qtype])
+            loaded = loaded.materialize()
+        self._store(1, param, shard_id[0], 0, loaded.narrow(1, self.tp_rank * I, I))
+
+
+def _finalize_stacked(param: nn.Parameter, staged: dict[int, list]) -> list[QuantizedWeight] | None:
+    """Each expert's staged shards of ``param`` [E, rows, K] as one ``QuantizedWeight``, the float
+    parameter emptied to ``[E, rows, 0]``; where they cannot all be (mixed types, rows loaded as
+    floats, no kernel here) every staged shard is dequantized into ``param`` and None returned."""
+    num_experts, rows, k = param.shape
+    for shards in staged.values():
+        shards.sort(key=lambda s: s[0])
+    qtypes = {t.qtype for shards in staged.values() for _, t in shards}
+    whole = len(staged) == num_experts and all(
+        sum(t.shape[0] for _, t in shards) == rows and shards[0][0] == 0
+        and all(a[0] + a[1].shape[0] == b[0] for a, b in zip(shards, shards[1:]))
+        for shards in staged.values())
+    if len(qtypes) == 1 and whole and quantized.kernel_available():
+        qtype = qtypes.pop()
+        weights = []
+        for expert in range(num_experts):
+            shards = staged[expert]
+            raw = torch.cat([t.raw for _, t in shards]) if len(shards) > 1 else shards[0][1].raw
+            weights.append(QuantizedWeight(qtype, raw, k))
+            staged[expert] = []  # the GGUF bytes go as soon as they are repacked
+        param.data = torch.empty(num_experts, rows, 0)
+        return weights
+    reason = "the compiled kernel is unavailable" if len(qtypes) == 1 and whole else "mixed shard types"
+    logger.warning("quantized experts %s dequantized to float32 (%s)", tuple(param.shape), reason)
+    for expert, shards in staged.items():
+        for offset, shard in shards:
+            param.data[expert].narrow(0, offset, shard.shape[0]).copy_(shard.materialize())
+    return None
