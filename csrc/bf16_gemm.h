@@ -7,9 +7,12 @@
 // Repacked layout (pagedllm/model/layers/quantized.py writes it once at load), the quantized
 // kernels' panels with no scales: 16 output rows a panel, K/32 blocks of
 //
-//   BF16  [w: 32 k x 16 rows, bf16]   1024 bytes (16 bits a weight, half of float32)
+//   BF16  [16 k-pairs x 16 rows x (w[2p], w[2p + 1]), bf16]   1024 bytes (16 bits a weight)
 //
-// so one k-step of a panel is one 32-byte load. Rows past N are zeros.
+// so two k-steps of a panel are one 64-byte load whose 32-bit lane r holds row r's weights of
+// both: the shift-left-16 of the lane is k = 2p's float32, the lane masked to its high half is
+// k = 2p + 1's (two integer ops for 32 weights; a widening load per k-step cost three for 16,
+// which showed once the weights sat in cache). Rows past N are zeros.
 //
 // quant_gemm_cpu (quant_gemm_op.cpp) hands a call with qtype kBF16 to bf16_gemm, so the decoder's
 // compiled layer loop and every caller of that op reach this kernel with no new entry point.

@@ -16,9 +16,10 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf load_bf16(const uint16_t* p, int v) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * v)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+inline void load_pair(const uint16_t* p, int v, vf& w0, vf& w1) {
+  const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * v));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 }  // namespace
 }  // namespace bf16

@@ -1,5 +1,5 @@
 // The bf16 kernel for AVX-512 CPUs: a panel's 16 columns are one zmm; blocks of up to 12 rows.
-// Plain AVX-512F widening (vpmovzxwd + shift), so any AVX-512 CPU runs it, AVX512-BF16 or not.
+// Plain AVX-512F widening (a shift and a mask), so any AVX-512 CPU runs it, AVX512-BF16 or not.
 #pragma GCC target("avx512f,avx512bw,avx2,fma,f16c")
 #include <immintrin.h>
 
@@ -17,9 +17,10 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf load_bf16(const uint16_t* p, int) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+inline void load_pair(const uint16_t* p, int, vf& w0, vf& w1) {
+  const __m512i lanes = _mm512_loadu_si512(p);
+  w0 = _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
+  w1 = _mm512_castsi512_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 }  // namespace
 }  // namespace bf16

@@ -1,6 +1,7 @@
 // The bf16 panel kernel shared by the ISA files (bf16_gemm.h has the layout). Each file defines,
 // before including this: vf, VW (floats per vector), NV = 16 / VW, vzero, vset1, vfma, vadd,
-// vload, vstore and load_bf16(p, v) (floats v*VW .. v*VW+VW of the 16 bf16 at p, widened).
+// vload, vstore and load_pair(p, v, w0, w1): the 32-bit lanes v*VW .. v*VW+VW of the k-pair at p
+// (rows' bf16 of k in the low half, of k + 1 in the high half) as two float vectors.
 // As in quant_gemm_kernel.h: x's rows go in blocks of at most MAXR (split evenly), each keeping
 // MR x NV sums in registers over the whole K; a lone row splits the k-steps over S sums so an
 // FMA's latency never gates it.
@@ -31,14 +32,18 @@ void micro(const Args& a, const uint16_t* __restrict panel, const float* __restr
     for (int line = 0; line < kBlockBytes / 2; line += 32)  // the block 4 ahead, whole
       _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBlockBytes / 2 + line), _MM_HINT_T0);
     const float* xb = x + kb;
-#pragma GCC unroll 32
-    for (int kk = 0; kk < kBlockK; ++kk) {
-      const int s = kk % S;
+#pragma GCC unroll 16
+    for (int kp = 0; kp < kBlockK / 2; ++kp) {  // k = 2 kp and 2 kp + 1 share a load
+      const int s0 = (2 * kp) % S, s1 = (2 * kp + 1) % S;
 #pragma GCC unroll 2
       for (int v = 0; v < NV; ++v) {
-        const vf w = load_bf16(blk + kk * kPanelRows, v);
+        vf w0, w1;
+        load_pair(blk + kp * 2 * kPanelRows, v, w0, w1);
 #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) acc[s][r][v] = vfma(vset1(xb[r * lda + kk]), w, acc[s][r][v]);
+        for (int r = 0; r < MR; ++r) {
+          acc[s0][r][v] = vfma(vset1(xb[r * lda + 2 * kp]), w0, acc[s0][r][v]);
+          acc[s1][r][v] = vfma(vset1(xb[r * lda + 2 * kp + 1]), w1, acc[s1][r][v]);
+        }
       }
     }
   }

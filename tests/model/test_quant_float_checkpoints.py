@@ -118,6 +118,8 @@ def test_int8_close_to_float32_and_equals_hf_on_the_dequantized_twin(tmp_path):
         EngineArgs(model=path, quantization="fp8")
     with pytest.raises(ValueError, match="auto, int8, bf16, float32"):
         load_model(path, quantization="int4")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(model=path, quantization="int8", tensor_parallel_size=2)
     assert all(layer.quant_weight is None for layer in weights(load_model(path).model))  # float32 stays float32
     llm = LLM(model=path, quantization="int8")
     model = llm.engine.core.executor.runner.model

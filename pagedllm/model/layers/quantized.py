@@ -99,12 +99,12 @@ def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
     torch's byte-wise strided copies ran ~100x slower here (0.2 s for one 1536 x 576 weight)."""
     if KERNEL_TYPE[qtype] == QX:
         return _repack_expanded(*expand_k_quant(qtype, raw.numpy()))
-    if qtype == BF16:  # [P, 16 rows, K] -> [P, K, 16 rows]: a k-step of a panel is 32 contiguous bytes
+    if qtype == BF16:  # [P, 16 rows, K/2 pairs, 2] -> [P, K/2, 16 rows, 2]: a k-pair of a panel is 64 bytes
         n, k = raw.shape[0], raw.shape[1] // 2
         num_panels = -(-n // PANEL_ROWS)
         rows = torch.zeros(num_panels * PANEL_ROWS, k, dtype=torch.bfloat16)
         rows[:n] = raw.contiguous().view(torch.bfloat16)
-        panels = rows.view(num_panels, PANEL_ROWS, k).transpose(1, 2).contiguous()
+        panels = rows.view(num_panels, PANEL_ROWS, k // 2, 2).transpose(1, 2).contiguous()
         return panels.view(torch.uint8).reshape(num_panels, k // BLOCK_K, PACKED_BLOCK_BYTES[BF16_KERNEL])
     n = raw.shape[0]
     bb = GGUF_BLOCKS[qtype][1]
@@ -188,9 +188,10 @@ def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torc
         picked = part.gather(2, lane.unsqueeze(-1).expand(t, nb, 1, 2))  # [T, nb, 1, 2]
         return picked.reshape(t, nb, 2).contiguous().view(torch.float16).float()
 
-    if qtype == BF16_KERNEL:  # [T, nb, 32 k x 16 rows] bf16 -> each row's lane
-        w = blocks.view(torch.bfloat16).reshape(t, nb * BLOCK_K, PANEL_ROWS)
-        return w.gather(2, lane.view(-1, 1, 1).expand(t, nb * BLOCK_K, 1)).squeeze(-1).float()
+    if qtype == BF16_KERNEL:  # [T, nb, 16 k-pairs x 16 rows x 2] bf16 -> each row's lane
+        w = blocks.view(torch.bfloat16).reshape(t, nb * BLOCK_K // 2, PANEL_ROWS, 2)
+        picked = w.gather(2, lane.view(-1, 1, 1, 1).expand(t, nb * BLOCK_K // 2, 1, 2))
+        return picked.reshape(t, nb * BLOCK_K).float()
     if qtype == QX:
         def halves(start: int) -> torch.Tensor:  # [T, nb, 2, 1] float32 of each row's lane
             part = blocks[:, :, start : start + 128].contiguous().view(torch.float32).reshape(t, nb, 2, PANEL_ROWS)
