@@ -99,8 +99,11 @@ def test_bf16_checkpoint_stays_bf16_and_equals_hf_float32(kind, tmp_path, caplog
     for layer in weights(model):
         assert layer.quant_weight is not None and layer.quant_weight.kernel_type == quantized.BF16_KERNEL
         assert layer.weight.numel() == 0  # no float32 copy
-    if kind == "llama_tied":
+    if kind == "llama_tied":  # (head_dim 32: the compiled layer loop covers it, bf16 linears included)
+        from pagedllm.model.layers import fused_decoder
+
         assert model.lm_head.quant_weight is model.model.embed_tokens.quant_weight
+        assert isinstance(fused_decoder._refusal(model.model), tuple), fused_decoder._refusal(model.model)
     check_against_hf(llm, hf, f"bf16 {kind}")
     wide = load_model(path, quantization="float32").model  # widened: today's float32 path
     assert all(layer.quant_weight is None for layer in weights(wide))
@@ -162,3 +165,35 @@ def test_without_the_kernel_a_bf16_checkpoint_is_widened(tmp_path, monkeypatch, 
     assert all(layer.quant_weight is None for layer in weights(model))
     assert torch.equal(model.model.embed_tokens.weight, hf.model.embed_tokens.weight)
     assert not any(isinstance(layer, VocabEmbedding) and layer.weight.numel() == 0 for layer in weights(model))
+
+
+@needs_kernel
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_tensor_parallel_shards_convert_like_whole_weights(tp_rank):
+    """A rank's shard of a bf16 checkpoint (rows, or whole 32-wide column blocks) converts to bf16
+    panels whose product equals the float layer's on the same shard."""
+    from pagedllm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    w = torch.randn(96, 128).to(torch.bfloat16).float()
+    x = torch.randn(5, 128)
+    for make in (lambda: ColumnParallelLinear(128, 96, tp_size=2, tp_rank=tp_rank),
+                 lambda: RowParallelLinear(128, 96, tp_size=2, tp_rank=tp_rank)):
+        layer_b, layer_f = make(), make()
+        for layer in (layer_b, layer_f):
+            layer.weight.weight_loader(layer.weight, w)
+        quantized.mark(layer_b.weight, quantized.BF16, True)
+        layer_b.process_weights_after_loading()
+        layer_f.process_weights_after_loading()
+        assert layer_b.quant_weight.kernel_type == quantized.BF16_KERNEL and layer_f.quant_weight is None
+        xs = x if isinstance(layer_b, ColumnParallelLinear) else x[:, tp_rank * 64 : (tp_rank + 1) * 64]
+        torch.testing.assert_close(layer_b.matmul(xs, None), layer_f.matmul(xs, None), atol=1e-4, rtol=0)
+
+
+def test_lossless_only_keeps_a_float32_weight_float32():
+    from pagedllm.model.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(64, 32)
+    layer.weight.weight_loader(layer.weight, torch.randn(32, 64))  # not bf16 values
+    quantized.mark(layer.weight, quantized.BF16, True)
+    layer.process_weights_after_loading()
+    assert layer.quant_weight is None and layer.weight.shape == (32, 64)
