@@ -43,7 +43,7 @@ CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp", "fused_ops.cpp",
            "cpu_gemm_op.cpp", "cpu_gemm_avx2.cpp", "cpu_gemm_avx512.cpp", "greedy_select.cpp",
            "thread_pool.cpp", "quant_gemm_op.cpp", "quant_gemm_avx2.cpp", "quant_gemm_avx512.cpp",
-           "decoder_layer.cpp")
+           "decoder_layer.cpp", "step_ops.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
            "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
