@@ -109,10 +109,12 @@ def run(engine, args, seed: int, profile: bool = False, inside: Inside | None = 
     return step_ms, tokens, None
 
 
-def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
-    """(matmuls, attention): process CPU ms of one decode step's matmuls (the 4 linears of every layer
-    and the LM head) and attention (KV write + paged attention, every layer) alone, replayed on the
-    inputs of the middle decode step of a run (its metadata and KV caches; random activations).
+def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float, float]:
+    """(matmuls, attention, small ops): process CPU ms of one decode step's matmuls (the 4 linears of
+    every layer, by the quantized kernel's entry where quantized, and the LM head), attention (KV write
+    + paged attention, every layer) and the fused call's small ops (2 norms, rotary, SiLU a layer)
+    alone, replayed on the inputs of the middle decode step of a run (its metadata and KV caches;
+    random activations). The replays' own Python calls (~1-3 us each, ~150-270 a replay) count in them.
     Meaningful with --threads 1, where CPU time is the work (with 2, a spinning worker adds to it)."""
     from pagedllm.model.forward_context import get_forward_context
 
@@ -142,11 +144,36 @@ def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
     q = torch.randn(num_tokens, heads, dim, generator=gen)
     k, v = torch.randn(2, num_tokens, kv_heads, dim, generator=gen)
 
+    def product(linear):  # the quantized kernel's own entry where there is one: no module frames
+        quant = linear.quant_weight
+        if quant is None:
+            return linear
+        bias = linear._parameters.get("bias")
+        return lambda inp: quant.matmul(inp, bias)
+
+    products = [(product(layer.self_attn.qkv_proj), product(layer.self_attn.o_proj), product(layer.mlp.gate_up_proj),
+                 product(layer.mlp.down_proj)) for layer in layers]
+
     def matmuls():
-        for layer in layers:
-            layer.self_attn.qkv_proj(x), layer.self_attn.o_proj(x_o), layer.mlp.gate_up_proj(x)
-            layer.mlp.down_proj(x_down)
+        for qkv, o, gate_up, down in products:
+            qkv(x), o(x_o), gate_up(x), down(x_down)
         model.compute_logits(x)
+
+    from pagedllm.model.layers import cpu_fused
+
+    ops = cpu_fused.ops()
+    qkv_rows = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    gate_up_rows = torch.randn(num_tokens, 2 * x_down.shape[1], generator=gen)
+    cos, sin = torch.randn(2, num_tokens, dim, generator=gen)
+    norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
+    eps = layers[0].input_layernorm.eps
+
+    def small_ops():  # what the fused call runs besides matmuls and attention, layer by layer
+        for w_in, w_post in norms:
+            ops.add_rms_norm(x, x, w_in, eps)
+            ops.rotary_qk(qkv_rows, cos, sin, heads + kv_heads, dim)
+            ops.add_rms_norm(x, x, w_post, eps)
+            ops.silu_and_mul(gate_up_rows)
 
     def attention():  # writes random K/V into the finished request's slots: nothing reads them again
         for i, layer in enumerate(layers):
@@ -155,7 +182,7 @@ def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
 
     result = []
     with torch.inference_mode():
-        for fn in (matmuls, attention):
+        for fn in (matmuls, attention, small_ops):
             fn()
             times = []
             for _ in range(reps):
@@ -163,7 +190,7 @@ def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
                 fn()
                 times.append((time.process_time() - start) * 1e3)
             result.append(statistics.median(times))
-    return result[0], result[1]
+    return tuple(result)
 
 
 def main() -> None:
@@ -225,7 +252,7 @@ def main() -> None:
             step = sum(step_ms) / len(step_ms)
             shares[mode].append((step, matmul, attention))
     if args.cpu_time:
-        matmul, attention = cpu_breakdown(engine, args)
+        matmul, attention, small = cpu_breakdown(engine, args)
         for mode in modes:
             step = statistics.median(steps[mode])
             other = step - matmul - attention
@@ -236,7 +263,8 @@ def main() -> None:
                 continue  # the per-op path has no fused call: its layers would count as outside
             out = statistics.median(outside[mode])
             print(f"  {mode:7s} outside the fused call and the LM head: {out:.2f} ms a step ({out / step:.0%}) "
-                  f"[{', '.join(f'{o:.2f}' for o in outside[mode])}]")
+                  f"[{', '.join(f'{o:.2f}' for o in outside[mode])}]; the call's norms, rotary and SiLU "
+                  f"replayed: {small:.2f} ms ({small / step:.0%}); both: {(out + small) / step:.0%}")
     for mode in modes if args.profile_rounds else ():
         step, matmul, attention = (statistics.median(x) for x in zip(*shares[mode]))
         other = step - matmul - attention
