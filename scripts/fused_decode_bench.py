@@ -17,10 +17,10 @@ the profiled step's wall time minus those two. The profiler's own cost (~1 us an
 "else", and weighs more on the per-op path (~300 op events a step against ~150 fused); medians over
 the rounds.
 
-With --cpu-time, also "outside": per decode step, the process CPU time spent outside the fused
-decoder call and the LM head (``compute_logits`` / ``greedy_token_ids``), measured in the timed runs
-themselves (no replay): embedding lookup, final norm, input preparation, sampling, scheduling,
-detokenizing. It does not depend on the replays, which a contended machine moves more.
+With --cpu-time, also "outside": per decode step, the process CPU time spent outside the compiled
+layers' call (``decoder_layers_cpu``) and the LM head (``compute_logits`` / ``greedy_token_ids``),
+measured in the timed runs themselves (no replay): embedding lookup, rotary gathers, final norm,
+input preparation, sampling, scheduling, detokenizing. It does not depend on the replays, which a contended machine moves more.
 ``--fused-only`` skips the per-op runs.
 """
 
@@ -37,16 +37,23 @@ ATTENTION_OPS = ("pagedllm::paged_attention_cpu", "pagedllm::kv_write_cpu")
 
 
 class Inside:
-    """Process CPU time inside the fused decoder call and the LM head, summed while ``on``."""
+    """Process CPU time inside the compiled layers' call (``FusedDecoder._op``: not the Python around
+    it) and the LM head, summed while ``on``."""
 
     def __init__(self, engine) -> None:
         from pagedllm.model.layers import fused_decoder
 
         self.total, self.on = 0.0, False
         model = engine.core.executor.runner.model
-        for owner, name in ((fused_decoder.FusedDecoder, "__call__"), (model, "compute_logits"),
-                            (model, "greedy_token_ids")):
+        for owner, name in ((model, "compute_logits"), (model, "greedy_token_ids")):
             setattr(owner, name, self.wrap(getattr(owner, name)))
+        real_init = fused_decoder.FusedDecoder.__init__
+
+        def init(decoder, *args, **kwargs):  # built at the model's first step
+            real_init(decoder, *args, **kwargs)
+            decoder._op = self.wrap(decoder._op)
+
+        fused_decoder.FusedDecoder.__init__ = init
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
@@ -262,7 +269,7 @@ def main() -> None:
             if mode != "fused":
                 continue  # the per-op path has no fused call: its layers would count as outside
             out = statistics.median(outside[mode])
-            print(f"  {mode:7s} outside the fused call and the LM head: {out:.2f} ms a step ({out / step:.0%}) "
+            print(f"  {mode:7s} outside the layers' call and the LM head: {out:.2f} ms a step ({out / step:.0%}) "
                   f"[{', '.join(f'{o:.2f}' for o in outside[mode])}]; the call's norms, rotary and SiLU "
                   f"replayed: {small:.2f} ms ({small / step:.0%}); both: {(out + small) / step:.0%}")
     for mode in modes if args.profile_rounds else ():
