@@ -20,7 +20,8 @@ the rounds.
 With --cpu-time, also "outside": per decode step, the process CPU time spent outside the compiled
 layers' call (``decoder_layers_cpu``) and the LM head (``compute_logits`` / ``greedy_token_ids``),
 measured in the timed runs themselves (no replay): embedding lookup, rotary gathers, final norm,
-input preparation, sampling, scheduling, detokenizing. It does not depend on the replays, which a contended machine moves more.
+input preparation, sampling, scheduling, detokenizing. It does not depend on the replays, which a
+contended machine moves more.
 ``--fused-only`` skips the per-op runs.
 """
 

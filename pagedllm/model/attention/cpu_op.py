@@ -15,7 +15,8 @@ ops of ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, rotary, SiLU-and-m
 ``csrc/quant_gemm*.cpp`` (``quant_gemm_cpu``), which ``pagedllm.model.layers.quantized`` uses, and
 ``decoder_layers_cpu`` (``csrc/decoder_layer.cpp``: every decoder layer of a step in one call, over those ops),
 which ``pagedllm.model.layers.fused_decoder`` uses, and ``quant_rows_cpu`` / ``argmax_rows_cpu``
-(``csrc/step_ops.cpp``: the quantized embedding lookup and the greedy argmax, one call each). The attention query and output are float32; the cache
+(``csrc/step_ops.cpp``: the quantized embedding lookup and the greedy argmax, one call each). The
+attention query and output are float32; the cache
 may be float32, float16 or bfloat16 (``--kv-cache-dtype``): 16-bit K/V are widened to float32 in
 registers as they are read (F16C / AVX-512 conversions; bfloat16 is a shift), and ``kv_write_cpu``
 rounds to nearest even on store, as ``Tensor.to`` does.
