@@ -176,12 +176,17 @@ def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float, float]:
     norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
     eps = layers[0].input_layernorm.eps
 
+    ns = torch.ops.pagedllm  # the C++ callables, as the fused call reaches them (no Python wrappers)
+    add_rms_norm, rotary, silu = (getattr(op.default, "_op", op.default)
+                                  for op in (ns.add_rms_norm_cpu, ns.rotary_qk_cpu, ns.silu_and_mul_cpu))
+    lanes, block, rotated = ops.norm_lanes, ops.silu_block, heads + kv_heads
+
     def small_ops():  # what the fused call runs besides matmuls and attention, layer by layer
         for w_in, w_post in norms:
-            ops.add_rms_norm(x, x, w_in, eps)
-            ops.rotary_qk(qkv_rows, cos, sin, heads + kv_heads, dim)
-            ops.add_rms_norm(x, x, w_post, eps)
-            ops.silu_and_mul(gate_up_rows)
+            add_rms_norm(x, x, w_in, eps, lanes)
+            rotary(qkv_rows, cos, sin, rotated, dim)
+            add_rms_norm(x, x, w_post, eps, lanes)
+            silu(gate_up_rows, block)
 
     def attention():  # writes random K/V into the finished request's slots: nothing reads them again
         for i, layer in enumerate(layers):
