@@ -16,6 +16,13 @@ float32 GEMMs, the greedy LM head) and attention (paged attention and the KV wri
 the profiled step's wall time minus those two. The profiler's own cost (~1 us an op event) lands in
 "else", and weighs more on the per-op path (~300 op events a step against ~150 fused); medians over
 the rounds.
+
+With --cpu-time, also "outside": per decode step, the process CPU time spent outside the compiled
+layers' call (``decoder_layers_cpu``) and the LM head (``compute_logits`` / ``greedy_token_ids``),
+measured in the timed runs themselves (no replay): embedding lookup, rotary gathers, final norm,
+input preparation, sampling, scheduling, detokenizing. It does not depend on the replays, which a
+contended machine moves more.
+``--fused-only`` skips the per-op runs.
 """
 
 import argparse
@@ -30,7 +37,38 @@ MATMUL_OPS = ("pagedllm::quant_gemm_cpu", "pagedllm::gemm_packed_cpu", "pagedllm
 ATTENTION_OPS = ("pagedllm::paged_attention_cpu", "pagedllm::kv_write_cpu")
 
 
-def run(engine, args, seed: int, profile: bool = False):
+class Inside:
+    """Process CPU time inside the compiled layers' call (``FusedDecoder._op``: not the Python around
+    it) and the LM head, summed while ``on``."""
+
+    def __init__(self, engine) -> None:
+        from pagedllm.model.layers import fused_decoder
+
+        self.total, self.on = 0.0, False
+        model = engine.core.executor.runner.model
+        for owner, name in ((model, "compute_logits"), (model, "greedy_token_ids")):
+            setattr(owner, name, self.wrap(getattr(owner, name)))
+        real_init = fused_decoder.FusedDecoder.__init__
+
+        def init(decoder, *args, **kwargs):  # built at the model's first step
+            real_init(decoder, *args, **kwargs)
+            decoder._op = self.wrap(decoder._op)
+
+        fused_decoder.FusedDecoder.__init__ = init
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.process_time() - start
+        return timed
+
+
+def run(engine, args, seed: int, profile: bool = False, inside: Inside | None = None):
     from pagedllm.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -39,18 +77,23 @@ def run(engine, args, seed: int, profile: bool = False):
         ids = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
         engine.add_request(f"r{seed}-{i}", {"prompt_token_ids": ids}, params)
     step_ms, tokens, prof = [], [], None
+    inside_ms = []
     first = True
     while engine.has_unfinished_requests():
         if profile and not first and prof is None:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
         start, cpu_start = time.perf_counter(), time.process_time()
+        if inside is not None:
+            inside.total, inside.on = 0.0, not first
         outs = engine.step()
         # profiled steps in wall time, as the profiler times the ops
         cpu = args.cpu_time and not profile
         elapsed = ((time.process_time() - cpu_start) if cpu else (time.perf_counter() - start)) * 1e3
         if not first:
             step_ms.append(elapsed)
+            if inside is not None:
+                inside_ms.append(inside.total * 1e3)
         first = False
         for out in outs:
             if out.finished:
@@ -68,13 +111,18 @@ def run(engine, args, seed: int, profile: bool = False):
         matmul = sum(totals.get(k, 0.0) for k in MATMUL_OPS) / n
         attention = sum(totals.get(k, 0.0) for k in ATTENTION_OPS) / n
         return step_ms, tokens, (matmul, attention)
+    if inside is not None:
+        inside.on = False
+        return step_ms, tokens, inside_ms
     return step_ms, tokens, None
 
 
-def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
-    """(matmuls, attention): process CPU ms of one decode step's matmuls (the 4 linears of every layer
-    and the LM head) and attention (KV write + paged attention, every layer) alone, replayed on the
-    inputs of the middle decode step of a run (its metadata and KV caches; random activations).
+def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float, float]:
+    """(matmuls, attention, small ops): process CPU ms of one decode step's matmuls (the 4 linears of
+    every layer, by the quantized kernel's entry where quantized, and the LM head), attention (KV write
+    + paged attention, every layer) and the fused call's small ops (2 norms, rotary, SiLU a layer)
+    alone, replayed on the inputs of the middle decode step of a run (its metadata and KV caches;
+    random activations). The replays' own Python calls (~1-3 us each, ~150-270 a replay) count in them.
     Meaningful with --threads 1, where CPU time is the work (with 2, a spinning worker adds to it)."""
     from pagedllm.model.forward_context import get_forward_context
 
@@ -104,11 +152,41 @@ def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
     q = torch.randn(num_tokens, heads, dim, generator=gen)
     k, v = torch.randn(2, num_tokens, kv_heads, dim, generator=gen)
 
+    def product(linear):  # the quantized kernel's own entry where there is one: no module frames
+        quant = linear.quant_weight
+        if quant is None:
+            return linear
+        bias = linear._parameters.get("bias")
+        return lambda inp: quant.matmul(inp, bias)
+
+    products = [(product(layer.self_attn.qkv_proj), product(layer.self_attn.o_proj), product(layer.mlp.gate_up_proj),
+                 product(layer.mlp.down_proj)) for layer in layers]
+
     def matmuls():
-        for layer in layers:
-            layer.self_attn.qkv_proj(x), layer.self_attn.o_proj(x_o), layer.mlp.gate_up_proj(x)
-            layer.mlp.down_proj(x_down)
+        for qkv, o, gate_up, down in products:
+            qkv(x), o(x_o), gate_up(x), down(x_down)
         model.compute_logits(x)
+
+    from pagedllm.model.layers import cpu_fused
+
+    ops = cpu_fused.ops()
+    qkv_rows = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    gate_up_rows = torch.randn(num_tokens, 2 * x_down.shape[1], generator=gen)
+    cos, sin = torch.randn(2, num_tokens, dim, generator=gen)
+    norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
+    eps = layers[0].input_layernorm.eps
+
+    ns = torch.ops.pagedllm  # the C++ callables, as the fused call reaches them (no Python wrappers)
+    add_rms_norm, rotary, silu = (getattr(op.default, "_op", op.default)
+                                  for op in (ns.add_rms_norm_cpu, ns.rotary_qk_cpu, ns.silu_and_mul_cpu))
+    lanes, block, rotated = ops.norm_lanes, ops.silu_block, heads + kv_heads
+
+    def small_ops():  # what the fused call runs besides matmuls and attention, layer by layer
+        for w_in, w_post in norms:
+            add_rms_norm(x, x, w_in, eps, lanes)
+            rotary(qkv_rows, cos, sin, rotated, dim)
+            add_rms_norm(x, x, w_post, eps, lanes)
+            silu(gate_up_rows, block)
 
     def attention():  # writes random K/V into the finished request's slots: nothing reads them again
         for i, layer in enumerate(layers):
@@ -117,7 +195,7 @@ def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
 
     result = []
     with torch.inference_mode():
-        for fn in (matmuls, attention):
+        for fn in (matmuls, attention, small_ops):
             fn()
             times = []
             for _ in range(reps):
@@ -125,7 +203,7 @@ def cpu_breakdown(engine, args, reps: int = 7) -> tuple[float, float]:
                 fn()
                 times.append((time.process_time() - start) * 1e3)
             result.append(statistics.median(times))
-    return result[0], result[1]
+    return tuple(result)
 
 
 def main() -> None:
@@ -137,6 +215,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--profile-steps", type=int, default=24)
     parser.add_argument("--profile-rounds", type=int, default=2)
+    parser.add_argument("--fused-only", action="store_true", help="skip the per-op runs")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time steps by process CPU time, not wall time: with --threads 1 a contended "
                              "machine barely moves it (the steps' own work, without the waits for a core)")
@@ -148,7 +227,9 @@ def main() -> None:
 
     engine = LLMEngine(EngineArgs(model=None, num_threads=args.threads, enable_prefix_caching=False,
                                   max_num_seqs=max(args.batch, 1)))
-    modes = {"fused": True, "per-op": False}
+    modes = {"fused": True} if args.fused_only else {"fused": True, "per-op": False}
+    inside = Inside(engine) if args.cpu_time else None
+    outside = {m: [] for m in modes}
     steps = {m: [] for m in modes}
     walls = {m: [] for m in modes}
     outputs = {}
@@ -158,11 +239,13 @@ def main() -> None:
         for mode in order:
             fused_decoder.set_enabled(modes[mode])
             start = time.perf_counter()
-            step_ms, tokens, _ = run(engine, args, seed=1)
+            step_ms, tokens, inside_ms = run(engine, args, seed=1, inside=inside)
             walls[mode].append(time.perf_counter() - start)
             steps[mode].append(statistics.median(step_ms))
+            if inside_ms is not None:
+                outside[mode].append(statistics.median(s - i for s, i in zip(step_ms, inside_ms)))
             outputs.setdefault(mode, tokens)
-    same = outputs["fused"] == outputs["per-op"]
+    same = outputs["fused"] == outputs["per-op"] if "per-op" in outputs else "(fused only)"
     print(f"default model, batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} greedy tokens, "
           f"{args.threads} threads, {args.rounds} rounds; same tokens fused vs per-op: {same}")
     for mode in modes:
@@ -170,9 +253,10 @@ def main() -> None:
         print(f"  {mode:7s} output tok/s (whole run) median {statistics.median(tok_s):.1f} "
               f"[{', '.join(f'{t:.1f}' for t in tok_s)}]; decode step ms ({'CPU' if args.cpu_time else 'wall'}) median {statistics.median(steps[mode]):.2f} "
               f"[{', '.join(f'{s:.2f}' for s in steps[mode])}]")
-    ratio = [statistics.median(walls["per-op"]) / statistics.median(walls["fused"]),
-             statistics.median(steps["per-op"]) / statistics.median(steps["fused"])]
-    print(f"  fused / per-op speed: {ratio[0]:.2f}x (whole run), {ratio[1]:.2f}x (decode step)")
+    if "per-op" in modes:
+        ratio = [statistics.median(walls["per-op"]) / statistics.median(walls["fused"]),
+                 statistics.median(steps["per-op"]) / statistics.median(steps["fused"])]
+        print(f"  fused / per-op speed: {ratio[0]:.2f}x (whole run), {ratio[1]:.2f}x (decode step)")
     shares = {m: [] for m in modes}
     for r in range(args.profile_rounds):
         for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
@@ -181,13 +265,19 @@ def main() -> None:
             step = sum(step_ms) / len(step_ms)
             shares[mode].append((step, matmul, attention))
     if args.cpu_time:
-        matmul, attention = cpu_breakdown(engine, args)
+        matmul, attention, small = cpu_breakdown(engine, args)
         for mode in modes:
             step = statistics.median(steps[mode])
             other = step - matmul - attention
             print(f"  {mode:7s} decode step (CPU) {step:.2f} ms: matmuls {matmul:.2f} ms ({matmul / step:.0%}), "
                   f"attention {attention:.2f} ms ({attention / step:.0%}), else {other:.2f} ms ({other / step:.0%}) "
                   f"[matmuls and attention replayed alone, CPU time]")
+            if mode != "fused":
+                continue  # the per-op path has no fused call: its layers would count as outside
+            out = statistics.median(outside[mode])
+            print(f"  {mode:7s} outside the layers' call and the LM head: {out:.2f} ms a step ({out / step:.0%}) "
+                  f"[{', '.join(f'{o:.2f}' for o in outside[mode])}]; the call's norms, rotary and SiLU "
+                  f"replayed: {small:.2f} ms ({small / step:.0%}); both: {(out + small) / step:.0%}")
     for mode in modes if args.profile_rounds else ():
         step, matmul, attention = (statistics.median(x) for x in zip(*shares[mode]))
         other = step - matmul - attention

@@ -236,18 +236,17 @@ class LlamaModel(_DirectChildren):
         self.norm = spec.norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        fused = fused_decoder.for_step(self, input_ids)
+        if fused is not None:  # the lookup, every layer and the final norm in compiled calls, equal to the below
+            return fused(input_ids, positions)
         hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:  # HF casts the scale to the activations' dtype first
             hidden_states = hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
         residual = None
         # once per step for every layer
         cos_sins = [self.rotaries[key].cos_sin(positions, hidden_states.dtype) for key in self.rotary_keys]
-        fused = fused_decoder.for_step(self, hidden_states)
-        if fused is not None:  # every layer in one compiled call, equal to the loop below (fused_decoder.py)
-            hidden_states, residual = fused(hidden_states, cos_sins[0])
-        else:
-            for layer, rotary in zip(self.layers, self.layer_rotary):
-                hidden_states, residual = layer(cos_sins[rotary], hidden_states, residual)
+        for layer, rotary in zip(self.layers, self.layer_rotary):
+            hidden_states, residual = layer(cos_sins[rotary], hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -26,8 +26,8 @@ from pagedllm.model.attention.backend import make_attention_backend, set_attenti
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.forward_context import set_forward_context
 from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
-from pagedllm.model.sampling.metadata import RequestTensors, SamplingMetadata, SamplingRow
-from pagedllm.model.sampling.sampler import Sampler, SamplerOutput
+from pagedllm.model.sampling.metadata import RequestTensors, SamplingMetadata, SamplingRow, plain_greedy
+from pagedllm.model.sampling.sampler import Sampler, SamplerOutput, argmax_rows
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
@@ -261,9 +261,12 @@ class ModelRunner:
         lora_rows = None if self.lora is None else self.lora.step_rows([s.lora_request for s in states], num_scheduled)
         if self.decode_graphs is not None and lora_rows is None and self.decode_graphs.can_run(metadata):
             hidden_states = self.decode_graphs.run(input_ids, positions, metadata)
+        elif self.lora is None:  # nothing set a LoRA step: no block to reset it in
+            with set_forward_context(metadata, self.kv_caches):
+                hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
         else:
             with set_forward_context(metadata, self.kv_caches), lora_step(lora_rows):
-                hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+                hidden_states = self.model(input_ids, positions)
 
         output = ModelRunnerOutput(sampled_token_ids={})
         self._compute_prompt_logprobs(states, num_scheduled, metadata, hidden_states, output)
@@ -303,6 +306,15 @@ class ModelRunner:
             sampled_hidden = hidden_states
         else:
             sampled_hidden = hidden_states[torch.tensor(rows_taken, device=hidden_states.device)]
+        if all(plain_greedy(params) for _, _, params in row_owner):  # argmax of the raw logits, no metadata
+            greedy_ids = self.model.greedy_token_ids(sampled_hidden)
+            if greedy_ids is None:
+                greedy_ids = argmax_rows(self.model.compute_logits(sampled_hidden))
+            sampled = greedy_ids.tolist()  # the step's one host sync
+            for (state, req_id, _), token in zip(row_owner, sampled):
+                output.sampled_token_ids[req_id] = [token]
+            return {state.req_id: token for (state, req_id, _), token in zip(row_owner, sampled)
+                    if req_id == state.req_id}
         rows = [
             SamplingRow(
                 params=params,
@@ -376,9 +388,9 @@ class ModelRunner:
             input_id_list = [s.token_ids[p] for s, p in zip(states, position_list)]
             seq_lens_host = [p + 1 for p in position_list]
             slot_list = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(states, position_list)]
-            # One host array whose rows are the step's vectors: one conversion instead of three.
-            positions, slot_mapping, seq_lens = torch.from_numpy(
-                np.array([position_list, slot_list, seq_lens_host], dtype=np.int64))
+            # One host array whose rows are the step's vectors: one conversion instead of four.
+            input_ids, positions, slot_mapping, seq_lens = torch.from_numpy(
+                np.array([input_id_list, position_list, slot_list, seq_lens_host], dtype=np.int64)).unbind(0)
             query_start_loc = torch.arange(len(states) + 1, dtype=torch.int64)
         else:
             input_id_list = []
@@ -394,6 +406,7 @@ class ModelRunner:
             slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
             seq_lens = num_computed + num_tokens
             seq_lens_host = seq_lens.tolist()
+            input_ids = torch.tensor(input_id_list, dtype=torch.int64)
         device = self.device
 
         metadata = AttentionMetadata(
@@ -407,8 +420,7 @@ class ModelRunner:
             query_lens_host=list(num_scheduled),
             seq_lens_host=seq_lens_host,
         )
-        input_ids = torch.tensor(input_id_list, dtype=torch.int64, device=device)
-        return input_ids, positions.to(device), metadata
+        return input_ids.to(device), positions.to(device), metadata
 
     def _compute_prompt_logprobs(self, states, num_scheduled, metadata, hidden_states, output) -> None:
         """Logprobs of the prompt tokens this step covers: position p predicts token p + 1."""

@@ -482,3 +482,20 @@ def test_top_p_on_candidates_equals_the_full_sort():
         assert torch.isfinite(_apply_top_p_on_candidates(peaked.clone(), None, top_p)).any()
     finally:
         top_k_top_p_module._apply_top_k_top_p = original
+
+
+def test_plain_greedy_rows_are_exactly_those_the_sampler_takes_argmax_of_raw_logits():
+    """The runner skips SamplingMetadata for a batch of plain_greedy rows: each must be a row whose
+    metadata has nothing to apply or report (greedy, no processors, no logprobs)."""
+    from pagedllm.model.sampling.metadata import plain_greedy
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    assert plain_greedy(plain)
+    md = SamplingMetadata.from_requests([SamplingRow(plain, [1, 2], [3])], 8, "cpu")
+    assert md.all_greedy and not md.has_logits_processors and md.max_num_logprobs is None
+    others = [dict(temperature=0.7), dict(logprobs=0), dict(logit_bias={3: 1.0}), dict(min_tokens=2),
+              dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+              dict(structured_outputs=StructuredOutputsParams(regex="a+"))]
+    for changed in others:
+        assert not plain_greedy(SamplingParams(**{"temperature": 0.0, **changed})), changed

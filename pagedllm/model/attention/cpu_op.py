@@ -14,7 +14,9 @@ ops of ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, rotary, SiLU-and-m
 (``gemm_packed_cpu``), which ``pagedllm.model.layers.cpu_gemm`` uses, and the GEMM on GGUF-quantized weights of
 ``csrc/quant_gemm*.cpp`` (``quant_gemm_cpu``; bfloat16 weights too, ``csrc/bf16_gemm*``), which ``pagedllm.model.layers.quantized`` uses, and
 ``decoder_layers_cpu`` (``csrc/decoder_layer.cpp``: every decoder layer of a step in one call, over those ops),
-which ``pagedllm.model.layers.fused_decoder`` uses. The attention query and output are float32; the cache
+which ``pagedllm.model.layers.fused_decoder`` uses, and ``quant_rows_cpu`` / ``argmax_rows_cpu``
+(``csrc/step_ops.cpp``: the quantized embedding lookup and the greedy argmax, one call each). The
+attention query and output are float32; the cache
 may be float32, float16 or bfloat16 (``--kv-cache-dtype``): 16-bit K/V are widened to float32 in
 registers as they are read (F16C / AVX-512 conversions; bfloat16 is a shift), and ``kv_write_cpu``
 rounds to nearest even on store, as ``Tensor.to`` does.
@@ -43,7 +45,7 @@ CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp", "fused_ops.cpp",
            "cpu_gemm_op.cpp", "cpu_gemm_avx2.cpp", "cpu_gemm_avx512.cpp", "greedy_select.cpp",
            "thread_pool.cpp", "quant_gemm_op.cpp", "quant_gemm_avx2.cpp", "quant_gemm_avx512.cpp",
-           "decoder_layer.cpp", "bf16_gemm_op.cpp", "bf16_gemm_avx2.cpp", "bf16_gemm_avx512.cpp")
+           "decoder_layer.cpp", "bf16_gemm_op.cpp", "bf16_gemm_avx2.cpp", "bf16_gemm_avx512.cpp", "step_ops.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
            "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "bf16_gemm.h", "bf16_gemm_kernel.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,

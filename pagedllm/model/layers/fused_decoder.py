@@ -6,16 +6,21 @@ linears, rotary, the KV write, attention, SiLU) from Python, 30 layers: the Pyth
 calls and checks between them cost about as much again as the norms, rotary and activation did.
 ``decoder_layers_cpu`` runs the same ops, in the same order, on the same inputs, from one C++
 loop, so its output equals the per-op path bit for bit (tests/model/test_fused_decoder.py); the
-per-op path (``LlamaDecoderLayer.forward``) stays the reference and runs everything else.
+per-op path (``LlamaDecoderLayer.forward``) stays the reference and runs everything else. Around
+that call the step's other ops are called directly too, without their modules: the embedding
+lookup (``quant_rows_cpu`` for a GGUF table, ``torch.embedding`` for a float32 one), the rotary
+tables' two row gathers, and the final norm (``add_rms_norm_cpu``): the same ops the modules would
+run, ~0.2-0.3 ms less Python a batch-1 step.
 
 Covered (checked once, when the model's first step builds the weight lists): CPU float32
 activations, tensor-parallel size 1, every linear either float32 panels of the compiled GEMM or a
 GGUF-quantized weight of the compiled quantized kernel, q/k/v and gate/up biases (o and down
 without), plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows,
 SmolLM2), SiLU, one rotary table, full attention without soft-capping, the compiled attention
-backend. Per step: at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps
-alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers'
-modules (``bench profile`` times modules with hooks). Not covered, per-op path: Qwen3's and Gemma
+backend, no embedding scale, a float32 or compiled-quantized embedding table. Per step: at most
+``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps
+alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers',
+the embedding's or the final norm's modules (``bench profile`` times modules with hooks). Not covered, per-op path: Qwen3's and Gemma
 3's q/k norms, Gemma's norms and sandwich norms, soft-capping, sliding windows, MoE and other
 MLPs (Phi-3's fused names included), MKL- or F.linear-only weights (the compiled GEMM off or
 unavailable), tensor parallelism, CUDA, longer steps. ``PAGEDLLM_DISABLE_FUSED_DECODER=1`` turns
@@ -61,7 +66,7 @@ def invalidate(model) -> None:
     model.__dict__.pop(_ATTR, None)
 
 
-def for_step(model, hidden_states: torch.Tensor) -> FusedDecoder | None:
+def for_step(model, input_ids: torch.Tensor) -> FusedDecoder | None:
     """The fused call for this step of ``model`` (a ``LlamaModel``), or None: run the layers one by one."""
     if not (_enabled[0] if _enabled else not envs.PAGEDLLM_DISABLE_FUSED_DECODER):
         return None
@@ -72,7 +77,7 @@ def for_step(model, hidden_states: torch.Tensor) -> FusedDecoder | None:
     if backend is not current:
         fused = FusedDecoder.build(model)
         model.__dict__[_ATTR] = (current, fused)
-    if fused is None or not fused.applies(hidden_states):
+    if fused is None or not fused.applies(input_ids):
         return None
     return fused
 
@@ -81,7 +86,7 @@ class FusedDecoder:
     """The weight lists of one model for ``decoder_layers_cpu``, and the per-step conditions."""
 
     def __init__(self, model, weights: list[torch.Tensor], linear_info: list[int], norm_lanes: int,
-                 silu_block: int) -> None:
+                 silu_block: int, embed: tuple) -> None:
         layer0 = model.layers[0]
         attn = layer0.self_attn
         self.weights = weights
@@ -94,11 +99,15 @@ class FusedDecoder:
         self.norm_lanes = norm_lanes
         self.silu_block = silu_block
         # Modules whose hooks the fused call would skip: checked each step (a dict's truthiness).
-        self._watched = (attn.qkv_proj, attn.attn, layer0)
+        self._watched = (attn.qkv_proj, attn.attn, layer0, model.embed_tokens, model.norm)
+        self._embed = embed  # (quant_rows_cpu, packed, kernel type) or (None, the float32 table's owner, None)
+        self._rotary_buffers = model.rotaries[model.rotary_keys[0]]._buffers  # read per step (a .to() replaces them)
+        self._final_norm = model.norm._parameters
+        self.final_eps = float(model.norm.eps)
+        self._add_rms_norm = _direct(torch.ops.pagedllm.add_rms_norm_cpu.default)
         self._checked_caches = None  # the KV cache list last checked (by identity), and whether it is covered
         self._caches_ok = False
-        overload = torch.ops.pagedllm.decoder_layers_cpu.default
-        self._op = getattr(overload, "_op", overload)  # the C++ callable, without OpOverload's wrapper
+        self._op = _direct(torch.ops.pagedllm.decoder_layers_cpu.default)
 
     @classmethod
     def build(cls, model) -> FusedDecoder | None:
@@ -107,13 +116,12 @@ class FusedDecoder:
         if isinstance(reason, str):
             logger.info("fused decoder layers off for this model (%s); the layers run op by op", reason)
             return None
-        weights, info, lanes, block = reason
-        return cls(model, weights, info, lanes, block)
+        return cls(model, *reason)
 
-    def applies(self, hidden_states: torch.Tensor) -> bool:
+    def applies(self, input_ids: torch.Tensor) -> bool:
         """Whether this step can take the fused call (the model-wide conditions were checked at build)."""
-        if (hidden_states.dtype != torch.float32 or not hidden_states.is_cpu or hidden_states.dim() != 2
-                or hidden_states.shape[0] > MAX_TOKENS or not hidden_states.is_contiguous()):
+        if (input_ids.dtype != torch.int64 or not input_ids.is_cpu or input_ids.dim() != 1
+                or input_ids.shape[0] > MAX_TOKENS):
             return False
         ctx = get_forward_context()
         if ctx is None or ctx.kv_caches is None or ctx.attn_metadata is None:
@@ -125,22 +133,36 @@ class FusedDecoder:
             self._checked_caches = caches
         if not self._caches_ok:
             return False
-        if cpu_fused.usable(hidden_states) is None:  # the small ops switched off (an A/B run of theirs)
+        if cpu_fused.ops() is None:  # the small ops switched off (an A/B run of theirs)
             return False
         for module in self._watched:
             if module._forward_hooks or module._forward_pre_hooks:
                 return False
         return True
 
-    def __call__(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, residual)`` after the last layer, as the per-op loop leaves them (their sum is its output)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's output (after the final norm) for ``input_ids`` at ``positions``, as
+        ``LlamaModel.forward``'s per-op path computes it."""
+        rows_op, table, kernel_type = self._embed
+        if rows_op is not None:  # the GGUF table's rows, as VocabEmbedding's lookup dequantizes them
+            hidden_states = rows_op(table, kernel_type, input_ids)
+        else:
+            hidden_states = torch.embedding(table._parameters["weight"], input_ids)
+        buffers = self._rotary_buffers  # RotaryEmbedding.cos_sin's gathers; the op reads [T, D] as [T, 1, D]
+        cos = torch.index_select(buffers["cos_cache"], 0, positions)
+        signed_sin = torch.index_select(buffers["signed_sin_cache"], 0, positions)
         ctx = get_forward_context()
         md = ctx.attn_metadata
-        kv_caches = ctx.kv_caches
-        return self._op(hidden_states, cos_sin[0], cos_sin[1], self.weights, self.linear_info, kv_caches,
-                        md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
-                        self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes, self.silu_block)
+        x, residual = self._op(hidden_states, cos, signed_sin, self.weights, self.linear_info, ctx.kv_caches,
+                               md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
+                               self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes,
+                               self.silu_block)
+        return self._add_rms_norm(x, residual, self._final_norm["weight"], self.final_eps, self.norm_lanes)[0]
+
+
+def _direct(overload):
+    """The C++ callable of an op overload, without OpOverload's Python wrapper."""
+    return getattr(overload, "_op", overload)
 
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -189,6 +211,16 @@ def _refusal(model):
         return "tensor parallelism"
     if len(model.layers) == 0 or len(model.rotary_keys) != 1:
         return "rotary parameters per layer type"
+    rotary = model.rotaries[model.rotary_keys[0]]
+    if any(b.dtype != torch.float32 or not b.is_cpu or not b.is_contiguous()
+           for b in (rotary.cos_cache, rotary.signed_sin_cache)):
+        return "rotary tables that are not contiguous float32"
+    embed = _embedding_entry(model)
+    if isinstance(embed, str):
+        return embed
+    final = model.norm._parameters["weight"]
+    if type(model.norm) is not RMSNorm or final.dtype != torch.float32 or not final.is_contiguous() or final.is_cuda:
+        return f"a final {type(model.norm).__name__}"
     weights: list[torch.Tensor] = []
     info: list[int] = []
     first = model.layers[0]
@@ -233,4 +265,23 @@ def _refusal(model):
         weights += [norms[0]._parameters["weight"], qkv_w, qkv_b, o_w, o_b, norms[1]._parameters["weight"],
                     gu_w, gu_b, d_w, d_b]
         info += qkv_i + o_i + gu_i + d_i
-    return weights, info, ops.norm_lanes, ops.silu_block
+    return weights, info, ops.norm_lanes, ops.silu_block, embed
+
+
+def _embedding_entry(model) -> tuple | str:
+    """``FusedDecoder._embed`` for ``model.embed_tokens``, or why its lookup is not covered."""
+    from pagedllm.model.layers import quantized
+    from pagedllm.model.layers.embedding import VocabEmbedding
+
+    embed = model.embed_tokens
+    if type(embed) is not VocabEmbedding or embed.tp_size != 1 or model.embed_scale is not None:
+        return "a scaled, split or subclassed embedding"
+    if embed.quant_weight is not None:
+        rows_op = quantized._rows_op()
+        if rows_op is None:
+            return "a quantized embedding without the compiled row lookup"
+        return rows_op, embed.quant_weight.packed, embed.quant_weight.kernel_type
+    weight = embed._parameters["weight"]
+    if weight.dtype != torch.float32 or weight.is_cuda:
+        return "an embedding table that is not float32 on the CPU"
+    return None, embed, None

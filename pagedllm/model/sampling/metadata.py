@@ -47,6 +47,15 @@ class RequestTensors:
         return cls(bias_ids, bias_values, suppressed)
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether a row of ``params`` samples the argmax of its raw logits with nothing else to report:
+    greedy, no logits processor (logit_bias, min_tokens, penalties, a grammar), no logprobs. A batch
+    of such rows needs no ``SamplingMetadata`` (the runner's greedy path skips building it)."""
+    return (params.temperature < MIN_TEMPERATURE and params.logprobs is None and not params.logit_bias
+            and params.min_tokens == 0 and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.structured_outputs is None)
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """One sequence to sample a token for in this step."""
