@@ -268,6 +268,13 @@ def _refusal(model):
     return weights, info, ops.norm_lanes, ops.silu_block, embed
 
 
+def _torch_rows(packed: torch.Tensor, kernel_type: int, ids: torch.Tensor) -> torch.Tensor:
+    """quant_rows_cpu's signature over the torch form (bf16 tables)."""
+    from pagedllm.model.layers import quantized
+
+    return quantized.dequantize_rows_torch(kernel_type, packed, ids)
+
+
 def _embedding_entry(model) -> tuple | str:
     """``FusedDecoder._embed`` for ``model.embed_tokens``, or why its lookup is not covered."""
     from pagedllm.model.layers import quantized
@@ -280,6 +287,8 @@ def _embedding_entry(model) -> tuple | str:
         rows_op = quantized._rows_op()
         if rows_op is None:
             return "a quantized embedding without the compiled row lookup"
+        if embed.quant_weight.kernel_type == quantized.BF16_KERNEL:  # the compiled lookup has no bf16 form
+            rows_op = _torch_rows
         return rows_op, embed.quant_weight.packed, embed.quant_weight.kernel_type
     weight = embed._parameters["weight"]
     if weight.dtype != torch.float32 or weight.is_cuda:
