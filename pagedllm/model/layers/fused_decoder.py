@@ -13,7 +13,7 @@ activations, tensor-parallel size 1, every linear either float32 panels of the c
 GGUF-quantized weight of the compiled quantized kernel, q/k/v and gate/up biases (o and down
 without), plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows,
 SmolLM2), SiLU, one rotary table, full attention without soft-capping, the compiled attention
-backend. Per step: at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps
+backend, and the batch-invariant mode (its kernels and attention choices passed along). Per step: at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps
 alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers'
 modules (``bench profile`` times modules with hooks). Not covered, per-op path: Qwen3's and Gemma
 3's q/k norms, Gemma's norms and sandwich norms, soft-capping, sliding windows, MoE and other
@@ -93,6 +93,12 @@ class FusedDecoder:
         self.eps = float(layer0.input_layernorm.eps)
         self.norm_lanes = norm_lanes
         self.silu_block = silu_block
+        # The batch-invariant mode (model/batch_invariant.py): its linear kernels and attention choices.
+        from pagedllm.model import batch_invariant
+
+        self.invariant = bool(attn.qkv_proj.batch_invariant and batch_invariant.INVARIANT_KERNELS)
+        backend = attn.attn.backend
+        self.attention_args = backend._invariant_args if backend.batch_invariant else (0, 0)
         # Modules whose hooks the fused call would skip: checked each step (a dict's truthiness).
         self._watched = (attn.qkv_proj, attn.attn, layer0)
         self._checked_caches = None  # the KV cache list last checked (by identity), and whether it is covered
@@ -140,7 +146,8 @@ class FusedDecoder:
         kv_caches = ctx.kv_caches
         return self._op(hidden_states, cos_sin[0], cos_sin[1], self.weights, self.linear_info, kv_caches,
                         md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
-                        self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes, self.silu_block)
+                        self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes, self.silu_block,
+                        *self.attention_args, self.invariant)
 
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -221,8 +228,8 @@ def _refusal(model):
                                      (mlp.down_proj, False)):
             if getattr(linear, "lora", None) is not None:  # its deltas are added in forward(), which C++ skips
                 return "LoRA adapter slots"
-            if linear.batch_invariant:  # the padded, unsplit calls of model/batch_invariant.py live in forward()
-                return "the batch-invariant mode"
+            if linear.batch_invariant != first.self_attn.qkv_proj.batch_invariant:
+                return "linears in and out of the batch-invariant mode"
             entry = _linear_entry(linear, bias_allowed)
             if isinstance(entry, str):
                 return entry
