@@ -14,7 +14,8 @@ GGUF-quantized weight of the compiled quantized kernel, q/k/v and gate/up biases
 without), plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows,
 SmolLM2), SiLU, one rotary table, full attention without soft-capping, the compiled attention
 backend, and the batch-invariant mode (its kernels and attention choices passed along). Per step:
-at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers'
+at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps alike: the ops are varlen),
+a KV cache the compiled attention reads, no hooks on the layers'
 modules (``bench profile`` times modules with hooks). Not covered, per-op path: Qwen3's and Gemma
 3's q/k norms, Gemma's norms and sandwich norms, soft-capping, sliding windows, MoE and other
 MLPs (Phi-3's fused names included), MKL- or F.linear-only weights (the compiled GEMM off or
