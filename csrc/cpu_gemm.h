@@ -34,6 +34,10 @@ struct Args {
 // compiled for its target; the op calls the one the CPU supports.
 void gemm_panels_avx512(const Args& args, int64_t p_begin, int64_t p_end);
 void gemm_panels_avx2(const Args& args, int64_t p_begin, int64_t p_end);
+// The same product with every row's sum in one order, whatever the row count (batch-invariant
+// mode; cpu_gemm_kernel.h): gemm_packed_invariant_cpu.
+void gemm_panels_invariant_avx512(const Args& args, int64_t p_begin, int64_t p_end);
+void gemm_panels_invariant_avx2(const Args& args, int64_t p_begin, int64_t p_end);
 
 }  // namespace gemm
 }  // namespace pagedllm

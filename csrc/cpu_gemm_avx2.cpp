@@ -26,7 +26,10 @@ namespace pagedllm {
 namespace gemm {
 static_assert(NR == kNrAvx2, "panel width");
 void gemm_panels_avx2(const Args& args, int64_t p_begin, int64_t p_end) {
-  panels<1, 2, 3, 4, 5, 6>(args, p_begin, p_end);
+  panels<false, 1, 2, 3, 4, 5, 6>(args, p_begin, p_end);
+}
+void gemm_panels_invariant_avx2(const Args& args, int64_t p_begin, int64_t p_end) {
+  panels<true, 1, 2, 3, 4, 5, 6>(args, p_begin, p_end);
 }
 }  // namespace gemm
 }  // namespace pagedllm

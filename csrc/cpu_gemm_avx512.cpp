@@ -27,7 +27,10 @@ namespace pagedllm {
 namespace gemm {
 static_assert(NR == kNrAvx512, "panel width");
 void gemm_panels_avx512(const Args& args, int64_t p_begin, int64_t p_end) {
-  panels<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>(args, p_begin, p_end);
+  panels<false, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>(args, p_begin, p_end);
+}
+void gemm_panels_invariant_avx512(const Args& args, int64_t p_begin, int64_t p_end) {
+  panels<true, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>(args, p_begin, p_end);
 }
 }  // namespace gemm
 }  // namespace pagedllm

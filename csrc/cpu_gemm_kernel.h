@@ -53,10 +53,9 @@ struct Chunk {
 // x is packed [kn][MR] (lda unused), and `ch` says where to prefetch and where the sums come from
 // and go. Finishing, only the first `cols` columns are stored to y (row stride ldy; the ragged
 // last panel).
-template <int MR, bool CHUNKED, bool FAR>
+template <int MR, bool CHUNKED, bool FAR, int S = k_split<MR>()>
 inline void micro(const float* __restrict x, int64_t lda, const float* __restrict b, int64_t kn,
                   const Chunk& ch, const float* bias, float* __restrict y, int64_t ldy, int cols) {
-  constexpr int S = k_split<MR>();
   vf acc[S][MR][2];
 #pragma GCC unroll 4
   for (int s = 0; s < S; ++s)
@@ -157,13 +156,72 @@ inline void micro(const float* __restrict x, int64_t lda, const float* __restric
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, const Chunk&, const float*, float*, int64_t,
                          int);
 
+// The batch-invariant order (INV below): every row's sum is one FMA chain over k = 0..K-1, then
+// the bias, whatever the rows around it: micro<MR, ..., 1>'s order. A block of 1-2 rows keeps too
+// few chains in flight for the FMA latency, so it takes P whole panels at once (P chains a vector
+// instead of splitting K): more independent sums, the same order per column.
+template <int MR, int P, bool FAR>
+inline void micro_panels(const float* __restrict x, int64_t lda, const float* __restrict b, int64_t K,
+                         const float* bias, float* __restrict y, int64_t ldy) {
+  vf acc[MR][P][2];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const float* bp = b + p * K * NR + k * NR;
+      for (int line = 0; line < NR; line += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(bp + kPrefetchFloats + line), _MM_HINT_T0);
+        if (FAR) _mm_prefetch(reinterpret_cast<const char*>(bp + kFarFloats + line), _MM_HINT_T1);
+      }
+      const vf b0 = vload(bp), b1 = vload(bp + VW);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const vf a = vset1(x[m * lda + k]);
+        acc[m][p][0] = vfma(a, b0, acc[m][p][0]);
+        acc[m][p][1] = vfma(a, b1, acc[m][p][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      vf c0 = acc[m][p][0], c1 = acc[m][p][1];
+      if (bias != nullptr) {
+        c0 = vadd(c0, vload(bias + p * NR));
+        c1 = vadd(c1, vload(bias + p * NR + VW));
+      }
+      vstore(y + m * ldy + p * NR, c0);
+      vstore(y + m * ldy + p * NR + VW, c1);
+    }
+}
+
+// Whole panels of `a` from p on, P at a time while they are full (not the ragged last): the panel after them.
+template <int MR, int P>
+int64_t panels_at_once(const Args& a, int64_t p, int64_t p_end) {
+  const int64_t K = a.k;
+  for (; p + P <= p_end && (p + P) * NR <= a.n; p += P) {
+    const int64_t col = p * NR;
+    const float* bias = a.bias != nullptr ? a.bias + col : nullptr;
+    if (a.far_prefetch)
+      micro_panels<MR, P, true>(a.x, a.lda, a.packed + p * K * NR, K, bias, a.y + col, a.ldy);
+    else
+      micro_panels<MR, P, false>(a.x, a.lda, a.packed + p * K * NR, K, bias, a.y + col, a.ldy);
+  }
+  return p;
+}
+
 // Panels [p_begin, p_end), all rows; R... = 1, 2, ..., the most rows a block keeps in registers.
-template <int... R>
+// INV: the batch-invariant order (micro_panels above); else k_split's, which depends on the block's rows.
+template <bool INV, int... R>
 void panels(const Args& a, int64_t p_begin, int64_t p_end) {
-  static constexpr MicroFn whole_near[] = {nullptr, &micro<R, false, false>...};
-  static constexpr MicroFn whole_far[] = {nullptr, &micro<R, false, true>...};
-  static constexpr MicroFn chunked_near[] = {nullptr, &micro<R, true, false>...};
-  static constexpr MicroFn chunked_far[] = {nullptr, &micro<R, true, true>...};
+  static constexpr MicroFn whole_near[] = {nullptr, &micro<R, false, false, INV ? 1 : k_split<R>()>...};
+  static constexpr MicroFn whole_far[] = {nullptr, &micro<R, false, true, INV ? 1 : k_split<R>()>...};
+  static constexpr MicroFn chunked_near[] = {nullptr, &micro<R, true, false, INV ? 1 : k_split<R>()>...};
+  static constexpr MicroFn chunked_far[] = {nullptr, &micro<R, true, true, INV ? 1 : k_split<R>()>...};
   const MicroFn* whole = a.far_prefetch ? whole_far : whole_near;
   const MicroFn* chunked = a.far_prefetch ? chunked_far : chunked_near;
   constexpr int64_t kMaxRows = sizeof...(R);
@@ -171,6 +229,9 @@ void panels(const Args& a, int64_t p_begin, int64_t p_end) {
   const int64_t num_blocks = (a.m + kMaxRows - 1) / kMaxRows;
   const int64_t base = a.m / num_blocks, extra = a.m % num_blocks;  // first `extra` blocks get base + 1
   const int64_t K = a.k;
+  if (INV && a.m <= 2) {
+    p_begin = a.m == 1 ? panels_at_once<1, 4>(a, p_begin, p_end) : panels_at_once<2, 2>(a, p_begin, p_end);
+  }
   if (num_blocks == 1 || num_blocks > a.chunk_max_blocks) {
     const Chunk none{};
     for (int64_t p = p_begin; p < p_end; ++p) {

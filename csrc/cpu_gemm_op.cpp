@@ -59,8 +59,8 @@ int64_t gemm_far_prefetch(int64_t value) {
   return value < 0 ? far_prefetch.load() : far_prefetch.exchange(value != 0);
 }
 
-at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                           int64_t n) {
+at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t n, bool invariant) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "gemm_packed_cpu: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "gemm_packed_cpu: x's rows must be dense (stride(1) == 1)");
@@ -72,8 +72,10 @@ at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const 
   TORCH_CHECK(n > (num_panels - 1) * nr && n <= num_panels * nr, "gemm_packed_cpu: n = ", n, " does not fit ",
               num_panels, " panels of ", nr);
   void (*kernel)(const gemm::Args&, int64_t, int64_t) = nullptr;
-  if (nr == gemm::kNrAvx512 && cpu_has_avx512()) kernel = &gemm::gemm_panels_avx512;
-  if (nr == gemm::kNrAvx2 && cpu_has_avx2_fma()) kernel = &gemm::gemm_panels_avx2;
+  if (nr == gemm::kNrAvx512 && cpu_has_avx512())
+    kernel = invariant ? &gemm::gemm_panels_invariant_avx512 : &gemm::gemm_panels_avx512;
+  if (nr == gemm::kNrAvx2 && cpu_has_avx2_fma())
+    kernel = invariant ? &gemm::gemm_panels_invariant_avx2 : &gemm::gemm_panels_avx2;
   TORCH_CHECK(kernel != nullptr, "gemm_packed_cpu: no kernel for ", nr, "-column panels on this CPU");
   const float* bias_p = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -94,6 +96,18 @@ at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const 
   return y;
 }
 
+at::Tensor gemm_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t n) {
+  return gemm_packed(x, packed, bias, n, false);
+}
+
+// The batch-invariant mode's GEMM: each row's sum order is fixed (one chain over k, then the bias),
+// so a row's result does not depend on the other rows, their number or the thread count.
+at::Tensor gemm_packed_invariant_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                     const c10::optional<at::Tensor>& bias, int64_t n) {
+  return gemm_packed(x, packed, bias, n, true);
+}
+
 }  // namespace
 }  // namespace pagedllm
 
@@ -103,8 +117,10 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("gemm_chunk_max_blocks(int value) -> int", &pagedllm::gemm_chunk_max_blocks);
   m.def("gemm_far_prefetch(int value) -> int", &pagedllm::gemm_far_prefetch);
   m.def("gemm_packed_cpu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("gemm_packed_invariant_cpu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("gemm_packed_cpu", &pagedllm::gemm_packed_cpu);
+  m.impl("gemm_packed_invariant_cpu", &pagedllm::gemm_packed_invariant_cpu);
 }

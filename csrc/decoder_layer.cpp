@@ -12,6 +12,8 @@
 //   x      = (silu(g) * u) Wdown^T   with [g | u] = h Wgate_up^T (+ bias)
 //
 // and returns (x, res): their sum is the last layer's output (the caller applies the final norm).
+// num_splits and tile_min_rows go to the attention op (0 = its defaults); `invariant` calls the
+// linears' batch-invariant kernels (pagedllm/model/batch_invariant.py sets all three).
 //
 // What it removes is the Python between the ops: at batch 1 a step of the default model ran ~10
 // small ops per layer, each behind a Python frame, a module call and argument checks, which cost
@@ -61,6 +63,8 @@ struct Ops {
   c10::TypedOperatorHandle<AttentionSig> attention;
   c10::TypedOperatorHandle<GemmSig> gemm;
   c10::TypedOperatorHandle<QuantGemmSig> quant_gemm;
+  c10::TypedOperatorHandle<GemmSig> gemm_invariant;
+  c10::TypedOperatorHandle<QuantGemmSig> quant_gemm_invariant;
 
   Ops()
       : rms_norm(handle("pagedllm::rms_norm_cpu").typed<RmsNormSig>()),
@@ -70,7 +74,9 @@ struct Ops {
         kv_write(handle("pagedllm::kv_write_cpu").typed<KvWriteSig>()),
         attention(handle("pagedllm::paged_attention_cpu").typed<AttentionSig>()),
         gemm(handle("pagedllm::gemm_packed_cpu").typed<GemmSig>()),
-        quant_gemm(handle("pagedllm::quant_gemm_cpu").typed<QuantGemmSig>()) {}
+        quant_gemm(handle("pagedllm::quant_gemm_cpu").typed<QuantGemmSig>()),
+        gemm_invariant(handle("pagedllm::gemm_packed_invariant_cpu").typed<GemmSig>()),
+        quant_gemm_invariant(handle("pagedllm::quant_gemm_invariant_cpu").typed<QuantGemmSig>()) {}
 };
 
 const Ops& ops() {
@@ -83,17 +89,18 @@ constexpr int64_t kIntsPerLinear = 3;
 constexpr int64_t kIntsPerLayer = 4 * kIntsPerLinear;
 
 at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                  const int64_t* info) {
+                  const int64_t* info, bool invariant) {
   const c10::optional<at::Tensor> b = bias.numel() > 0 ? c10::optional<at::Tensor>(bias) : c10::nullopt;
-  if (info[0] < 0) return o.gemm.call(x, weight, b, info[1]);
-  return o.quant_gemm.call(x, weight, info[0], info[1], b, info[2]);
+  if (info[0] < 0) return (invariant ? o.gemm_invariant : o.gemm).call(x, weight, b, info[1]);
+  return (invariant ? o.quant_gemm_invariant : o.quant_gemm).call(x, weight, info[0], info[1], b, info[2]);
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
     const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList weights,
     at::IntArrayRef linear_info, at::TensorList kv_caches, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, int64_t norm_lanes, int64_t silu_block) {
+    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, int64_t norm_lanes, int64_t silu_block,
+    int64_t num_splits, int64_t tile_min_rows, bool invariant) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
               "decoder_layers_cpu: ", kWeightsPerLayer, " weights per layer expected, got ", weights.size(), " for ",
@@ -115,18 +122,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
     } else {
       std::tie(h, residual) = o.add_rms_norm.call(x, residual, w[0], eps, norm_lanes);
     }
-    at::Tensor qkv = linear(o, h, w[1], w[2], info);  // [T, (H + 2 Hkv) D]
+    at::Tensor qkv = linear(o, h, w[1], w[2], info, invariant);  // [T, (H + 2 Hkv) D]
     o.rotary.call(qkv, cos, signed_sin, num_heads + num_kv_heads, head_dim);
     // [T, H, D], [T, Hkv, D], [T, Hkv, D]: views of qkv, as the per-op path's split_with_sizes
     const std::vector<at::Tensor> qkv_heads = qkv.view({num_tokens, -1, head_dim}).split_with_sizes(head_split, 1);
     o.kv_write.call(qkv_heads[1], qkv_heads[2], kv_caches[l], slot_mapping);
     const at::Tensor attn = o.attention.call(qkv_heads[0], kv_caches[l], block_tables, seq_lens, query_start_loc,
-                                             scale, 0, 0, 0, 0, -1, 0.0);  // [T, H, D]
+                                             scale, num_splits, 0, tile_min_rows, 0, -1, 0.0);  // [T, H, D]
     const at::Tensor out = linear(o, attn.view({num_tokens, num_heads * head_dim}), w[3], w[4],
-                                  info + kIntsPerLinear);
+                                  info + kIntsPerLinear, invariant);
     std::tie(h, residual) = o.add_rms_norm.call(out, residual, w[5], eps, norm_lanes);
-    const at::Tensor gate_up = linear(o, h, w[6], w[7], info + 2 * kIntsPerLinear);
-    x = linear(o, o.silu_and_mul.call(gate_up, silu_block), w[8], w[9], info + 3 * kIntsPerLinear);
+    const at::Tensor gate_up = linear(o, h, w[6], w[7], info + 2 * kIntsPerLinear, invariant);
+    x = linear(o, o.silu_and_mul.call(gate_up, silu_block), w[8], w[9], info + 3 * kIntsPerLinear, invariant);
   }
   if (num_layers == 0) residual = at::zeros_like(x);
   return {x, residual};
@@ -139,8 +146,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "decoder_layers_cpu(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor[] weights, int[] linear_info, "
       "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "int num_heads, int num_kv_heads, int head_dim, float scale, float eps, int norm_lanes, int silu_block) "
-      "-> (Tensor, Tensor)");
+      "int num_heads, int num_kv_heads, int head_dim, float scale, float eps, int norm_lanes, int silu_block, "
+      "int num_splits=0, int tile_min_rows=0, bool invariant=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

@@ -49,6 +49,10 @@ struct Args {
 // Panels [p_begin, p_end), every row of x. One per ISA, each its own translation unit.
 void quant_panels_avx512(const Args& args, int64_t p_begin, int64_t p_end);
 void quant_panels_avx2(const Args& args, int64_t p_begin, int64_t p_end);
+// The same product with every row's sum in one order, whatever the row count (batch-invariant
+// mode; quant_gemm_kernel.h): quant_gemm_invariant_cpu.
+void quant_panels_invariant_avx512(const Args& args, int64_t p_begin, int64_t p_end);
+void quant_panels_invariant_avx2(const Args& args, int64_t p_begin, int64_t p_end);
 
 }  // namespace quant
 }  // namespace pagedllm

@@ -42,10 +42,19 @@ namespace pagedllm {
 namespace quant {
 void quant_panels_avx2(const Args& a, int64_t p_begin, int64_t p_end) {
   switch (a.qtype) {
-    case kQ8_0: panels_for<kQ8_0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
-    case kQ4_0: panels_for<kQ4_0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
-    case kQ4_1: panels_for<kQ4_1, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
-    case kQX: panels_for<kQX, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
+    case kQ8_0: panels_for<kQ8_0, 0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
+    case kQ4_0: panels_for<kQ4_0, 0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
+    case kQ4_1: panels_for<kQ4_1, 0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
+    case kQX: panels_for<kQX, 0, 1, 2, 3, 4, 5>(a, p_begin, p_end); break;
+  }
+}
+// The batch-invariant order: 2 sets in blocks of up to 2 rows (8 sums).
+void quant_panels_invariant_avx2(const Args& a, int64_t p_begin, int64_t p_end) {
+  switch (a.qtype) {
+    case kQ8_0: panels_for<kQ8_0, 2, 1, 2>(a, p_begin, p_end); break;
+    case kQ4_0: panels_for<kQ4_0, 2, 1, 2>(a, p_begin, p_end); break;
+    case kQ4_1: panels_for<kQ4_1, 2, 1, 2>(a, p_begin, p_end); break;
+    case kQX: panels_for<kQX, 2, 1, 2>(a, p_begin, p_end); break;
   }
 }
 }  // namespace quant

@@ -17,10 +17,9 @@ namespace {
 template <int MR>
 constexpr int k_split() { return MR == 1 ? 4 : MR == 2 ? 2 : 1; }
 
-template <int QT, int MR>
+template <int QT, int MR, int S = k_split<MR>()>
 void micro(const Args& a, const uint8_t* __restrict panel, const float* __restrict x, float* __restrict y,
            const float* bias, int cols) {
-  constexpr int S = k_split<MR>();
   constexpr int64_t BB = block_bytes(QT);
   constexpr int QOFF = QT == kQX ? 256 : QT == kQ4_1 ? 64 : 32;
   const int64_t lda = a.lda, nb = a.k / kBlockK;
@@ -129,9 +128,12 @@ void micro(const Args& a, const uint8_t* __restrict panel, const float* __restri
 
 using MicroFn = void (*)(const Args&, const uint8_t*, const float*, float*, const float*, int);
 
-template <int QT, int... R>
+// INV_SPLIT > 0: every block, whatever its rows, splits K over that many accumulator sets (the
+// batch-invariant order: a row's sum does not depend on the rows around it; the ISA file gives
+// this as few rows a block as keep the sums in registers). 0: k_split's, which depends on the rows.
+template <int QT, int INV_SPLIT, int... R>
 void panels_for(const Args& a, int64_t p_begin, int64_t p_end) {
-  static constexpr MicroFn table[] = {nullptr, &micro<QT, R>...};
+  static constexpr MicroFn table[] = {nullptr, &micro<QT, R, (INV_SPLIT > 0 ? INV_SPLIT : k_split<R>())>...};
   constexpr int64_t kMaxRows = sizeof...(R);
   const int64_t num_blocks = (a.m + kMaxRows - 1) / kMaxRows;
   const int64_t base = a.m / num_blocks, extra = a.m % num_blocks;

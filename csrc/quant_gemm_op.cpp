@@ -36,8 +36,8 @@ int64_t quant_gemm_isa(int64_t isa) {
   return 0;
 }
 
-at::Tensor quant_gemm_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
-                          const c10::optional<at::Tensor>& bias, int64_t isa) {
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                      const c10::optional<at::Tensor>& bias, int64_t isa, bool invariant) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "quant_gemm_cpu: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "quant_gemm_cpu: x's rows must be dense (stride(1) == 1)");
@@ -67,9 +67,22 @@ at::Tensor quant_gemm_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t
   if (is_bf16) return bf16::gemm(x, packed, n, bias_p, chosen);
   const quant::Args args{static_cast<int>(qtype), x.data_ptr<float>(), x.stride(0), packed.data_ptr<uint8_t>(),
                          bias_p, y.data_ptr<float>(), n, m, n, k};
-  auto kernel = chosen == 2 ? &quant::quant_panels_avx512 : &quant::quant_panels_avx2;
+  auto kernel = invariant ? (chosen == 2 ? &quant::quant_panels_invariant_avx512 : &quant::quant_panels_invariant_avx2)
+                          : (chosen == 2 ? &quant::quant_panels_avx512 : &quant::quant_panels_avx2);
   parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   return y;
+}
+
+at::Tensor quant_gemm_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                          const c10::optional<at::Tensor>& bias, int64_t isa) {
+  return quant_gemm(x, packed, qtype, n, bias, isa, false);
+}
+
+// The batch-invariant mode's call: each row's sum order is fixed (one chain per column), so a row's
+// result does not depend on the other rows, their number or the thread count.
+at::Tensor quant_gemm_invariant_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                                    const c10::optional<at::Tensor>& bias, int64_t isa) {
+  return quant_gemm(x, packed, qtype, n, bias, isa, true);
 }
 
 }  // namespace
@@ -78,8 +91,10 @@ at::Tensor quant_gemm_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm_isa(int isa) -> int", &pagedllm::quant_gemm_isa);
   m.def("quant_gemm_cpu(Tensor x, Tensor packed, int qtype, int n, Tensor? bias, int isa) -> Tensor");
+  m.def("quant_gemm_invariant_cpu(Tensor x, Tensor packed, int qtype, int n, Tensor? bias, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("quant_gemm_cpu", &pagedllm::quant_gemm_cpu);
+  m.impl("quant_gemm_invariant_cpu", &pagedllm::quant_gemm_invariant_cpu);
 }

@@ -1,23 +1,30 @@
 """The batch-invariant mode (``--batch-invariant``, issue 29): one request's logits, hence its
 logprobs, are bitwise the same alone and in any batch, whatever the chunking of its prompt, prefix
--cache hits, preemption by recompute and the thread count.
+-cache hits, preemption (recompute or swap), speculative decoding and the thread count.
 
-It changes no kernel; it only chooses, per kernel, a call whose per-row reduction order is fixed:
+It chooses, per kernel, a call whose per-row reduction order is fixed:
 
-* float32 linears and the LM head: the compiled packed GEMM (``csrc/cpu_gemm_kernel.h``) for every
-  row count. Its order per row depends only on the row block it lands in: blocks of 1-2 rows split
-  K over 4 accumulator sets, 3-4 rows over 2, 5+ rows keep one set, a plain FMA chain k = 0..K-1
-  (the K-chunked sweep continues the same chain; each panel is one thread's, so the thread count
-  does not matter). So every call here has at least ``GEMM_MIN_ROWS`` rows (zero-padded) and is cut
-  into calls of at most 256 rows (never MKL, whose blocking varies with the row count); with at
-  least 5 rows, every block the kernel forms has at least 5 (an even split of >14 rows gives 7+).
-* GGUF-quantized linears (``csrc/quant_gemm_kernel.h``): the same, with one accumulator set from
-  3 rows a block (``QUANT_MIN_ROWS``; the op takes any row count, so no cut is needed).
+* float32 linears and the LM head: ``gemm_packed_invariant_cpu`` (``csrc/cpu_gemm_kernel.h``,
+  ``INV``), at every row count (never MKL, whose blocking varies with the row count). Each row's
+  sum is one FMA chain k = 0..K-1, then the bias, in every row block (the default kernel splits K
+  over 2-4 accumulator sets in blocks of 1-4 rows); 1-2 rows take 4 or 2 panels at once for their
+  independent sums instead. Each panel is one thread's, so the thread count does not matter.
+* GGUF-quantized linears: ``quant_gemm_invariant_cpu`` (``csrc/quant_gemm_kernel.h``,
+  ``INV_SPLIT``): every row block splits K over the same number of accumulator sets, 4 on AVX-512
+  (the default's 1-row order, so batch 1 runs at the default's speed; blocks of at most 6 rows keep
+  the 24 sums in registers) and 2 on AVX2 (blocks of at most 2 rows). The default kernel uses 4, 2
+  or 1 sets by the block's rows. (Taking 4 panels at once with one set, as the float32 kernel
+  does, streamed the weight 1.35x slower at 1 row: the quantized kernel is compute-bound.)
 * attention (``csrc/paged_attention_op.cpp``): ``num_splits=1`` (never split a context: the
   automatic split depends on the batch's items and the thread count) and every item on the per-key
   path (``tile_min_rows`` beyond any item; which of the two paths a row took depended on its
   chunk's length and on the batch's long chunks), so each row sums its keys in position order.
+* the fused decoder step (``model/layers/fused_decoder.py``) stays on, with the same three choices.
 * the bf16 greedy LM head (AMX CPUs) is off: it returns ids only, and not from these logits.
+
+Until session 10 the mode padded 1-4-row calls to 5 rows (3 for the quantized kernel), whose
+blocks keep one accumulator set, and turned the fused decoder step off: 0.69-0.81x the default's
+batch-1 decode rate (docs/benchmarks.md).
 
 Norms, rotary, softmax and log_softmax are row-wise already (the tests check it). The mode needs the
 compiled library; ``apply`` raises where it is missing rather than fall back to MKL.
@@ -28,32 +35,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-GEMM_MIN_ROWS = 5
-"""Fewest rows per compiled-GEMM call: from 5 rows a block the kernel keeps one accumulator set."""
-GEMM_MAX_ROWS = 256
-"""Most rows per compiled-GEMM call (the op's tested range; above it the linears used MKL)."""
-QUANT_MIN_ROWS = 3
-"""Fewest rows per quantized-GEMM call: from 3 rows a block its kernel keeps one accumulator set."""
+INVARIANT_KERNELS = True
+"""The linears' invariant kernels; False plants the default ones (k-split order for 1-4 rows) in
+the mode, which the tests must catch (tests/engine/test_batch_invariance.py)."""
 ATTENTION_NUM_SPLITS = 1
 """paged_attention_cpu's num_splits: 1 = no item is split over its context."""
 ATTENTION_TILE_MIN_ROWS = 1 << 30
 """paged_attention_cpu's tile_min_rows: beyond any item, so all rows take the per-key path."""
 
 
-def rowwise(fn, x: torch.Tensor, min_rows: int, max_rows: int | None) -> torch.Tensor:
-    """``fn(x)`` for a 2-D ``x``, called on pieces of ``min_rows``..``max_rows`` rows (the last
-    zero-padded up to ``min_rows``), so that each row's result does not depend on how many rows
-    came with it."""
-    num_rows = x.shape[0]
-    step = max_rows or max(num_rows, 1)
-    outs = []
-    for start in range(0, max(num_rows, 1), step):
-        part = x[start : start + step]
-        rows = part.shape[0]
-        if rows < min_rows:
-            part = torch.cat([part, part.new_zeros(min_rows - rows, part.shape[1])])
-        outs.append(fn(part)[:rows])
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The compiled float32 GEMM (``x`` 2-D float32, dense rows) in the invariant order."""
+    op = torch.ops.pagedllm.gemm_packed_invariant_cpu if INVARIANT_KERNELS else torch.ops.pagedllm.gemm_packed_cpu
+    return op(x, packed, bias, n)
+
+
+def quant_gemm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A GGUF-quantized weight's product (``x`` 2-D float32, dense rows) in the invariant order."""
+    op = torch.ops.pagedllm.quant_gemm_invariant_cpu if INVARIANT_KERNELS else torch.ops.pagedllm.quant_gemm_cpu
+    return op(x, weight.packed, weight.kernel_type, weight.n, bias, weight.isa)
 
 
 def apply(model: nn.Module, attn_backend) -> None:
@@ -84,4 +84,4 @@ def apply(model: nn.Module, attn_backend) -> None:
     attn_backend.batch_invariant = True
     from pagedllm.model.layers import fused_decoder
 
-    fused_decoder.invalidate(getattr(model, "model", model))  # its C++ loop calls the default kernels: refused
+    fused_decoder.invalidate(getattr(model, "model", model))  # built again with the mode's kernels

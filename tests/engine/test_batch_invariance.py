@@ -1,7 +1,9 @@
 """The batch-invariant mode (issue 29): one request's per-token logprobs are bitwise equal (``==``)
-alone and in batches of 2-16 random neighbours, with its prompt chunked at several
-max_num_batched_tokens, after a prefix-cache hit, after preemption by recompute, and at 1 and 2
-threads; on a tiny random Llama (float32, compiled GEMM) and on the default model (Q4_1 kernels).
+alone and in batches of 2-64 random neighbours, with its prompt chunked at several
+max_num_batched_tokens, after a prefix-cache hit, after preemption by recompute and by swap, at 1
+and 2 threads, and for a seeded sampled request; on a tiny random Llama (float32, compiled GEMM)
+and on the default model (Q4_1 kernels). Speculative decoding and random schedules:
+test_batch_invariance_schedules.py; the kernels alone: test_batch_invariant_kernels.py.
 
 Without the mode the same comparisons differ in the low bits (the GEMMs' accumulator sets change
 with the row count, attention switches paths and splits with the batch): see
@@ -42,15 +44,18 @@ def _neighbours(seed: int, count: int, most_tokens: int = 16) -> tuple[list[dict
     return inputs, params
 
 
-def _logprobs(llm: LLM, neighbours: int = 0, seed: int = 0, most_tokens: int = 16) -> list[list[tuple[int, float]]]:
-    """The target's per-token top logprobs, run with ``neighbours`` random requests around it."""
+def _logprobs(llm: LLM, neighbours: int = 0, seed: int = 0, most_tokens: int = 16,
+              target: SamplingParams = PARAMS) -> list[list[tuple[int, float]]]:
+    """The target's per-token top logprobs (the sampled token's first), run with ``neighbours``
+    random requests around it."""
     inputs, params = _neighbours(seed, neighbours, most_tokens)
     at = random.Random(seed).randrange(neighbours + 1)
     inputs.insert(at, {"prompt_token_ids": TARGET})
-    params.insert(at, PARAMS)
+    params.insert(at, target)
     out = llm.generate(inputs, params, use_tqdm=False)[at].outputs[0]
     assert len(out.token_ids) == NUM_TOKENS
-    return [sorted((t, lp.logprob) for t, lp in step.items()) for step in out.logprobs]
+    return [[(token, step[token].logprob)] + sorted((t, lp.logprob) for t, lp in step.items())
+            for token, step in zip(out.token_ids, out.logprobs)]
 
 
 def _llm(model: str, **kwargs) -> LLM:
@@ -128,6 +133,54 @@ def test_after_preemption_by_recompute(setup):
     assert got == reference
 
 
+def test_after_preemption_by_swap(setup):
+    model, reference = setup
+    llm = _llm(model, num_threads=2, block_size=4, num_kv_blocks=40, preemption_mode="swap", swap_space="64MiB",
+               enable_prefix_caching=False)
+    got = _logprobs(llm, neighbours=7, seed=11, most_tokens=60)
+    stats = llm.engine.core.stats()
+    assert stats.num_preemptions > 0, "the cache was meant to be too small"
+    assert got == reference
+
+
+def test_a_batch_of_64(tiny_dir):
+    reference = _logprobs(_llm(tiny_dir, num_threads=1, enable_prefix_caching=False))
+    llm = _llm(tiny_dir, num_threads=2, enable_prefix_caching=False, max_num_seqs=64)
+    for seed in (64, 65):
+        assert _logprobs(llm, neighbours=63, seed=seed) == reference
+
+
+@pytest.mark.slow
+def test_a_batch_of_64_quantized(setup):
+    model, reference = setup
+    if model is not None:
+        pytest.skip("the tiny model's batch of 64 is test_a_batch_of_64")
+    llm = _llm(model, num_threads=2, enable_prefix_caching=False, max_num_seqs=64)
+    assert _logprobs(llm, neighbours=63, seed=64, most_tokens=8) == reference
+
+
+def _seeded_sampling_whatever_the_batch(model: str | None) -> None:
+    """A seeded request samples the same tokens (and logprobs) alone and beside other sampled requests."""
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=29, max_tokens=NUM_TOKENS, ignore_eos=True,
+                            logprobs=3)
+    alone = _logprobs(_llm(model, num_threads=1, enable_prefix_caching=False), target=seeded)
+    llm = _llm(model, num_threads=2, max_num_batched_tokens=37, enable_prefix_caching=False)
+    for size in (4, 16):
+        assert _logprobs(llm, neighbours=size - 1, seed=size, target=seeded) == alone, f"batch of {size}"
+    # (not the greedy answer: the seed mattered)
+    greedy = _logprobs(_llm(model, num_threads=1, enable_prefix_caching=False))
+    assert [step[0][0] for step in alone] != [step[0][0] for step in greedy]
+
+
+def test_seeded_sampling_whatever_the_batch(tiny_dir):
+    _seeded_sampling_whatever_the_batch(tiny_dir)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_whatever_the_batch_quantized():
+    _seeded_sampling_whatever_the_batch(None)
+
+
 def test_default_mode_is_not_invariant(tiny_dir):
     """Without the mode, the same comparisons differ: the tests above can fail."""
     llm = LLM(model=tiny_dir, block_size=16, num_threads=1, enable_prefix_caching=False)
@@ -136,7 +189,7 @@ def test_default_mode_is_not_invariant(tiny_dir):
 
 
 @pytest.mark.parametrize("planted", [
-    ("GEMM_MIN_ROWS", 1),  # the compiled GEMM's 1-4-row blocks: 4 or 2 accumulator sets, not 1
+    ("INVARIANT_KERNELS", False),  # the linears' default kernels: 1-4-row blocks split K over 2-4 sums
     ("ATTENTION_TILE_MIN_ROWS", 0),  # the op's default: chunks of 10+ rows take the tiled path
 ])
 def test_a_planted_reduction_order_change_is_caught(tiny_dir, monkeypatch, planted):

@@ -17,8 +17,8 @@ from pagedllm import LLM, SamplingParams
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 
-def copy_model(seed: int = 3, cycle: int = 7):
-    model = make_hf_model("llama", seed=seed, max_position_embeddings=1024)
+def copy_model(seed: int = 3, cycle: int = 7, **config_overrides):
+    model = make_hf_model("llama", seed=seed, max_position_embeddings=1024, **config_overrides)
     vocab = model.config.vocab_size
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
     successor = torch.empty(vocab, dtype=torch.long)

@@ -17,9 +17,9 @@ activations, tensor-parallel size 1, every linear either float32 panels of the c
 GGUF-quantized weight of the compiled quantized kernel, q/k/v and gate/up biases (o and down
 without), plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows,
 SmolLM2), SiLU, one rotary table, full attention without soft-capping, the compiled attention
-backend, no embedding scale, a float32 or compiled-quantized embedding table. Per step: at most
-``MAX_TOKENS`` tokens (decode rows, prompt chunks and mixed steps
-alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers',
+backend, no embedding scale, a float32 or compiled-quantized embedding table, and the batch-invariant mode (its
+kernels and attention choices passed along). Per step: at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks
+and mixed steps alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers',
 the embedding's or the final norm's modules (``bench profile`` times modules with hooks). Not covered, per-op path: Qwen3's and Gemma
 3's q/k norms, Gemma's norms and sandwich norms, soft-capping, sliding windows, MoE and other
 MLPs (Phi-3's fused names included), MKL- or F.linear-only weights (the compiled GEMM off or
@@ -98,6 +98,12 @@ class FusedDecoder:
         self.eps = float(layer0.input_layernorm.eps)
         self.norm_lanes = norm_lanes
         self.silu_block = silu_block
+        # The batch-invariant mode (model/batch_invariant.py): its linear kernels and attention choices.
+        from pagedllm.model import batch_invariant
+
+        self.invariant = bool(attn.qkv_proj.batch_invariant and batch_invariant.INVARIANT_KERNELS)
+        backend = attn.attn.backend
+        self.attention_args = backend._invariant_args if backend.batch_invariant else (0, 0)
         # Modules whose hooks the fused call would skip: checked each step (a dict's truthiness).
         self._watched = (attn.qkv_proj, attn.attn, layer0, model.embed_tokens, model.norm)
         self._embed = embed  # (quant_rows_cpu, packed, kernel type) or (None, the float32 table's owner, None)
@@ -156,7 +162,7 @@ class FusedDecoder:
         x, residual = self._op(hidden_states, cos, signed_sin, self.weights, self.linear_info, ctx.kv_caches,
                                md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
                                self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes,
-                               self.silu_block)
+                               self.silu_block, *self.attention_args, self.invariant)
         return self._add_rms_norm(x, residual, self._final_norm["weight"], self.final_eps, self.norm_lanes)[0]
 
 
@@ -253,8 +259,8 @@ def _refusal(model):
                                      (mlp.down_proj, False)):
             if getattr(linear, "lora", None) is not None:  # its deltas are added in forward(), which C++ skips
                 return "LoRA adapter slots"
-            if linear.batch_invariant:  # the padded, unsplit calls of model/batch_invariant.py live in forward()
-                return "the batch-invariant mode"
+            if linear.batch_invariant != first.self_attn.qkv_proj.batch_invariant:
+                return "linears in and out of the batch-invariant mode"
             entry = _linear_entry(linear, bias_allowed)
             if isinstance(entry, str):
                 return entry

@@ -243,15 +243,13 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def invariant_matmul(x: torch.Tensor, bias: torch.Tensor | None, quant_weight: QuantizedWeight | None,
                      gemm_weight: torch.Tensor | None, n: int) -> torch.Tensor:
     """``x W^T (+ bias)`` with each row's sum order independent of the other rows (batch-invariant
-    mode; the row padding and cutting that make it so are in model/batch_invariant.py)."""
+    mode: the kernels are chosen in model/batch_invariant.py)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float().contiguous()
     if quant_weight is not None:
-        y = batch_invariant.rowwise(lambda part: quant_weight.matmul(part, bias), x2,
-                                    batch_invariant.QUANT_MIN_ROWS, None)
+        y = batch_invariant.quant_gemm(x2, quant_weight, bias)
     else:
-        y = batch_invariant.rowwise(lambda part: cpu_gemm.gemm(part, gemm_weight, bias, n), x2,
-                                    batch_invariant.GEMM_MIN_ROWS, batch_invariant.GEMM_MAX_ROWS)
+        y = batch_invariant.gemm(x2, gemm_weight, bias, n)
     return y.view(*shape[:-1], y.shape[-1])
 
 
