@@ -15,6 +15,7 @@
     pagedllm bench data-parallel --replicas 2   (least-loaded vs prefix-affinity routing; 1 vs 2 replicas)
     pagedllm bench speculative --batch-sizes 1,4,16   (n-gram speculative decoding vs none)
     pagedllm bench tools --repeats 5 --max-tokens 64   (TTFT, decode tok/s: free text vs JSON schema vs tool calls)
+    pagedllm bench llamacpp --rounds 5 --concurrency 64   (beside llama.cpp's server on the same GGUF)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 
 Each module in BENCHMARK_MODULES has `add_parser(subparsers)`, which declares its subcommands' arguments on
@@ -46,6 +47,7 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.data_parallel",
     "pagedllm.bench.speculative",
     "pagedllm.bench.tools",
+    "pagedllm.bench.cli_llamacpp",  # llamacpp (beside llama.cpp's server; not in `bench all`)
 )
 """Modules light enough to import when the CLI starts (no torch at import); each declares its subcommands."""
 
