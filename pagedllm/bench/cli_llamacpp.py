@@ -208,13 +208,12 @@ def llamacpp_table(result: dict) -> str:
             [c[0] for c in conc])
     mem = result["memory"]
     row("peak resident MiB, all processes", [mem[n]["peak_mib_total"] for n in names], fmt="{:.0f}")
-    row("peak resident MiB, engine process (pagedllm: its engine core)",
-        [mem["pagedllm"]["peak_mib_children"] or mem["pagedllm"]["peak_mib_main"], mem["llama.cpp"]["peak_mib_main"]],
-        fmt="{:.0f}")
+    row("peak resident MiB, largest process (pagedllm: its engine core)",
+        [mem[n]["peak_mib_largest"] for n in names], fmt="{:.0f}")
     row("KV cache MiB (allocated)", [result["pagedllm_kv_mib"], result["llama_kv_mib"]], fmt="{:.0f}")
     lines = [format_table(["", *names, "pagedllm / llama.cpp"], rows)]
     file_mib = result["file_mib"]
-    engine_peak = mem["pagedllm"]["peak_mib_children"] or mem["pagedllm"]["peak_mib_main"]
+    engine_peak = mem["pagedllm"]["peak_mib_largest"]
     lines.append("")
     lines.append(f"File {file_mib:.0f} MiB, {result['threads']} threads each, prompt {result['prompt_len']} tokens, "
                  f"output {result['output_len']} tokens. pagedllm's engine process peak / (file + its KV cache): "

@@ -76,6 +76,13 @@ def memory_kib(pid: int) -> dict[str, int]:
     return found
 
 
+def _command_line(pid: int, limit: int = 120) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:limit].strip()
+    except OSError:
+        return ""
+
+
 class Server:
     """A server process on a free loopback port, healthy (GET /health answers 200) once constructed."""
 
@@ -90,6 +97,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or dict(os.environ),
                                      start_new_session=True)
         self._peaks: dict[int, int] = {}
+        self._names: dict[int, str] = {}
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -114,6 +122,7 @@ class Server:
             hwm = memory_kib(pid).get("VmHWM")
             if hwm is not None:
                 self._peaks[pid] = max(hwm, self._peaks.get(pid, 0))
+                self._names.setdefault(pid, _command_line(pid))
 
     def memory(self) -> dict:
         """Peak and current resident memory in MiB: the main process, its children, and their sum."""
@@ -125,8 +134,10 @@ class Server:
             "peak_mib_main": self._peaks.get(main, 0) / 1024,
             "peak_mib_children": sum(v for p, v in self._peaks.items() if p != main) / 1024,
             "peak_mib_total": sum(self._peaks.values()) / 1024,
+            "peak_mib_largest": max(self._peaks.values(), default=0) / 1024,
             "rss_mib_total": sum(rss.values()) / 1024,
             "num_processes": len(self._peaks),
+            "peak_mib_by_process": {f"{pid} {self._names.get(pid, '')}": v / 1024 for pid, v in self._peaks.items()},
         }
 
     def stop(self, timeout_s: float = 30) -> None:
