@@ -18,6 +18,7 @@ float32 for pagedllm (its default) and f16 for llama.cpp (its default); the tabl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import statistics
@@ -130,6 +131,7 @@ def bench_llamacpp(args, engine_args: dict) -> dict:
     from pagedllm.bench.llamacpp import (
         alternate, llama_server_binary, missing_binary_message, random_prompts, start_llama_server, start_pagedllm)
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     binary = Path(args.llama_server) if args.llama_server else llama_server_binary()
     if not binary.is_file():
         raise SystemExit(missing_binary_message(binary))
@@ -154,7 +156,9 @@ def bench_llamacpp(args, engine_args: dict) -> dict:
     servers = []
     try:
         servers.append(start_pagedllm(model, args.threads, int(result["pagedllm_kv_mib"] * 2**20), out,
-                                      ["--kv-cache-dtype", args.kv_cache_dtype, *shlex.split(args.pagedllm_args)]))
+                                      ["--kv-cache-dtype", args.kv_cache_dtype, "--max-model-len",
+                                       str(args.prompt_len + args.output_len + SLACK_TOKENS),
+                                       *shlex.split(args.pagedllm_args)]))
         servers.append(start_llama_server(binary, model, args.threads, kv_tokens, slots, out,
                                           shlex.split(args.llama_args)))
         vocab = shapes["vocab_size"]
@@ -172,6 +176,7 @@ def bench_llamacpp(args, engine_args: dict) -> dict:
         result["single"] = alternate(servers, args.rounds,
                                      lambda r: random_prompts(1, args.prompt_len, vocab, seed=r),
                                      args.output_len, progress)
+        write_result(out, "llamacpp-partial", result)  # the concurrent phase can take long on a busy machine
         if args.concurrency > 0:
             print(f"{args.concurrency} at once: {args.concurrent_rounds} alternating rounds")
             result["concurrent"] = alternate(
