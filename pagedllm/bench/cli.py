@@ -17,6 +17,7 @@
     pagedllm bench tools --repeats 5 --max-tokens 64   (TTFT, decode tok/s: free text vs JSON schema vs tool calls)
     pagedllm bench accuracy   (quantized kernels vs float32 and float64 per layer shape; perplexity per weight path)
     pagedllm bench moe --batch-sizes 1,16,64   (MoE decode: grouped experts vs all experts dense vs the ideal)
+    pagedllm bench llamacpp --rounds 5 --concurrency 64   (beside llama.cpp's server on the same GGUF)
     pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
 
 Each module in BENCHMARK_MODULES has `add_parser(subparsers)`, which declares its subcommands' arguments on
@@ -50,6 +51,7 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.tools",
     "pagedllm.bench.accuracy",
     "pagedllm.bench.moe",
+    "pagedllm.bench.cli_llamacpp",  # llamacpp (not in `bench all`)
 )
 """Modules light enough to import when the CLI starts (no torch at import); each declares its subcommands."""
 

@@ -1,0 +1,99 @@
+"""`bench llamacpp` without llama-server: the random-weight GGUF it writes loads in pagedllm with the
+shape asked for, its header gives the bench the right shapes, the table's ratios, and a clear refusal
+when the llama-server binary is missing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm.bench.cli_llamacpp import gguf_shapes, llamacpp_table
+from pagedllm.bench.random_gguf import SHAPES, WEIGHT_STD, write_random_gguf
+
+
+@pytest.fixture(scope="module")
+def write_tiny(tmp_path_factory):
+    """qtype -> (path, qtype) of a tiny random GGUF, written once per module."""
+    written = {}
+
+    def write(qtype: str):
+        if qtype not in written:
+            path = tmp_path_factory.mktemp("gguf") / f"tiny-{qtype}.gguf"
+            written[qtype] = (write_random_gguf(path, "tiny", qtype), qtype)
+        return written[qtype]
+
+    return write
+
+
+@pytest.mark.slow  # gguf's reader takes ~20 s over the 100 K tokenizer strings on a loaded 2-core machine
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_the_random_gguf_has_the_shape_quant_type_and_scale_asked_for(write_tiny, qtype):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    path, _ = write_tiny(qtype)
+    s = SHAPES["tiny"]
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 1 + 9 * s.layers + 1  # embedding, 7 weights + 2 norms a layer, final norm
+    q = tensors["blk.1.ffn_down.weight"]
+    assert q.tensor_type == GGMLQuantizationType[qtype] and list(q.shape) == [s.intermediate, s.hidden]
+    w = dequantize(q.data, q.tensor_type)
+    assert abs(w.std() - WEIGHT_STD) < 0.2 * WEIGHT_STD and abs(w.mean()) < 0.1 * WEIGHT_STD
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 49152  # the embedded model's vocabulary
+
+    shapes = gguf_shapes(path)
+    kv_dim = s.kv_heads * s.hidden // s.heads
+    assert shapes["layers"] == s.layers and shapes["vocab_size"] == 49152
+    assert shapes["kv_elements_per_token"] == s.layers * 2 * kv_dim
+    assert shapes["weights"]["blk.0.attn_k.weight"] == (kv_dim, s.hidden)
+    assert shapes["weights"]["output.weight"] == (49152, s.hidden)  # tied: the LM head is the embedding
+    assert "token_embd.weight" not in shapes["weights"] and len(shapes["weights"]) == 7 * s.layers + 1
+
+
+@pytest.mark.slow
+def test_pagedllm_loads_the_random_gguf_quantized(write_tiny, tmp_path, monkeypatch):
+    """Q4_0 (Q8_0 goes through the same loader path)."""
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    from pagedllm.model.loader import load_model
+
+    path, _ = write_tiny("Q4_0")
+    loaded = load_model(str(path))
+    s = SHAPES["tiny"]
+    cfg = loaded.hf_config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size) == (s.hidden, s.layers, s.heads, s.kv_heads, s.intermediate, 49152)
+    assert loaded.tokenizer is not None and len(loaded.tokenizer) == 49152
+    float32_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters() if p.dtype.is_floating_point)
+    assert float32_bytes < 4 * (s.hidden * 49152) / 2, "the weights were inflated to float32"
+
+
+def test_the_bench_refuses_clearly_when_llama_server_is_missing(tmp_path):
+    from pagedllm.bench.cli import run_bench
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "llamacpp", "--llama-server", str(tmp_path / "nope"),
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="llama-server is not built: .*scripts/build_llama_server.sh"):
+        run_bench(args)
+
+
+def test_the_table_gives_each_measure_and_the_ratio():
+    def rounds(*rates):
+        return [{"output_tok_s": r} for r in rates]
+
+    mem = {"pagedllm": {"peak_mib_total": 900.0, "peak_mib_largest": 500.0},
+           "llama.cpp": {"peak_mib_total": 250.0, "peak_mib_largest": 250.0}}
+    result = {"rounds": 3, "concurrency": 64, "concurrent_rounds": 1, "file_mib": 100.0, "threads": 2,
+              "prompt_len": 128, "output_len": 256, "pagedllm_kv_mib": 150.0, "llama_kv_mib": 75.0,
+              "single": {"pagedllm": rounds(30, 50, 40), "llama.cpp": rounds(20, 21, 19)},
+              "concurrent": {"pagedllm": rounds(300), "llama.cpp": rounds(200)}, "memory": mem,
+              "float32_matmuls": {"step_s": 0.025, "bound_tok_s": 40.0}}
+    table = llamacpp_table(result)
+    assert "| single user, output tok/s (median of 3 rounds) | 40.0 | 20.0 | 2.00x |" in table
+    assert "| single user, output tok/s (best round) | 50.0 | 21.0 | 2.38x |" in table
+    assert "| 64 at once, output tok/s (median of 1) | 300.0 | 200.0 | 1.50x |" in table
+    assert "| peak resident MiB, largest process (pagedllm: its engine core) | 500 | 250 | 2.00x |" in table
+    assert "(file + its KV cache): 2.00x; all its processes: 3.60x" in table
+    assert "/ that bound: 1.00x" in table
+    assert not np.isnan(result["float32_matmuls"]["bound_tok_s"])
