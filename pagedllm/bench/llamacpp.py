@@ -32,12 +32,14 @@ import sys
 import time
 from pathlib import Path
 
+from pagedllm import envs
+
 DEFAULT_VERSION = "0.3.36"
 
 
 def llama_server_binary(version: str = DEFAULT_VERSION) -> Path:
     """Where scripts/build_llama_server.sh caches the binary ($PAGEDLLM_CACHE or ~/.cache/pagedllm)."""
-    root = Path(os.environ.get("PAGEDLLM_CACHE", Path.home() / ".cache" / "pagedllm"))
+    root = envs.PAGEDLLM_CACHE
     return root / "llama-server" / version / "llama-server"
 
 

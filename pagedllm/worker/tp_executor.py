@@ -65,6 +65,8 @@ class MultiprocTPExecutor(Executor):
 
     gguf_path: str | None = None
     """The GGUF the ranks read their quantized shards from (as load_model would), or None."""
+    lora_slots: tuple[int, int, int] | None = None
+    """(max_loras, max_lora_rank, max_cpu_loras) for the ranks' LoRA managers when LoRA is on, else None."""
 
     def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
         # The weights live in the workers: this process reads only the config and tokenizer.
