@@ -219,7 +219,8 @@ def test_partial_headers_and_stalled_bodies_are_cut(keyed):
 
 def test_event_loop_stays_free_under_huge_prompts(keyed):
     """An 8 MB prompt on /tokenize and a 2 MB one on /v1/completions (both tokenized on worker
-    threads) while /health is polled: every /health answers within a second."""
+    threads) while /health is polled: every /health answers within a second, or within a tenth of the
+    tokenizing time where a loaded machine stretches both (a blocked event loop would answer only after it)."""
     big = ("The quick brown fox jumps over the lazy dog. " * 200_000)[: 8 * 2**20]
     results: dict[str, httpx.Response] = {}
 
@@ -233,17 +234,19 @@ def test_event_loop_stays_free_under_huge_prompts(keyed):
         t.start()
     time.sleep(1.0)  # both bodies are in and being tokenized
     worst = 0.0
+    busy_since = time.monotonic() - 1.0
     with httpx.Client(timeout=10) as client:
         while any(t.is_alive() for t in threads):
             started = time.monotonic()
             assert client.get(f"{keyed.url}/health").status_code == 200
             worst = max(worst, time.monotonic() - started)
             time.sleep(0.05)
+    busy = time.monotonic() - busy_since
     for t in threads:
         t.join()
     assert results["tokenize"].status_code == 200 and results["tokenize"].json()["count"] > 1_000_000
     assert results["completion"].status_code == 400 and "max_model_len" in results["completion"].text
-    assert worst < 1.0, f"/health took {worst:.2f} s while huge prompts were tokenized"
+    assert worst < max(1.0, busy / 10), f"/health took {worst:.2f} s while huge prompts were tokenized for {busy:.1f} s"
 
 
 def test_cached_tokens_are_hidden_without_keys(open_server):
