@@ -49,6 +49,15 @@ def gguf_path(qtype: str, shape: str) -> Path:
     return path
 
 
+def resolve(loader, path: Path) -> None:
+    """The converted directory the load reads (config and tokenizer); also under a tree whose loader
+    predates ``weights`` (PYTHONPATH=<an older checkout>: the before of a before/after)."""
+    try:
+        loader.resolve_hf_dir(str(path), weights=False)
+    except TypeError:
+        loader.resolve_hf_dir(str(path))
+
+
 def child(args: argparse.Namespace) -> None:
     """One load in this process; prints one JSON line of stages."""
     stages: list[tuple[str, dict]] = []
@@ -67,7 +76,7 @@ def child(args: argparse.Namespace) -> None:
     path = gguf_path(args.qtype, args.shape)
     reset_peak()
     mark("imports")
-    loader.resolve_hf_dir(str(path), weights=False)  # the cached conversion (config, tokenizer): done before
+    resolve(loader, path)  # the cached conversion (config, tokenizer): done before
     mark("convert (cached)")
 
     original_load, original_process = LlamaForCausalLM.load_weights, LlamaForCausalLM.process_weights_after_loading
@@ -130,7 +139,7 @@ def main() -> int:
     path = gguf_path(args.qtype, args.shape)  # written here, so the child measures only the load
     from pagedllm.model import loader
 
-    loader.resolve_hf_dir(str(path), weights=False)  # config and tokenizer, converted once
+    resolve(loader, path)  # config and tokenizer, converted once
     cmd = [sys.executable, __file__, "--child", "--qtype", args.qtype, "--shape", args.shape, "--kv-mib",
            str(args.kv_mib), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
     if args.decode:

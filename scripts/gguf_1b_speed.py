@@ -1,13 +1,16 @@
 """Batch-1 decode and a 128-token prefill on the Llama-3.2-1B shape (issue 25), in one process.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/gguf_1b_speed.py [--threads 2] [--rounds 3] [--engine]
+    PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/gguf_1b_speed.py --threads 1 --clock cpu
 
 Per linear shape of one layer and the LM head (hidden 2048, intermediate 8192, 8 KV heads of 64,
 a 49152-row head), alternating round by round: the quantized kernel (Q4_0, Q8_0) at 1 and 128 rows
 against torch's float32 ``F.linear`` on the same shape, summed over 16 layers + the head (the
 matmul-only time of a step), beside the memory-bandwidth bound (weight bytes / the read bandwidth
 measured here with the same threads). ``--engine`` adds ``LLM`` on the random GGUFs: a 128-token
-prefill (time to the first token) and decode ms per step (from two generation lengths).
+prefill (time to the first token, a fresh prompt each run) and decode ms per step (from two
+generation lengths). On a shared machine, ``--threads 1 --clock cpu`` gives each call's CPU time,
+which other processes' load barely moves (wall time on 2 busy cores varied 2-4x run to run).
 """
 
 from __future__ import annotations
@@ -29,13 +32,17 @@ SHAPES = {  # name: (n, k, count per step)
 }
 
 
+CLOCK = [time.perf_counter]  # --clock cpu: time.process_time (this process's CPU seconds, all threads)
+
+
 def best_ms(fn, repeats: int) -> float:
+    clock = CLOCK[0]
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return 1e3 * min(times)
 
 
@@ -70,7 +77,7 @@ def kernels(args) -> None:
         weights[name] = {"f32": [torch.randn(n, k) * 0.02 for _ in range(copies[name]["f32"])],
                          "Q4_0": [random_quant(quantized.Q4_0, n, k, rng) for _ in range(copies[name]["Q4_0"])],
                          "Q8_0": [random_quant(quantized.Q8_0, n, k, rng) for _ in range(copies[name]["Q8_0"])]}
-    xs = {rows: torch.randn(rows, max(HIDDEN, INTER)) for rows in (1, 128)}
+    xs = {rows: torch.randn(rows, max(HIDDEN, INTER)) for rows in args.rows}
 
     def cycle(kind: str, ws: list, x: torch.Tensor):
         if kind == "f32":
@@ -79,13 +86,13 @@ def kernels(args) -> None:
 
     for _ in range(args.rounds):
         for name, (n, k, _) in SHAPES.items():
-            for rows in (1, 128):
+            for rows in args.rows:
                 x = xs[rows][:, :k].contiguous()
                 for kind, ws in weights[name].items():
                     ms = best_ms(cycle(kind, ws, x), args.repeats if rows == 1 else 1) / len(ws)
                     results.setdefault((name, kind, rows), []).append(ms)
     kinds = ("f32", "Q4_0", "Q8_0")
-    for rows in (1, 128):
+    for rows in args.rows:
         print(f"\n{rows} row(s): ms per call (best of rounds); step = 16 layers + head")
         print(f"{'shape':9s} {'n x k':>12s} " + " ".join(f"{k:>8s}" for k in kinds) + "   GB/s Q4_0  Q8_0")
         total = dict.fromkeys(kinds, 0.0)
@@ -141,10 +148,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 128], help="x rows per linear call")
     p.add_argument("--engine", action="store_true")
     p.add_argument("--no-kernels", action="store_true")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: time the linears by CPU seconds (with --threads 1, what a call costs on a busy "
+                        "machine, descheduled time left out)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        CLOCK[0] = time.process_time
     if not args.no_kernels:
         kernels(args)
     if args.engine:
