@@ -3,8 +3,9 @@ Q6_K expanded to 12 bits a weight), multiplied by the compiled kernel of ``csrc/
 
 The loader hands a linear's weight loader a ``QuantTensor`` (the GGUF rows, still quantized)
 instead of a float tensor; the loader stores it with ``stage`` (on the parameter, at the row
-offset a fused QKV / gate-up shard goes to), and ``finalize`` (from
-``process_weights_after_loading``) repacks the staged rows once into the kernel's layout::
+offset a fused QKV / gate-up shard goes to), which repacks the rows once into the kernel's layout
+as soon as they cover the weight (so a load holds one weight's source bytes at a time, not the
+file's), and ``finalize`` (from ``process_weights_after_loading``) installs the result::
 
     GGUF, row-major:     row n = K/32 blocks [d (m) q-bytes]   (Q8: byte j = q_j; Q4: q_j | q_(j+16) << 4)
     repacked, panels:    panel p = rows 16p..16p+15; per K-block:
