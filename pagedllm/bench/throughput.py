@@ -220,7 +220,10 @@ def run_throughput(requests: list[BenchRequest], engine_args: dict, hf_batch_siz
     core = llm.engine.core
     kv_tokens = core.kv_info.num_blocks * core.kv_info.block_size
     max_batch_tokens = core.scheduler_config.max_num_batched_tokens
-    model_path = core.model_info.model_path
+    from pagedllm.model.loader import resolve_hf_dir
+
+    # a GGUF's directory may lack the float32 weights HF reads: converted with them on request
+    model_path = str(resolve_hf_dir(engine_args.get("model"))) if run_hf or run_hf_cb else None
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     pad = pad if pad is not None else 0
     if rounds == 1:

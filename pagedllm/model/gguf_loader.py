@@ -13,7 +13,9 @@ are interleaved::
 caller chose; ``loader.py`` makes that atomic and cached.
 """
 
+import mmap
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,53 +139,109 @@ def iter_gguf_tensors(reader: GGUFReader, config: PretrainedConfig,
     Gemma's norms back to HF's ``1 + w`` form, and stacked experts split per expert.
     ``keep_quantized``: 2-D tensors of a type the quantized kernel reads (``quantized.SUPPORTED``)
     come as ``QuantTensor`` instead (rows un-permuted as they are, phi3's fused q/k/v split by
-    rows, still quantized; the bytes are a copy out of the reader's memory map until a weight
-    loader repacks them), and so do stacked experts of those types, one ``QuantTensor`` per expert."""
+    rows, still quantized), and so do stacked experts of those types, one ``QuantTensor`` per expert.
+    Their bytes are read-only views of the reader's memory map, not copies (Q and K of llama,
+    un-permuted, are copies): a weight loader repacks them and keeps nothing of them.
+
+    Once the consumer asks for the next tensor, the map's pages of the one before are dropped from
+    this process (``release_pages``): each page read while loading counts in the resident set until
+    then, a whole file's worth by the last tensor. A view still held (gate waiting for up, q and k
+    for v) reads its bytes again from the page cache when the weight is complete, so the pages of
+    the few tensors before are dropped again too, and the whole map's at the end."""
     arch = _gguf_arch(config)
     permuted = arch == "llama"  # only llama's converter permutes Q/K
-    for tensor in reader.tensors:
-        qtype = tensor.tensor_type
-        if qtype not in SUPPORTED_TENSOR_TYPES:
-            raise ModelLoadError(
-                f"unsupported GGUF tensor type {qtype.name} (tensor {tensor.name!r}); supported: "
-                + ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
-            )
-        kind, layer, suffix = gguf_arch.classify(arch, tensor.name)
-        if kind in gguf_arch.ROPE_FACTOR_TENSORS:  # read into the config
-            continue
-        name = gguf_arch.hf_name(config, kind, layer, suffix)
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if keep_quantized and len(shape) == 2 and int(qtype) in quantized.SUPPORTED:
-            raw = np.asarray(tensor.data).reshape(shape[0], -1)  # [rows, row bytes], one row per output
-            if permuted and name.endswith("q_proj.weight"):
-                raw = _unpermute(raw, config.num_attention_heads)
-            elif permuted and name.endswith("k_proj.weight"):
-                raw = _unpermute(raw, config.num_key_value_heads)
-            raw = torch.from_numpy(np.array(raw, order="C"))  # a copy: the map is read-only
-            for part_name, rows in _split_fused(config, name, raw):
-                yield part_name, QuantTensor(int(qtype), rows.contiguous(), shape[1])
-            continue
-        if keep_quantized and kind in gguf_arch.EXPERT_TENSORS and int(qtype) in quantized.SUPPORTED:
-            raw = np.asarray(tensor.data).reshape(shape[0], shape[1], -1)  # [experts, rows, row bytes]
-            for expert in range(shape[0]):  # one expert's bytes copied at a time, out of the read-only map
-                rows = torch.from_numpy(np.array(raw[expert], order="C"))
-                yield name.format(expert=expert), QuantTensor(int(qtype), rows, shape[2])
-            continue
-        try:
-            array = dequantize(tensor.data, qtype).reshape(shape)
-        except Exception as e:
-            raise ModelLoadError(f"corrupt GGUF tensor {tensor.name!r}: {e}") from e
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, config.num_attention_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, config.num_key_value_heads)
-        elif arch.startswith("gemma") and name.endswith("norm.weight"):
-            array = array - np.float32(1.0)  # llama.cpp's converter stores Gemma's 1 + w
-        if kind in gguf_arch.EXPERT_TENSORS:
-            for expert in range(array.shape[0]):
-                yield name.format(expert=expert), _tensor(array[expert])
-        else:
-            yield name, _tensor(array)
+    tensors = list(reader.tensors)
+    for i, tensor in enumerate(tensors):
+        yield from _tensor_items(tensor, arch, permuted, config, keep_quantized)
+        for before in tensors[max(0, i - _RELEASE_WINDOW) : i + 1]:
+            release_pages(reader, before)
+    release_pages(reader, None)
+
+
+_RELEASE_WINDOW = 8
+"""Tensors before the current one whose pages are dropped again: a fused weight's parts lie within a
+few tensors of each other in the files llama.cpp's converters write (one layer's tensors together)."""
+
+
+def _tensor_items(tensor, arch: str, permuted: bool, config: PretrainedConfig,
+                  keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """``iter_gguf_tensors``'s items for one GGUF tensor."""
+    qtype = tensor.tensor_type
+    if qtype not in SUPPORTED_TENSOR_TYPES:
+        raise ModelLoadError(
+            f"unsupported GGUF tensor type {qtype.name} (tensor {tensor.name!r}); supported: "
+            + ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
+        )
+    kind, layer, suffix = gguf_arch.classify(arch, tensor.name)
+    if kind in gguf_arch.ROPE_FACTOR_TENSORS:  # read into the config
+        return
+    name = gguf_arch.hf_name(config, kind, layer, suffix)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if keep_quantized and len(shape) == 2 and int(qtype) in quantized.SUPPORTED:
+        raw = np.asarray(tensor.data).reshape(shape[0], -1)  # [rows, row bytes], one row per output
+        if permuted and name.endswith("q_proj.weight"):
+            raw = _unpermute(raw, config.num_attention_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            raw = _unpermute(raw, config.num_key_value_heads)
+        for part_name, rows in _split_fused(config, name, _map_view(raw)):
+            yield part_name, QuantTensor(int(qtype), rows, shape[1])
+        return
+    if keep_quantized and kind in gguf_arch.EXPERT_TENSORS and int(qtype) in quantized.SUPPORTED:
+        raw = _map_view(np.asarray(tensor.data).reshape(shape[0], shape[1], -1))  # [experts, rows, row bytes]
+        for expert in range(shape[0]):
+            yield name.format(expert=expert), QuantTensor(int(qtype), raw[expert], shape[2])
+        return
+    try:
+        array = dequantize(tensor.data, qtype).reshape(shape)
+    except Exception as e:
+        raise ModelLoadError(f"corrupt GGUF tensor {tensor.name!r}: {e}") from e
+    if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+        array = _unpermute(array, config.num_attention_heads)
+    elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+        array = _unpermute(array, config.num_key_value_heads)
+    elif arch.startswith("gemma") and name.endswith("norm.weight"):
+        array = array - np.float32(1.0)  # llama.cpp's converter stores Gemma's 1 + w
+    if kind in gguf_arch.EXPERT_TENSORS:
+        for expert in range(array.shape[0]):
+            yield name.format(expert=expert), _tensor(array[expert])
+    else:
+        yield name, _tensor(array)
+
+
+def _map_view(array: np.ndarray) -> torch.Tensor:
+    """``array`` (possibly a read-only view of the file's map) as a uint8 tensor sharing its memory.
+    Nothing writes to a ``QuantTensor``'s bytes, so torch's warning about a read-only array is moot."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def release_pages(reader: GGUFReader, tensor=None) -> None:
+    """Drop the map's pages under ``tensor`` (None: the whole file) from this process's resident set
+    (``MADV_DONTNEED`` on a read-only file map: the pages stay in the page cache, a later read maps
+    them again). A no-op where the map or the call is not there."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED") or mapping.closed:
+        return
+    first, size = (0, len(mapping)) if tensor is None else (int(tensor.data_offset), int(tensor.n_bytes))
+    start = first // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(first + size, len(mapping))
+    if end <= start:
+        return
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # e.g. a closed map
+        pass
+
+
+def open_for_weights(path: str | os.PathLike) -> GGUFReader:
+    """The reader of ``path`` to load weights with: the tokenizer's arrays (tokens, scores, merges:
+    ~100 MB of parsed fields for a 49 K vocabulary, read from the converted directory instead) are
+    dropped at once, so they never add to the peak of the load."""
+    reader = _open(path)
+    for key in [k for k, f in reader.fields.items() if k.startswith("tokenizer.") and len(f.data) > 1]:
+        del reader.fields[key]
+    return reader
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -203,16 +261,19 @@ def _split_fused(config: PretrainedConfig, name: str, rows: torch.Tensor):
         yield name, rows
 
 
-def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
-    """Write config.json, generation_config.json, model.safetensors (float32) and, when the GGUF
-    carries one, the tokenizer (with its chat template) into ``out_dir`` (created if needed)."""
+def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, weights: bool = True) -> None:
+    """Write config.json, generation_config.json, model.safetensors (float32; only with ``weights``)
+    and, when the GGUF carries one, the tokenizer (with its chat template) into ``out_dir`` (created
+    if needed). Without ``weights`` the directory holds what a load that reads its weights from the
+    GGUF itself needs: a 1 B model's float32 weights are 4 GB of disk and, while converting, of memory."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open(gguf_path)
     config = gguf_to_hf_config(reader)
-    tensors = dict(iter_gguf_tensors(reader, config))
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    if weights:
+        tensors = dict(iter_gguf_tensors(reader, config))
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
     config.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out_dir)
     if "tokenizer.ggml.model" in reader.fields:

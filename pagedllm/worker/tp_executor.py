@@ -70,8 +70,9 @@ class MultiprocTPExecutor(Executor):
 
     def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
         # The weights live in the workers: this process reads only the config and tokenizer.
-        self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model))
         gguf = None if engine_args.gguf_dequantize or dtype != torch.float32 else gguf_source(engine_args.model)
+        # the ranks read a GGUF's weights from the file itself: its directory needs no float32 copy
+        self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model, weights=gguf is None))
         self.gguf_path = None if gguf is None else str(gguf.resolve())
         lora = engine_args.lora_config()
         self.lora_slots = None if lora is None else (lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras)

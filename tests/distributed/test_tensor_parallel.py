@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedllm.model.loader import resolve_hf_dir
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.shapes import check_tp_size, valid_tp_sizes
 from pagedllm.errors import EngineDeadError
@@ -189,7 +190,7 @@ def test_default_model_tp3_matches_unsharded_and_hf():
     prompts = [tokenizer.encode(t) for t in texts]
     expected = _greedy(unsharded, prompts)
     assert unsharded.engine.core.scheduler.num_preemptions > 0
-    hf_model = AutoModelForCausalLM.from_pretrained(unsharded.engine.core.loaded.model_path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(resolve_hf_dir(None), dtype=torch.float32).eval()
     references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
     del hf_model, unsharded
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedllm.model.loader import resolve_hf_dir
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.beam_selection import BeamSelection
 from pagedllm.errors import InvalidRequestError
@@ -79,7 +80,7 @@ def default_setup():
         tokenizer.encode("The capital of France is"),
         tokenizer.encode("Once upon a time"),
     ]
-    hf_model = AutoModelForCausalLM.from_pretrained(llm.engine.core.loaded.model_path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(resolve_hf_dir(None), dtype=torch.float32).eval()
     yield llm, prompts, hf_model
     del hf_model
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedllm.model.loader import resolve_hf_dir
 from pagedllm import LLM
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
 from tests.model.tiny_models import make_hf_model, save_hf_model
@@ -97,7 +98,7 @@ def default_setup():
     prompts = [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
     prompts.insert(0, [tokenizer.encode("Hello")[0]])  # a one-token prompt
     assert len(prompts) >= 16 and len(prompts[0]) == 1 and max(map(len, prompts)) > 300
-    hf_model = AutoModelForCausalLM.from_pretrained(llm.engine.core.loaded.model_path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(resolve_hf_dir(None), dtype=torch.float32).eval()
     eos = llm.engine.input_processor.eos_token_ids
     references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS, eos_token_id=eos) for p in prompts]
     del hf_model

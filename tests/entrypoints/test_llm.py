@@ -68,7 +68,9 @@ def test_prompt_logprobs_match_the_model(llm):
 def _hf_logits(llm, ids):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(llm.engine.core.loaded.model_path, dtype=torch.float32)
+    from pagedllm.model.loader import resolve_hf_dir
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_hf_dir(None), dtype=torch.float32)  # the float32 twin
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0].float()
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pagedllm.model import gguf_loader, load_model
+from pagedllm.model.loader import resolve_hf_dir
 from tests.model.paged_kv_helpers import PagedRunner
 
 pytestmark = pytest.mark.slow  # HF equivalence on the default model
@@ -13,7 +14,10 @@ pytestmark = pytest.mark.slow  # HF equivalence on the default model
 def hf_reference(default_model):
     from transformers import AutoModelForCausalLM
 
-    loaded, _, _ = default_model
+    loaded, cache, _ = default_model
+    with pytest.MonkeyPatch.context() as mp:  # the float32 weights: written into the directory on request
+        mp.setenv("PAGEDLLM_CACHE", str(cache))
+        assert str(resolve_hf_dir(None)) == loaded.model_path
     return AutoModelForCausalLM.from_pretrained(loaded.model_path, dtype=torch.float32).eval()
 
 

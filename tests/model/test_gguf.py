@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import gguf_loader, load_model
-from pagedllm.model.loader import ensure_converted
+from pagedllm.model.loader import ensure_converted, resolve_hf_dir
 from tests.model.gguf_writer_helpers import write_llama_gguf
 from tests.model.paged_kv_helpers import PagedRunner
 from tests.model.tiny_models import make_hf_model
@@ -58,9 +58,10 @@ def test_quantized_matches_dequantized_reference(hf_model, tmp_path, qtype):
     torch.testing.assert_close(
         logits_of(loaded.model, IDS), hf_logits(hf_model, IDS, reference), atol=1e-4, rtol=0
     )
-    # And the converted directory is a plain HF checkpoint transformers can read.
+    # And the converted directory, with weights, is a plain HF checkpoint transformers can read.
     from transformers import AutoModelForCausalLM
 
+    assert str(resolve_hf_dir(str(path))) == loaded.model_path
     again = AutoModelForCausalLM.from_pretrained(loaded.model_path, dtype=torch.float32).eval()
     torch.testing.assert_close(hf_logits(again, IDS), hf_logits(hf_model, IDS, reference), atol=1e-4, rtol=0)
 

@@ -18,6 +18,7 @@ from pagedllm import LLM
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import gguf_arch, load_model
 from pagedllm.model.gguf_loader import hf_tensor_name
+from pagedllm.model.loader import resolve_hf_dir
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.moe import SparseMoE
 from tests.hf_reference import assert_matches_reference, engine_greedy, hf_greedy
@@ -82,7 +83,8 @@ def test_gguf_twin_matches_hf(kind, qtype, tmp_path):
     for prompt, (ids, logprobs) in zip(prompts, engine_greedy(llm, prompts, 10)):
         ref = hf_greedy(hf_model, prompt, 10)
         assert assert_matches_reference(ids, logprobs, ref, f"{kind} {qtype} gguf") == "exact"
-    if qtype == "Q8_0":  # the converted directory is a checkpoint transformers reads as the twin
+    if qtype == "Q8_0":  # the converted directory (with weights) is a checkpoint transformers reads as the twin
+        assert str(resolve_hf_dir(str(path))) == loaded.model_path
         again = AutoModelForCausalLM.from_pretrained(loaded.model_path, dtype=torch.float32).eval()
         ids = torch.tensor([list(range(3, 40))])
         with torch.no_grad():

@@ -47,7 +47,11 @@ class VocabEmbedding(nn.Module):
         num_rows = max(0, min(self.num_embeddings_per_partition, self.vocab_size - self.vocab_start))
         assert loaded.shape[1] == param.shape[1], f"hidden size {loaded.shape[1]} != {param.shape[1]}"
         if isinstance(loaded, QuantTensor):  # padding rows: zero bytes dequantize to zeros in every type
-            rows = loaded.narrow(0, self.vocab_start, num_rows).raw
+            rows = loaded.narrow(0, self.vocab_start, num_rows)
+            if num_rows == param.shape[0]:  # no padding: the rows as they come (no copy of the table)
+                quantized.stage(param, 0, rows)
+                return
+            rows = rows.raw
             padded = torch.zeros(param.shape[0], rows.shape[1], dtype=torch.uint8)
             padded[:num_rows] = rows
             quantized.stage(param, 0, QuantTensor(loaded.qtype, padded, param.shape[1]))

@@ -3,8 +3,9 @@ Q6_K expanded to 12 bits a weight), multiplied by the compiled kernel of ``csrc/
 
 The loader hands a linear's weight loader a ``QuantTensor`` (the GGUF rows, still quantized)
 instead of a float tensor; the loader stores it with ``stage`` (on the parameter, at the row
-offset a fused QKV / gate-up shard goes to), and ``finalize`` (from
-``process_weights_after_loading``) repacks the staged rows once into the kernel's layout::
+offset a fused QKV / gate-up shard goes to), which repacks the rows once into the kernel's layout
+as soon as they cover the weight (so a load holds one weight's source bytes at a time, not the
+file's), and ``finalize`` (from ``process_weights_after_loading``) installs the result::
 
     GGUF, row-major:     row n = K/32 blocks [d (m) q-bytes]   (Q8: byte j = q_j; Q4: q_j | q_(j+16) << 4)
     repacked, panels:    panel p = rows 16p..16p+15; per K-block:
@@ -110,16 +111,38 @@ def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
     bb = GGUF_BLOCKS[qtype][1]
     nb = raw.shape[1] // bb
     num_panels = -(-n // PANEL_ROWS)
-    num_scales = 2 if qtype == Q4_1 else 1
-    blocks = np.zeros((num_panels * PANEL_ROWS, nb, bb), dtype=np.uint8)
-    blocks[:n] = raw.numpy().reshape(n, nb, bb)
-    blocks = blocks.reshape(num_panels, PANEL_ROWS, nb, bb)
-    scales = np.ascontiguousarray(blocks[..., : 2 * num_scales]).view(np.uint16)  # [P, 16 rows, nb, d (m)]
-    scales = np.ascontiguousarray(scales.transpose(0, 2, 3, 1)).reshape(num_panels, nb, -1).view(np.uint8)  # [P, nb, d x16 (m x16)]
-    q = blocks[..., 2 * num_scales :].transpose(0, 2, 3, 1).reshape(num_panels, nb, -1)  # [P, nb, byte j x 16 rows]
-    packed = np.concatenate([scales, q], axis=-1)
-    assert packed.shape[-1] == PACKED_BLOCK_BYTES[qtype]
+    source = raw.numpy().reshape(n, nb, bb)
+    packed = np.empty((num_panels, nb, PACKED_BLOCK_BYTES[qtype]), dtype=np.uint8)
+    full = n // PANEL_ROWS
+    if full:
+        _fill_panels(qtype, packed[:full], source[: full * PANEL_ROWS])
+    if full < num_panels:  # the last panel's missing rows: zero blocks
+        tail = np.zeros((PANEL_ROWS, nb, bb), dtype=np.uint8)
+        tail[: n - full * PANEL_ROWS] = source[full * PANEL_ROWS :]
+        _fill_panels(qtype, packed[full:], tail)
     return torch.from_numpy(packed)
+
+
+def _fill_panels(qtype: int, out: np.ndarray, rows: np.ndarray) -> None:
+    """GGUF blocks ``rows [16 p, nb, block bytes]`` into panels ``out [p, nb, packed bytes]`` in one
+    strided copy per part, straight into ``out``: no intermediate of the weight's size (a 1 B
+    model's embedding is 57-107 MB in Q4_0-Q8_0; the copies once made here doubled the load's peak)."""
+    num_panels, nb, _ = out.shape
+    scale_bytes = 4 if qtype == Q4_1 else 2  # d (and m) as fp16 at the start of each GGUF block
+    blocks = rows.reshape(num_panels, PANEL_ROWS, nb, -1)
+    q_bytes = blocks.shape[-1] - scale_bytes
+    # [P, 16 rows, nb, d (m), 2 bytes] -> [P, nb, d (m), 16 rows, 2 bytes]
+    scales = blocks[..., :scale_bytes].reshape(num_panels, PANEL_ROWS, nb, scale_bytes // 2, 2)
+    _shaped(out[..., : PANEL_ROWS * scale_bytes], (num_panels, nb, scale_bytes // 2, PANEL_ROWS, 2))[...] = \
+        scales.transpose(0, 2, 3, 1, 4)
+    # [P, 16 rows, nb, byte j] -> [P, nb, byte j, 16 rows]
+    _shaped(out[..., PANEL_ROWS * scale_bytes :], (num_panels, nb, q_bytes, PANEL_ROWS))[...] = \
+        blocks[..., scale_bytes:].transpose(0, 2, 3, 1)
+
+
+def _shaped(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A view of ``array`` as ``shape``; raises rather than copy (a write into a copy would be lost)."""
+    return np.reshape(array, shape, copy=False)
 
 
 def expand_k_quant(qtype: int, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -278,11 +301,41 @@ class QuantizedWeight:
 
 
 def stage(param: nn.Parameter, row_offset: int, loaded: QuantTensor) -> None:
-    """Keep ``loaded`` (rows ``[row_offset, row_offset + rows)`` of ``param``) for ``finalize``."""
+    """Keep ``loaded`` (rows ``[row_offset, row_offset + rows)`` of ``param``) for ``finalize``.
+
+    The shard that completes ``param`` (all rows, one type, the kernel here) repacks them at once,
+    and the staged shards are let go: the loader's source bytes (views of the GGUF's map) are then
+    never held for more than the few shards of one fused weight, and the model's peak while loading
+    is its repacked weights plus one tensor, not plus the file."""
     if loaded.shape[1] != param.shape[1]:
         raise ValueError(f"a quantized shard of {loaded.shape[1]} columns for a weight of {param.shape[1]}")
     shards = param.__dict__.setdefault("quant_shards", [])
     shards.append((row_offset, loaded))
+    if "quant_ready" in param.__dict__:  # rows staged again after the weight was complete: finalize decides
+        shards.insert(0, (0, param.__dict__.pop("quant_ready")))
+        return
+    qtype = _repackable(param, shards)
+    if qtype is not None:
+        param.__dict__["quant_ready"] = QuantizedWeight(qtype, _joined(shards), param.shape[1])
+        del param.__dict__["quant_shards"]
+
+
+def _repackable(param: nn.Parameter, shards: list) -> int | None:
+    """The one GGUF type of ``shards`` when they cover ``param``'s rows exactly, in order, and the
+    kernel runs here; else None."""
+    if any(isinstance(s[1], QuantizedWeight) for s in shards):
+        return None
+    shards.sort(key=lambda s: s[0])
+    covered = sum(s[1].shape[0] for s in shards)
+    contiguous = all(a[0] + a[1].shape[0] == b[0] for a, b in zip(shards, shards[1:])) and shards[0][0] == 0
+    qtypes = {s[1].qtype for s in shards}
+    if len(qtypes) == 1 and covered == param.shape[0] and contiguous and kernel_available():
+        return qtypes.pop()
+    return None
+
+
+def _joined(shards: list) -> torch.Tensor:
+    return torch.cat([s[1].raw for s in shards]) if len(shards) > 1 else shards[0][1].raw
 
 
 def finalize(param: nn.Parameter) -> QuantizedWeight | None:
@@ -291,22 +344,28 @@ def finalize(param: nn.Parameter) -> QuantizedWeight | None:
     as floats, or no kernel here: the staged rows are dequantized into the float parameter."""
     shards = param.__dict__.pop("quant_shards", None)
     target = param.__dict__.pop("convert_to", None)
+    ready = param.__dict__.pop("quant_ready", None)
+    rows = param.shape[0]
+    if ready is not None:  # repacked by ``stage`` as its last shard came
+        param.data = torch.empty(rows, 0)
+        param.quant = ready
+        return ready
     if not shards:
         if target is not None and getattr(param, "quant", None) is None:
             return convert(param, *target)
         return getattr(param, "quant", None)  # e.g. a tied LM head: the embedding finalized it
-    shards.sort(key=lambda s: s[0])
-    rows = param.shape[0]
-    covered = sum(s[1].shape[0] for s in shards)
-    contiguous = all(a[0] + a[1].shape[0] == b[0] for a, b in zip(shards, shards[1:])) and shards[0][0] == 0
-    qtypes = {s[1].qtype for s in shards}
-    if len(qtypes) == 1 and covered == rows and contiguous and kernel_available():
-        qtype = qtypes.pop()
-        raw = torch.cat([s[1].raw for s in shards]) if len(shards) > 1 else shards[0][1].raw
-        quant = QuantizedWeight(qtype, raw, param.shape[1])
+    if shards[0][0] == 0 and isinstance(shards[0][1], QuantizedWeight):  # complete, then staged again
+        whole = shards.pop(0)[1]
+        logger.warning("quantized weight %s staged twice: its rows dequantized to float32", tuple(param.shape))
+        param.data.copy_(whole.rows(torch.arange(rows)))
+    qtype = _repackable(param, shards)
+    if qtype is not None:
+        quant = QuantizedWeight(qtype, _joined(shards), param.shape[1])
         param.data = torch.empty(rows, 0)
         param.quant = quant
         return quant
+    covered = sum(s[1].shape[0] for s in shards)
+    qtypes = {s[1].qtype for s in shards}
     reason = "the compiled kernel is unavailable" if len(qtypes) == 1 and covered == rows else "mixed shard types"
     logger.warning("quantized weight %s dequantized to float32 (%s)", tuple(param.shape), reason)
     for offset, shard in shards:
