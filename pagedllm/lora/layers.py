@@ -2,21 +2,19 @@
 
 A patched linear (qkv_proj, o_proj, gate_up_proj, down_proj) holds every slot's A and B in two matrices,
 slot s owning columns (rows of b) ``[s*W, (s+1)*W)``, ``W = n_parts * max_rank``; inside its block the fused
-parts (q, k, v; gate, up) sit side by side, B block-diagonal so one GEMM pair covers the fused output::
+parts (q, k, v; gate, up) sit side by side, B block-diagonal so one product pair covers the fused output::
 
     a  [in, L*W]    columns s*W + p*r .. s*W + p*r + r     = A^T of part p of slot s's adapter (rank r)
     b  [L*W, out]   those rows, columns of part p           = (B of part p * scaling)^T; all else zero
+    ranks [L]       r of each slot's adapter on this linear (0: none)
 
-``LoRASlots.apply`` adds the delta of the step's adapted rows (``LoRAStep``: the runner puts base-model rows
-first, so they are a suffix ``[start, T)``) in three ops, whatever the number of adapters::
-
-    s = x[start:] @ a           # [rows, L*W]  shrink, every slot at once
-    s *= mask                   # keep each row's own slot block (mask[row, col] = slot(row) == col // W)
-    y[start:] += s @ b          # [rows, out]  expand
-
-Measured first as one GEMM pair per adapter present (rows grouped by slot): 4 adapters on the Alpaca trace
-ran at 0.12x the base on this 2-core machine, the ~16 small ops per linear a step drowned in thread wake-ups;
-the masked pair does a little more arithmetic (L*W columns for every adapted row) in 4x fewer ops.
+The runner puts each adapter's rows side by side (base rows first), so a step's adapted rows are a few
+segments ``(begin, end, slot)`` (``LoRAStep``). ``LoRASlots.apply`` adds their deltas in one call of the
+compiled ``lora_sgmv_cpu`` (csrc/lora_sgmv*.cpp), which shrinks each segment by its own slot's
+``n_parts * r`` columns of ``a`` and expands by its own rows of ``b``, part by part: the arithmetic of the
+adapters present. The fused decoder step (csrc/decoder_layer.cpp) calls the same op on the same
+arguments, so LoRA steps stay on it with the same sums. Without the compiled op (another device or
+dtype) each segment runs as a torch product pair.
 """
 
 from __future__ import annotations
@@ -26,28 +24,13 @@ from contextlib import contextmanager
 
 import torch
 
-from pagedllm.model.layers import cpu_gemm
-from pagedllm.model.layers.linear import GEMM_ROWS
-
 
 class LoRAStep:
-    """One step's adapted rows: rows ``[start, T)`` of the batch, ``row_slots[i]`` the slot of row
-    ``start + i`` (-1: a base-model row among them)."""
+    """One step's adapted rows: ``segments`` is ``[begin, end, slot, begin, end, slot, ...]`` over the rows
+    of the batch (rows in no segment are the base model's)."""
 
-    def __init__(self, start: int, row_slots: torch.Tensor, max_loras: int) -> None:
-        self.start = start
-        self.row_slots = row_slots
-        self.max_loras = max_loras
-        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-
-    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, L*width]: 1 where the column belongs to the row's slot (built once per width and step)."""
-        key = (width, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            column_slots = torch.arange(self.max_loras * width, device=self.row_slots.device) // width
-            mask = self._masks[key] = (self.row_slots[:, None] == column_slots[None, :]).to(dtype)
-        return mask
+    def __init__(self, segments: list[int]) -> None:
+        self.segments = segments
 
 
 _step: LoRAStep | None = None
@@ -64,6 +47,24 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
         _step = previous
 
 
+def current_segments() -> list[int]:
+    """The segments of the step in progress ([] outside ``lora_step`` or for a step without adapters)."""
+    return [] if _step is None else _step.segments
+
+
+def compiled_op():
+    """The C++ callable of ``lora_sgmv_cpu``, or None where the compiled library or a kernel for this CPU
+    is missing."""
+    from pagedllm.model.attention import cpu_op
+
+    if not cpu_op.load() or not hasattr(torch.ops.pagedllm, "lora_sgmv_cpu"):
+        return None
+    if torch.ops.pagedllm.lora_sgmv_isa(0) == 0:
+        return None
+    overload = torch.ops.pagedllm.lora_sgmv_cpu.default
+    return getattr(overload, "_op", overload)
+
+
 class LoRASlots:
     """The adapter slots of one linear whose output is the concatenation of parts of `part_sizes` features."""
 
@@ -74,8 +75,13 @@ class LoRASlots:
         self.width = len(self.part_sizes) * max_rank
         self.a = torch.zeros(in_features, max_loras * self.width, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras * self.width, sum(self.part_sizes), dtype=dtype, device=device)
-        self._a_packed = self._b_packed = None  # a^T, b^T packed for the compiled CPU GEMM, when it is on
-        self._repack()
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # updated in place: the fused step holds it
+        self._op = compiled_op() if self.a.is_cpu and dtype == torch.float32 else None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``apply`` runs the compiled op (the fused decoder step can take these slots)."""
+        return self._op is not None
 
     def set_slot(self, slot: int, rank: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Hold one adapter in `slot`: parts[p] is (A [rank, in], scaled B [out_p, rank]) of part p, or None."""
@@ -89,16 +95,13 @@ class LoRASlots:
             assert a.shape == (rank, self.a.shape[0]) and b.shape == (self.part_sizes[p], rank), (a.shape, b.shape)
             self.a[:, cols] = a.t()
             self.b[cols, outs] = b.t()
-        self._repack()
+        self.ranks[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
         block = slice(slot * self.width, (slot + 1) * self.width)
         self.a[:, block] = 0
         self.b[block] = 0
-        self._repack()
-
-    def _repack(self) -> None:
-        self._a_packed, self._b_packed = _pack(self.a.t()), _pack(self.b.t())
+        self.ranks[slot] = 0
 
     def slot_a(self, slot: int) -> torch.Tensor:
         """[in, W]: slot `slot`'s block of ``a`` (tests)."""
@@ -111,46 +114,17 @@ class LoRASlots:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (this linear's output for ``x [T, in]``) plus the step's adapter deltas, in place."""
         step = _step
-        if step is None:
+        if step is None or not step.segments:
             return y
-        start = step.start
-        x = x[start:]
-        if self._a_packed is not None and x.shape[0] <= GEMM_ROWS[1] and x.dtype == torch.float32 \
-                and x.stride(1) == 1:
-            # the compiled GEMM on its own workers: torch.mm's OpenMP regions cost ~10x more on a busy CPU
-            shrunk = cpu_gemm.gemm(x, self._a_packed, None, self.a.shape[1])  # [rows, L*W]
-            _serial(torch.Tensor.mul_, shrunk, step.mask(self.width, shrunk.dtype))
-            _serial(torch.Tensor.add_, y[start:], cpu_gemm.gemm(shrunk, self._b_packed, None, self.b.shape[1]))
+        if self._op is not None and x.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1:
+            self._op(x, y, self.a, self.b, self.ranks, self.part_sizes, step.segments, 0)
             return y
-        shrunk = torch.mm(x, self.a)  # [rows, L*W]
-        shrunk.mul_(step.mask(self.width, shrunk.dtype))
-        y[start:].addmm_(shrunk, self.b)  # += [rows, out]
+        segments = step.segments
+        for i in range(0, len(segments), 3):
+            begin, end, slot = segments[i:i + 3]
+            rank = int(self.ranks[slot])
+            if rank == 0 or begin == end:
+                continue
+            cols = slice(slot * self.width, slot * self.width + len(self.part_sizes) * rank)
+            y[begin:end].addmm_(x[begin:end] @ self.a[:, cols], self.b[cols])  # b is zero off each part's columns
         return y
-
-
-SERIAL_ELEMENTS = 32768
-"""ATen runs an elementwise op over more elements than this (its grain size) in an OpenMP region; on a busy
-CPU that region cost 4.4 ms for a [14, 3072] add that takes microseconds on one thread."""
-
-
-def _serial(op, out: torch.Tensor, other: torch.Tensor) -> None:
-    """``op(out, other)`` in place (contiguous, same shape), in pieces small enough to run on this thread."""
-    if out.numel() <= SERIAL_ELEMENTS:
-        op(out, other)
-        return
-    out, other = out.view(-1), other.reshape(-1)
-    for i in range(0, out.numel(), SERIAL_ELEMENTS):
-        op(out[i:i + SERIAL_ELEMENTS], other[i:i + SERIAL_ELEMENTS])
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [n, k]`` in the compiled GEMM's panel layout ``[panels, k, NR]`` (as cpu_gemm.pack, in a tensor
-    of its own: slots are repacked whenever an adapter moves in), or None where that GEMM is off."""
-    nr = cpu_gemm.panel_width() if weight.device.type == "cpu" and weight.dtype == torch.float32 else 0
-    if nr == 0:
-        return None
-    n, k = weight.shape
-    num_panels = -(-n // nr)
-    padded = torch.zeros(num_panels * nr, k, dtype=weight.dtype)
-    padded[:n] = weight
-    return padded.view(num_panels, nr, k).transpose(1, 2).contiguous()
