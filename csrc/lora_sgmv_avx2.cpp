@@ -1,5 +1,5 @@
-// lora_sgmv.h for AVX2 + FMA CPUs: blocks of up to 4 rows x 2 ymm (16 columns): 8 sums, 2 of A or B,
-// 1 broadcast. Compiled for that target by the pragma below.
+// lora_sgmv.h for AVX2 + FMA CPUs: blocks of up to 4 rows x 1 panel (2 ymm, 16 columns): 8 sums, 2 of A
+// or B, 1 broadcast. Compiled for that target by the pragma below.
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
@@ -11,7 +11,7 @@ namespace {
 typedef __m256 vf;
 typedef __m256i vm;
 constexpr int VW = 8;
-constexpr int NV_MAX = 2;
+constexpr int GROUP = kGroupAvx2;
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vload_m(const float* p, vm m) { return _mm256_maskload_ps(p, m); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
@@ -28,7 +28,6 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 
 namespace pagedllm {
 namespace sgmv {
-static_assert(kBlockCols == kBlockColsAvx2, "block width");
 void shrink_avx2(const Args& args, int64_t u_begin, int64_t u_end) { shrink_units(args, u_begin, u_end); }
 void expand_avx2(const Args& args, int64_t b_begin, int64_t b_end) { expand_blocks(args, b_begin, b_end); }
 }  // namespace sgmv

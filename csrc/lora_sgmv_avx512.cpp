@@ -1,5 +1,5 @@
-// lora_sgmv.h for AVX-512 CPUs: blocks of up to 4 rows x 4 zmm (64 columns): 16 sums, 4 of A or B,
-// 1 broadcast. Compiled for that target by the pragma below; the op calls it only where the CPU
+// lora_sgmv.h for AVX-512 CPUs: blocks of up to 4 rows x 2 panels (2 zmm, 32 columns): 8 sums, 2 of A
+// or B, 1 broadcast. Compiled for that target by the pragma below; the op calls it only where the CPU
 // reports avx512f.
 #pragma GCC target("avx512f,avx2,fma")
 #include <immintrin.h>
@@ -12,7 +12,7 @@ namespace {
 typedef __m512 vf;
 typedef __mmask16 vm;
 constexpr int VW = 16;
-constexpr int NV_MAX = 4;
+constexpr int GROUP = kGroupAvx512;
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vf vload_m(const float* p, vm m) { return _mm512_maskz_loadu_ps(m, p); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
@@ -29,7 +29,6 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 
 namespace pagedllm {
 namespace sgmv {
-static_assert(kBlockCols == kBlockColsAvx512, "block width");
 void shrink_avx512(const Args& args, int64_t u_begin, int64_t u_end) { shrink_units(args, u_begin, u_end); }
 void expand_avx512(const Args& args, int64_t b_begin, int64_t b_end) { expand_blocks(args, b_begin, b_end); }
 }  // namespace sgmv

@@ -1,91 +1,96 @@
 // The register blocks of lora_sgmv.h, written against a small vector interface (vf, vm, VW, vload,
 // vload_m, vstore, vstore_m, vmask, vset1, vzero, vfma) that each ISA file defines before including
-// it, with NV_MAX, the vectors of columns a block holds (MR x NV_MAX sums in registers).
+// it, with GROUP, the panels a block holds (MR rows x GROUP * 16 columns of sums in registers).
 //
-// Shrink: rows [0, MR) x columns of one slot's A, NV vectors at a time, over every k: the A block
-// (NV vectors a k-step) is read once per row block. Expand: rows [0, MR) x NV vectors of y's
-// columns, starting from y and adding r rank-terms. The last vector of a block is masked: ranks
-// (num_parts * r columns) and part widths need not be multiples of the vector.
+// Shrink: rows [0, MR) x NP panels of one slot's A over every k, each panel a contiguous K x 16 run.
+// Expand: rows [0, MR) x NP panels of y's columns, starting from y and adding r rank-terms; the last
+// panel of a part may be partial (`last` masks its final vector on y).
 #include <algorithm>
 
 namespace pagedllm {
 namespace sgmv {
 namespace {
 
-template <int MR, int NV>
-inline void shrink_block(const float* __restrict x, int64_t ldx, const float* __restrict a, int64_t lda, int64_t k,
-                         vm last, float* __restrict s, int64_t lds) {
+constexpr int VPP = kLanes / VW;  // vectors per panel
+
+template <int MR, int NP>
+inline void shrink_block(const float* __restrict x, int64_t ldx, const float* __restrict a, int64_t k,
+                         float* __restrict s, int64_t lds) {
+  constexpr int NV = NP * VPP;
   vf acc[MR][NV];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[i][c] = vzero();
+    for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
+  const int64_t panel_stride = k * kLanes;
   for (int64_t kk = 0; kk < k; ++kk) {
-    const float* row = a + kk * lda;
     vf w[NV];
 #pragma GCC unroll 4
-    for (int c = 0; c < NV - 1; ++c) w[c] = vload(row + c * VW);
-    w[NV - 1] = vload_m(row + (NV - 1) * VW, last);
+    for (int v = 0; v < NV; ++v) w[v] = vload(a + (v / VPP) * panel_stride + kk * kLanes + (v % VPP) * VW);
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       const vf xi = vset1(x[i * ldx + kk]);
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[i][c] = vfma(xi, w[c], acc[i][c]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = vfma(xi, w[v], acc[i][v]);
     }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vstore(s + i * lds + c * VW, acc[i][c]);  // the scratch rows are padded
+    for (int v = 0; v < NV; ++v) vstore(s + i * lds + v * VW, acc[i][v]);
 }
 
-template <int MR, int NV>
-inline void expand_block(const float* __restrict s, int64_t lds, const float* __restrict b, int64_t ldb, int64_t r,
-                         vm last, float* __restrict y, int64_t ldy) {
+// `cols`: y's columns in these NP panels (NP * 16 but for a part's partial last panel).
+template <int MR, int NP>
+inline void expand_block(const float* __restrict s, int64_t lds, const float* __restrict b, int64_t panel_stride,
+                         int64_t r, int64_t cols, float* __restrict y, int64_t ldy) {
+  constexpr int NV = NP * VPP;
+  const int full = static_cast<int>(std::min<int64_t>(NV, cols / VW));  // whole vectors of y
+  const vm last = vmask(static_cast<int>(cols - full * VW));
   vf acc[MR][NV];
 #pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i) {
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV - 1; ++c) acc[i][c] = vload(y + i * ldy + c * VW);
-    acc[i][NV - 1] = vload_m(y + i * ldy + (NV - 1) * VW, last);
-  }
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = v < full ? vload(y + i * ldy + v * VW) : v == full ? vload_m(y + i * ldy + v * VW, last) : vzero();
   for (int64_t j = 0; j < r; ++j) {
-    const float* row = b + j * ldb;
     vf w[NV];
 #pragma GCC unroll 4
-    for (int c = 0; c < NV - 1; ++c) w[c] = vload(row + c * VW);
-    w[NV - 1] = vload_m(row + (NV - 1) * VW, last);
+    for (int v = 0; v < NV; ++v) w[v] = vload(b + (v / VPP) * panel_stride + j * kLanes + (v % VPP) * VW);
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       const vf si = vset1(s[i * lds + j]);
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[i][c] = vfma(si, w[c], acc[i][c]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = vfma(si, w[v], acc[i][v]);
     }
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i) {
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV - 1; ++c) vstore(y + i * ldy + c * VW, acc[i][c]);
-    vstore_m(y + i * ldy + (NV - 1) * VW, acc[i][NV - 1], last);
-  }
+    for (int v = 0; v < NV; ++v) {
+      if (v < full) {
+        vstore(y + i * ldy + v * VW, acc[i][v]);
+      } else if (v == full) {
+        vstore_m(y + i * ldy + v * VW, acc[i][v], last);
+      }
+    }
 }
 
-// The block for `rows` (1..kMaxRows) x `nv` (1..NV_MAX) vectors: a switch over the instantiations.
-template <int MR, int NV = 1>
+// The block for `rows` (1..kMaxRows) x `np` (1..GROUP) panels: a switch over the instantiations.
+template <int MR, int NP = 1>
 struct Dispatch {
-  static void shrink(int nv, const float* x, int64_t ldx, const float* a, int64_t lda, int64_t k, vm last, float* s,
-                     int64_t lds) {
-    if constexpr (NV < NV_MAX) {
-      if (nv > NV) return Dispatch<MR, NV + 1>::shrink(nv, x, ldx, a, lda, k, last, s, lds);
+  static void shrink(int np, const float* x, int64_t ldx, const float* a, int64_t k, float* s, int64_t lds) {
+    if constexpr (NP < GROUP) {
+      if (np > NP) return Dispatch<MR, NP + 1>::shrink(np, x, ldx, a, k, s, lds);
     }
-    shrink_block<MR, NV>(x, ldx, a, lda, k, last, s, lds);
+    shrink_block<MR, NP>(x, ldx, a, k, s, lds);
   }
-  static void expand(int nv, const float* s, int64_t lds, const float* b, int64_t ldb, int64_t r, vm last, float* y,
-                     int64_t ldy) {
-    if constexpr (NV < NV_MAX) {
-      if (nv > NV) return Dispatch<MR, NV + 1>::expand(nv, s, lds, b, ldb, r, last, y, ldy);
+  static void expand(int np, const float* s, int64_t lds, const float* b, int64_t panel_stride, int64_t r,
+                     int64_t cols, float* y, int64_t ldy) {
+    if constexpr (NP < GROUP) {
+      if (np > NP) return Dispatch<MR, NP + 1>::expand(np, s, lds, b, panel_stride, r, cols, y, ldy);
     }
-    expand_block<MR, NV>(s, lds, b, ldb, r, last, y, ldy);
+    expand_block<MR, NP>(s, lds, b, panel_stride, r, cols, y, ldy);
   }
 };
 
@@ -100,45 +105,38 @@ inline void by_rows(int64_t rows, const F& f) {
 }
 static_assert(kMaxRows == 4, "by_rows covers 1..4 rows");
 
-constexpr int64_t kBlockCols = NV_MAX * VW;
-
 void shrink_units(const Args& g, int64_t u_begin, int64_t u_end) {
   for (int64_t u = u_begin; u < u_end; ++u) {
     const Segment& seg = g.segments[g.unit_segment[u]];
-    const int64_t row = g.unit_row[u], rows = std::min<int64_t>(kMaxRows, seg.end - row);
-    const int64_t cols = g.num_parts * g.ranks[seg.slot];
-    const float* a = g.a + seg.slot * g.width;
-    for (int64_t c0 = 0; c0 < cols; c0 += kBlockCols) {
-      const int64_t n = std::min(kBlockCols, cols - c0);
-      const int nv = static_cast<int>((n + VW - 1) / VW);
-      const vm last = vmask(static_cast<int>(n - (nv - 1) * VW));
-      by_rows(rows, [&](auto d) {
-        d.shrink(nv, g.x + row * g.ldx, g.ldx, a + c0, g.lda, g.k, last, g.s + row * g.lds + c0, g.lds);
-      });
-    }
+    const int64_t row = g.unit_row[u], panel = g.unit_panel[u];
+    const int64_t rows = std::min<int64_t>(kMaxRows, seg.end - row);
+    const int64_t panels = (g.num_parts * g.ranks[seg.slot] + kLanes - 1) / kLanes;
+    const int np = static_cast<int>(std::min<int64_t>(GROUP, panels - panel));
+    const float* a = g.a + (seg.slot * g.pa + panel) * g.k * kLanes;
+    by_rows(rows, [&](auto d) {
+      d.shrink(np, g.x + row * g.ldx, g.ldx, a, g.k, g.s + row * g.lds + panel * kLanes, g.lds);
+    });
   }
 }
 
 void expand_blocks(const Args& g, int64_t b_begin, int64_t b_end) {
+  const int64_t panel_stride = g.max_rank * kLanes;
   for (int64_t blk = b_begin; blk < b_end; ++blk) {
     const int p = static_cast<int>(g.block_part[blk]);
-    const int64_t col = g.block_col[blk];
-    const int64_t n = std::min(g.block_cols, g.part_offset[p] + g.part_size[p] - col);
+    const int64_t panel = g.block_panel[blk];  // within part p
+    const int64_t part_panels = (g.part_size[p] + kLanes - 1) / kLanes;
+    const int np = static_cast<int>(std::min<int64_t>(GROUP, part_panels - panel));
+    const int64_t col = g.part_offset[p] + panel * kLanes;
+    const int64_t cols = std::min<int64_t>(np * kLanes, g.part_offset[p] + g.part_size[p] - col);
     for (int64_t i = 0; i < g.num_segments; ++i) {
       const Segment& seg = g.segments[i];
       const int64_t r = g.ranks[seg.slot];
-      if (r == 0) continue;
-      const float* b = g.b + (seg.slot * g.width + p * r) * g.ldb + col;
-      for (int64_t c0 = 0; c0 < n; c0 += kBlockCols) {
-        const int64_t cn = std::min(kBlockCols, n - c0);
-        const int nv = static_cast<int>((cn + VW - 1) / VW);
-        const vm last = vmask(static_cast<int>(cn - (nv - 1) * VW));
-        for (int64_t row = seg.begin; row < seg.end; row += kMaxRows) {
-          const int64_t rows = std::min<int64_t>(kMaxRows, seg.end - row);
-          by_rows(rows, [&](auto d) {
-            d.expand(nv, g.s + row * g.lds + p * r, g.lds, b + c0, g.ldb, r, last, g.y + row * g.ldy + col + c0, g.ldy);
-          });
-        }
+      const float* b = g.b + (seg.slot * g.pb + g.part_panel[p] + panel) * panel_stride;
+      for (int64_t row = seg.begin; row < seg.end; row += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, seg.end - row);
+        by_rows(rows, [&](auto d) {
+          d.expand(np, g.s + row * g.lds + p * r, g.lds, b, panel_stride, r, cols, g.y + row * g.ldy + col, g.ldy);
+        });
       }
     }
   }

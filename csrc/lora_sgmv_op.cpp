@@ -5,7 +5,8 @@
 // the same float32 sums.
 //
 //   segments: (row begin, row end, slot) triples; rows outside every segment are left as they are
-//   ranks:    int64 [L]: slot s uses num_parts * ranks[s] columns of its block of `a`
+//   ranks:    int64 [L]: the rank of slot s's adapter on this linear (0: none)
+//   a, b:     the slots' panels (lora_sgmv.h)
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -40,9 +41,10 @@ int64_t lora_sgmv_isa(int64_t isa) {
   return 0;
 }
 
-// Below this many multiply-adds (shrink and expand together) the call runs on the calling thread: a
-// decode step's one-row segments cost a few microseconds, about what handing them to the pool costs.
-constexpr int64_t kSerialFmas = 1 << 17;
+// Below this many multiply-adds (shrink and expand together) the call runs on the calling thread (about what
+// handing it to the pool costs). Above it even one row is split: its slot's A and B (~100-200 KB a linear
+// at rank 16) come from memory, and two threads stream them faster than one.
+constexpr int64_t kSerialFmas = 1 << 14;
 
 void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
                    const at::Tensor& ranks, at::IntArrayRef part_sizes, at::IntArrayRef segments, int64_t isa) {
@@ -57,13 +59,12 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
   TORCH_CHECK(ranks.device().is_cpu() && ranks.scalar_type() == at::kLong && ranks.dim() == 1 && ranks.is_contiguous(),
               "lora_sgmv_cpu: ranks must be a contiguous int64 [max_loras] tensor");
   const int64_t num_slots = ranks.size(0);
-  TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous() &&
-                  a.size(0) == k && num_slots > 0 && a.size(1) % num_slots == 0,
-              "lora_sgmv_cpu: a must be a contiguous float32 [in, max_loras * width] tensor");
-  const int64_t width = a.size(1) / num_slots;
-  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 2 && b.is_contiguous() &&
-                  b.size(0) == a.size(1) && b.size(1) == out,
-              "lora_sgmv_cpu: b must be a contiguous float32 [max_loras * width, out] tensor");
+  TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && a.dim() == 4 && a.is_contiguous() &&
+                  a.size(0) == num_slots && a.size(2) == k && a.size(3) == sgmv::kLanes,
+              "lora_sgmv_cpu: a must be a contiguous float32 [max_loras, panels, in, 16] tensor");
+  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 4 && b.is_contiguous() &&
+                  b.size(0) == num_slots && b.size(3) == sgmv::kLanes,
+              "lora_sgmv_cpu: b must be a contiguous float32 [max_loras, panels, max_rank, 16] tensor");
   const int num_parts = static_cast<int>(part_sizes.size());
   TORCH_CHECK(num_parts >= 1 && num_parts <= sgmv::kMaxParts, "lora_sgmv_cpu: 1 to ", sgmv::kMaxParts,
               " parts expected, got ", num_parts);
@@ -72,27 +73,33 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
   TORCH_CHECK(chosen != 0, "lora_sgmv_cpu: no kernel for isa ", isa, " on this CPU");
 
   sgmv::Args g{};
-  int64_t offset = 0;
+  int64_t offset = 0, panels = 0;
   for (int p = 0; p < num_parts; ++p) {
     TORCH_CHECK(part_sizes[p] >= 0, "lora_sgmv_cpu: a negative part size");
     g.part_offset[p] = offset;
     g.part_size[p] = part_sizes[p];
+    g.part_panel[p] = panels;
     offset += part_sizes[p];
+    panels += (part_sizes[p] + sgmv::kLanes - 1) / sgmv::kLanes;
   }
   TORCH_CHECK(offset == out, "lora_sgmv_cpu: the parts cover ", offset, " columns, y has ", out);
+  TORCH_CHECK(panels == b.size(1), "lora_sgmv_cpu: the parts take ", panels, " panels of b, b has ", b.size(1));
+  const int64_t max_rank = b.size(2);
   const int64_t* rank = ranks.data_ptr<int64_t>();
   for (int64_t s = 0; s < num_slots; ++s)
-    TORCH_CHECK(rank[s] >= 0 && num_parts * rank[s] <= width, "lora_sgmv_cpu: slot ", s, "'s rank ", rank[s],
-                " does not fit ", width, " columns of ", num_parts, " parts");
+    TORCH_CHECK(rank[s] >= 0 && rank[s] <= max_rank && num_parts * rank[s] <= a.size(1) * sgmv::kLanes,
+                "lora_sgmv_cpu: slot ", s, "'s rank ", rank[s], " does not fit a and b (max rank ", max_rank, ")");
 
+  const int64_t group = chosen == 2 ? sgmv::kGroupAvx512 : sgmv::kGroupAvx2;
   thread_local std::vector<sgmv::Segment> segs;
-  thread_local std::vector<int64_t> unit_segment, unit_row, block_part, block_col;
+  thread_local std::vector<int64_t> unit_segment, unit_row, unit_panel, block_part, block_panel;
   thread_local std::vector<float> scratch;
   segs.clear();
   unit_segment.clear();
   unit_row.clear();
+  unit_panel.clear();
   block_part.clear();
-  block_col.clear();
+  block_panel.clear();
   int64_t fmas = 0, max_cols = 0;
   for (size_t i = 0; i < segments.size(); i += 3) {
     const sgmv::Segment seg{segments[i], segments[i + 1], segments[i + 2]};
@@ -101,22 +108,24 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
     TORCH_CHECK(seg.slot >= 0 && seg.slot < num_slots, "lora_sgmv_cpu: slot ", seg.slot, " of ", num_slots);
     const int64_t r = rank[seg.slot];
     if (seg.end == seg.begin || r == 0) continue;
-    for (int64_t row = seg.begin; row < seg.end; row += sgmv::kMaxRows) {
-      unit_segment.push_back(static_cast<int64_t>(segs.size()));
-      unit_row.push_back(row);
-    }
+    const int64_t cols = num_parts * r, slot_panels = (cols + sgmv::kLanes - 1) / sgmv::kLanes;
+    for (int64_t row = seg.begin; row < seg.end; row += sgmv::kMaxRows)
+      for (int64_t panel = 0; panel < slot_panels; panel += group) {
+        unit_segment.push_back(static_cast<int64_t>(segs.size()));
+        unit_row.push_back(row);
+        unit_panel.push_back(panel);
+      }
     segs.push_back(seg);
     fmas += (seg.end - seg.begin) * r * (num_parts * k + out);
-    max_cols = std::max(max_cols, num_parts * r);
+    max_cols = std::max(max_cols, slot_panels * sgmv::kLanes);
   }
   if (segs.empty() || k == 0) return;
-  const int64_t block_cols = chosen == 2 ? sgmv::kBlockColsAvx512 : sgmv::kBlockColsAvx2;
   for (int p = 0; p < num_parts; ++p)
-    for (int64_t col = g.part_offset[p]; col < g.part_offset[p] + g.part_size[p]; col += block_cols) {
+    for (int64_t panel = 0; panel * sgmv::kLanes < g.part_size[p]; panel += group) {
       block_part.push_back(p);
-      block_col.push_back(col);
+      block_panel.push_back(panel);
     }
-  const int64_t lds = (max_cols + 15) / 16 * 16;  // whole vectors of either ISA
+  const int64_t lds = max_cols;  // whole panels: the shrink stores them whole
   if (static_cast<int64_t>(scratch.size()) < num_rows * lds) scratch.resize(num_rows * lds);
 
   g.x = x.data_ptr<float>();
@@ -124,11 +133,11 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
   g.y = y.data_ptr<float>();
   g.ldy = y.stride(0);
   g.a = a.data_ptr<float>();
-  g.lda = a.size(1);
+  g.pa = a.size(1);
   g.b = b.data_ptr<float>();
-  g.ldb = out;
+  g.pb = b.size(1);
+  g.max_rank = max_rank;
   g.k = k;
-  g.width = width;
   g.ranks = rank;
   g.num_parts = num_parts;
   g.segments = segs.data();
@@ -137,12 +146,12 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
   g.lds = lds;
   g.unit_segment = unit_segment.data();
   g.unit_row = unit_row.data();
+  g.unit_panel = unit_panel.data();
   g.block_part = block_part.data();
-  g.block_col = block_col.data();
-  g.block_cols = block_cols;
+  g.block_panel = block_panel.data();
   auto shrink = chosen == 2 ? &sgmv::shrink_avx512 : &sgmv::shrink_avx2;
   auto expand = chosen == 2 ? &sgmv::expand_avx512 : &sgmv::expand_avx2;
-  const int64_t num_units = static_cast<int64_t>(unit_row.size()), num_blocks = static_cast<int64_t>(block_col.size());
+  const int64_t num_units = static_cast<int64_t>(unit_row.size()), num_blocks = static_cast<int64_t>(block_part.size());
   if (fmas < kSerialFmas) {
     shrink(g, 0, num_units);
     expand(g, 0, num_blocks);

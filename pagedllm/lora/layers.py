@@ -1,36 +1,40 @@
 """Adapter weights inside the model: fixed slots on each patched linear, and the step's rows by slot.
 
-A patched linear (qkv_proj, o_proj, gate_up_proj, down_proj) holds every slot's A and B in two matrices,
-slot s owning columns (rows of b) ``[s*W, (s+1)*W)``, ``W = n_parts * max_rank``; inside its block the fused
-parts (q, k, v; gate, up) sit side by side, B block-diagonal so one product pair covers the fused output::
+A patched linear (qkv_proj, o_proj, gate_up_proj, down_proj) holds every slot's A and B. Slot s's adapter of
+rank r is, as matrices (``slot_a``, ``slot_b``; ``W = n_parts * max_rank``), the fused parts (q, k, v; gate,
+up) side by side, B block-diagonal so one product pair covers the fused output::
 
-    a  [in, L*W]    columns s*W + p*r .. s*W + p*r + r     = A^T of part p of slot s's adapter (rank r)
-    b  [L*W, out]   those rows, columns of part p           = (B of part p * scaling)^T; all else zero
-    ranks [L]       r of each slot's adapter on this linear (0: none)
+    A_s  [in, W]    columns p*r .. p*r + r - 1               = A^T of part p (zero past n_parts * r)
+    B_s  [W, out]   those rows, columns of part p            = (B of part p * scaling)^T; all else zero
+
+stored in panels of 16 columns for the compiled kernel (``a [L, PA, in, 16]``: A_s's columns; ``b [L, PB,
+max_rank, 16]``: each part's output columns in panels of their own, row j = part p's row p*r + j of B_s),
+so a slot's share is read as a few linear runs; ``ranks [L]`` says r per slot (0: none on this linear).
 
 The runner puts each adapter's rows side by side (base rows first), so a step's adapted rows are a few
 segments ``(begin, end, slot)`` (``LoRAStep``). ``LoRASlots.apply`` adds their deltas in one call of the
 compiled ``lora_sgmv_cpu`` (csrc/lora_sgmv*.cpp), which shrinks each segment by its own slot's
-``n_parts * r`` columns of ``a`` and expands by its own rows of ``b``, part by part: the arithmetic of the
+``n_parts * r`` columns and expands by its own ``r`` rows, part by part: the arithmetic and memory of the
 adapters present. The fused decoder step (csrc/decoder_layer.cpp) calls the same op on the same
 arguments, so LoRA steps stay on it with the same sums. Without the compiled op (another device or
-dtype) each segment runs as a torch product pair.
+dtype) each segment runs as a torch product pair on the unpacked matrices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(slots=True)
 class LoRAStep:
-    """One step's adapted rows: ``segments`` is ``[begin, end, slot, begin, end, slot, ...]`` over the rows
-    of the batch (rows in no segment are the base model's)."""
+    """One step's adapted rows."""
 
-    def __init__(self, segments: list[int]) -> None:
-        self.segments = segments
+    segments: list[int]
+    """``[begin, end, slot, begin, end, slot, ...]`` over the batch's rows; rows in none are the base model's."""
 
 
 _step: LoRAStep | None = None
@@ -65,6 +69,14 @@ def compiled_op():
     return getattr(overload, "_op", overload)
 
 
+LANES = 16
+"""Columns per panel of the packed slots (lora_sgmv.h's kLanes)."""
+
+
+def _panels(columns: int) -> int:
+    return -(-columns // LANES)
+
+
 class LoRASlots:
     """The adapter slots of one linear whose output is the concatenation of parts of `part_sizes` features."""
 
@@ -72,9 +84,13 @@ class LoRASlots:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
+        self.part_panels = [_panels(size) for size in self.part_sizes]
+        self.panel_offsets = [sum(self.part_panels[:i]) for i in range(len(self.part_panels))]
+        self.in_features = in_features
+        self.max_rank = max_rank
         self.width = len(self.part_sizes) * max_rank
-        self.a = torch.zeros(in_features, max_loras * self.width, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras * self.width, sum(self.part_sizes), dtype=dtype, device=device)
+        self.a = torch.zeros(max_loras, _panels(self.width), in_features, LANES, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, sum(self.part_panels), max_rank, LANES, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # updated in place: the fused step holds it
         self._op = compiled_op() if self.a.is_cpu and dtype == torch.float32 else None
 
@@ -86,30 +102,39 @@ class LoRASlots:
     def set_slot(self, slot: int, rank: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Hold one adapter in `slot`: parts[p] is (A [rank, in], scaled B [out_p, rank]) of part p, or None."""
         self.clear_slot(slot)
+        a_block = torch.zeros(self.in_features, self.a.shape[1] * LANES, dtype=self.a.dtype)  # A_s, padded
         for p, part in enumerate(parts):
             if part is None:
                 continue
             a, b = part
-            cols = slice(slot * self.width + p * rank, slot * self.width + (p + 1) * rank)
-            outs = slice(self.part_offsets[p], self.part_offsets[p] + self.part_sizes[p])
-            assert a.shape == (rank, self.a.shape[0]) and b.shape == (self.part_sizes[p], rank), (a.shape, b.shape)
-            self.a[:, cols] = a.t()
-            self.b[cols, outs] = b.t()
+            size, panels = self.part_sizes[p], self.part_panels[p]
+            assert a.shape == (rank, self.in_features) and b.shape == (size, rank), (a.shape, b.shape)
+            a_block[:, p * rank:(p + 1) * rank] = a.t()
+            b_block = torch.zeros(self.max_rank, panels * LANES, dtype=self.b.dtype)
+            b_block[:rank, :size] = b.t()
+            first = self.panel_offsets[p]
+            self.b[slot, first:first + panels] = b_block.view(self.max_rank, panels, LANES).transpose(0, 1)
+        self.a[slot] = a_block.view(self.in_features, -1, LANES).transpose(0, 1)
         self.ranks[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
-        block = slice(slot * self.width, (slot + 1) * self.width)
-        self.a[:, block] = 0
-        self.b[block] = 0
+        self.a[slot] = 0
+        self.b[slot] = 0
         self.ranks[slot] = 0
 
     def slot_a(self, slot: int) -> torch.Tensor:
-        """[in, W]: slot `slot`'s block of ``a`` (tests)."""
-        return self.a[:, slot * self.width:(slot + 1) * self.width]
+        """[in, W]: slot `slot`'s A_s, unpacked (a copy)."""
+        return self.a[slot].transpose(0, 1).reshape(self.in_features, -1)[:, :self.width]
 
     def slot_b(self, slot: int) -> torch.Tensor:
-        """[W, out]: slot `slot`'s block of ``b`` (tests)."""
-        return self.b[slot * self.width:(slot + 1) * self.width]
+        """[W, out]: slot `slot`'s B_s, unpacked (a copy)."""
+        rank = int(self.ranks[slot])
+        out = torch.zeros(self.width, sum(self.part_sizes), dtype=self.b.dtype, device=self.b.device)
+        for p, (offset, size) in enumerate(zip(self.part_offsets, self.part_sizes)):
+            first, panels = self.panel_offsets[p], self.part_panels[p]
+            block = self.b[slot, first:first + panels, :rank].transpose(0, 1).reshape(rank, panels * LANES)
+            out[p * rank:(p + 1) * rank, offset:offset + size] = block[:, :size]
+        return out
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (this linear's output for ``x [T, in]``) plus the step's adapter deltas, in place."""
@@ -122,9 +147,8 @@ class LoRASlots:
         segments = step.segments
         for i in range(0, len(segments), 3):
             begin, end, slot = segments[i:i + 3]
-            rank = int(self.ranks[slot])
-            if rank == 0 or begin == end:
+            columns = len(self.part_sizes) * int(self.ranks[slot])
+            if columns == 0 or begin == end:
                 continue
-            cols = slice(slot * self.width, slot * self.width + len(self.part_sizes) * rank)
-            y[begin:end].addmm_(x[begin:end] @ self.a[:, cols], self.b[cols])  # b is zero off each part's columns
+            y[begin:end].addmm_(x[begin:end] @ self.slot_a(slot)[:, :columns], self.slot_b(slot)[:columns])
         return y

@@ -46,10 +46,10 @@ def reference(x, y, slots: LoRASlots, segments: list[int]) -> torch.Tensor:
     out = y.double().clone()
     for begin, end, slot in zip(segments[0::3], segments[1::3], segments[2::3]):
         r = int(slots.ranks[slot])
+        a, b = slots.slot_a(slot).double(), slots.slot_b(slot).double()
         for p, (offset, size) in enumerate(zip(slots.part_offsets, slots.part_sizes)):
-            cols = slice(slot * slots.width + p * r, slot * slots.width + (p + 1) * r)
-            out[begin:end, offset:offset + size] += \
-                (x[begin:end].double() @ slots.a[:, cols].double()) @ slots.b[cols, offset:offset + size].double()
+            cols = slice(p * r, (p + 1) * r)
+            out[begin:end, offset:offset + size] += (x[begin:end].double() @ a[:, cols]) @ b[cols, offset:offset + size]
     return out
 
 
@@ -144,6 +144,10 @@ def test_refusals():
         op(x, y, slots.a, slots.b, slots.ranks, [8, 8], [0, 1], 0)
     with pytest.raises(RuntimeError, match="rank 5 does not fit"):
         op(x, y, slots.a, slots.b, torch.tensor([5, 0]), [8, 8], [0, 1, 0], 0)
+    with pytest.raises(RuntimeError, match="take 2 panels of b, b has 1"):
+        op(x, torch.randn(5, 16), slots.a, slots.b[:, :1].contiguous(), slots.ranks, [8, 8], [0, 1, 0], 0)
+    with pytest.raises(RuntimeError, match="a must be"):
+        op(x, y, slots.a.transpose(1, 2), slots.b, slots.ranks, [8, 8], [0, 1, 0], 0)
     with pytest.raises(RuntimeError, match="x has 5 rows"):
         op(x, y[:4], slots.a, slots.b, slots.ranks, [8, 8], [0, 1, 0], 0)
     with pytest.raises(RuntimeError, match="float32"):

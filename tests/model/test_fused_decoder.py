@@ -214,7 +214,7 @@ def test_lora_steps_take_the_fused_call_with_the_per_op_sums(tmp_path, monkeypat
         for slot, rank in enumerate((8, 3, 5)):
             if slot == 2 and name.startswith("mlp"):
                 continue
-            slots.set_slot(slot, rank, [(torch.randn(rank, slots.a.shape[0], generator=g) * 0.1,
+            slots.set_slot(slot, rank, [(torch.randn(rank, slots.in_features, generator=g) * 0.1,
                                          torch.randn(size, rank, generator=g) * 0.1) for size in slots.part_sizes])
     slot_of = {0: None, 1: 0, 2: 1, 3: 2}  # sequence 0 stays on the base model
 
