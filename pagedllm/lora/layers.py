@@ -1,53 +1,40 @@
 """Adapter weights inside the model: fixed slots on each patched linear, and the step's rows by slot.
 
-A patched linear (qkv_proj, o_proj, gate_up_proj, down_proj) holds every slot's A and B in two matrices,
-slot s owning columns (rows of b) ``[s*W, (s+1)*W)``, ``W = n_parts * max_rank``; inside its block the fused
-parts (q, k, v; gate, up) sit side by side, B block-diagonal so one GEMM pair covers the fused output::
+A patched linear (qkv_proj, o_proj, gate_up_proj, down_proj) holds every slot's A and B. Slot s's adapter of
+rank r is, as matrices (``slot_a``, ``slot_b``; ``W = n_parts * max_rank``), the fused parts (q, k, v; gate,
+up) side by side, B block-diagonal so one product pair covers the fused output::
 
-    a  [in, L*W]    columns s*W + p*r .. s*W + p*r + r     = A^T of part p of slot s's adapter (rank r)
-    b  [L*W, out]   those rows, columns of part p           = (B of part p * scaling)^T; all else zero
+    A_s  [in, W]    columns p*r .. p*r + r - 1               = A^T of part p (zero past n_parts * r)
+    B_s  [W, out]   those rows, columns of part p            = (B of part p * scaling)^T; all else zero
 
-``LoRASlots.apply`` adds the delta of the step's adapted rows (``LoRAStep``: the runner puts base-model rows
-first, so they are a suffix ``[start, T)``) in three ops, whatever the number of adapters::
+stored in panels of 16 columns for the compiled kernel (``a [L, PA, in, 16]``: A_s's columns; ``b [L, PB,
+max_rank, 16]``: each part's output columns in panels of their own, row j = part p's row p*r + j of B_s),
+so a slot's share is read as a few linear runs; ``ranks [L]`` says r per slot (0: none on this linear).
 
-    s = x[start:] @ a           # [rows, L*W]  shrink, every slot at once
-    s *= mask                   # keep each row's own slot block (mask[row, col] = slot(row) == col // W)
-    y[start:] += s @ b          # [rows, out]  expand
-
-Measured first as one GEMM pair per adapter present (rows grouped by slot): 4 adapters on the Alpaca trace
-ran at 0.12x the base on this 2-core machine, the ~16 small ops per linear a step drowned in thread wake-ups;
-the masked pair does a little more arithmetic (L*W columns for every adapted row) in 4x fewer ops.
+The runner puts each adapter's rows side by side (base rows first), so a step's adapted rows are a few
+segments ``(begin, end, slot)`` (``LoRAStep``). ``LoRASlots.apply`` adds their deltas in one call of the
+compiled ``lora_sgmv_cpu`` (csrc/lora_sgmv*.cpp), which shrinks each segment by its own slot's
+``n_parts * r`` columns and expands by its own ``r`` rows, part by part: the arithmetic and memory of the
+adapters present. The fused decoder step (csrc/decoder_layer.cpp) calls the same op on the same
+arguments, so LoRA steps stay on it with the same sums. Without the compiled op (another device or
+dtype) each segment runs as a torch product pair on the unpacked matrices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from pagedllm.model.layers import cpu_gemm
-from pagedllm.model.layers.linear import GEMM_ROWS
 
-
+@dataclass(slots=True)
 class LoRAStep:
-    """One step's adapted rows: rows ``[start, T)`` of the batch, ``row_slots[i]`` the slot of row
-    ``start + i`` (-1: a base-model row among them)."""
+    """One step's adapted rows."""
 
-    def __init__(self, start: int, row_slots: torch.Tensor, max_loras: int) -> None:
-        self.start = start
-        self.row_slots = row_slots
-        self.max_loras = max_loras
-        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-
-    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, L*width]: 1 where the column belongs to the row's slot (built once per width and step)."""
-        key = (width, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            column_slots = torch.arange(self.max_loras * width, device=self.row_slots.device) // width
-            mask = self._masks[key] = (self.row_slots[:, None] == column_slots[None, :]).to(dtype)
-        return mask
+    segments: list[int]
+    """``[begin, end, slot, begin, end, slot, ...]`` over the batch's rows; rows in none are the base model's."""
 
 
 _step: LoRAStep | None = None
@@ -64,6 +51,32 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
         _step = previous
 
 
+def current_segments() -> list[int]:
+    """The segments of the step in progress ([] outside ``lora_step`` or for a step without adapters)."""
+    return [] if _step is None else _step.segments
+
+
+def compiled_op():
+    """The C++ callable of ``lora_sgmv_cpu``, or None where the compiled library or a kernel for this CPU
+    is missing."""
+    from pagedllm.model.attention import cpu_op
+
+    if not cpu_op.load() or not hasattr(torch.ops.pagedllm, "lora_sgmv_cpu"):
+        return None
+    if torch.ops.pagedllm.lora_sgmv_isa(0) == 0:
+        return None
+    overload = torch.ops.pagedllm.lora_sgmv_cpu.default
+    return getattr(overload, "_op", overload)
+
+
+LANES = 16
+"""Columns per panel of the packed slots (lora_sgmv.h's kLanes)."""
+
+
+def _panels(columns: int) -> int:
+    return -(-columns // LANES)
+
+
 class LoRASlots:
     """The adapter slots of one linear whose output is the concatenation of parts of `part_sizes` features."""
 
@@ -71,86 +84,71 @@ class LoRASlots:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
+        self.part_panels = [_panels(size) for size in self.part_sizes]
+        self.panel_offsets = [sum(self.part_panels[:i]) for i in range(len(self.part_panels))]
+        self.in_features = in_features
+        self.max_rank = max_rank
         self.width = len(self.part_sizes) * max_rank
-        self.a = torch.zeros(in_features, max_loras * self.width, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras * self.width, sum(self.part_sizes), dtype=dtype, device=device)
-        self._a_packed = self._b_packed = None  # a^T, b^T packed for the compiled CPU GEMM, when it is on
-        self._repack()
+        self.a = torch.zeros(max_loras, _panels(self.width), in_features, LANES, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, sum(self.part_panels), max_rank, LANES, dtype=dtype, device=device)
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # updated in place: the fused step holds it
+        self._op = compiled_op() if self.a.is_cpu and dtype == torch.float32 else None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``apply`` runs the compiled op (the fused decoder step can take these slots)."""
+        return self._op is not None
 
     def set_slot(self, slot: int, rank: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Hold one adapter in `slot`: parts[p] is (A [rank, in], scaled B [out_p, rank]) of part p, or None."""
         self.clear_slot(slot)
+        a_block = torch.zeros(self.in_features, self.a.shape[1] * LANES, dtype=self.a.dtype)  # A_s, padded
         for p, part in enumerate(parts):
             if part is None:
                 continue
             a, b = part
-            cols = slice(slot * self.width + p * rank, slot * self.width + (p + 1) * rank)
-            outs = slice(self.part_offsets[p], self.part_offsets[p] + self.part_sizes[p])
-            assert a.shape == (rank, self.a.shape[0]) and b.shape == (self.part_sizes[p], rank), (a.shape, b.shape)
-            self.a[:, cols] = a.t()
-            self.b[cols, outs] = b.t()
-        self._repack()
+            size, panels = self.part_sizes[p], self.part_panels[p]
+            assert a.shape == (rank, self.in_features) and b.shape == (size, rank), (a.shape, b.shape)
+            a_block[:, p * rank:(p + 1) * rank] = a.t()
+            b_block = torch.zeros(self.max_rank, panels * LANES, dtype=self.b.dtype)
+            b_block[:rank, :size] = b.t()
+            first = self.panel_offsets[p]
+            self.b[slot, first:first + panels] = b_block.view(self.max_rank, panels, LANES).transpose(0, 1)
+        self.a[slot] = a_block.view(self.in_features, -1, LANES).transpose(0, 1)
+        self.ranks[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
-        block = slice(slot * self.width, (slot + 1) * self.width)
-        self.a[:, block] = 0
-        self.b[block] = 0
-        self._repack()
-
-    def _repack(self) -> None:
-        self._a_packed, self._b_packed = _pack(self.a.t()), _pack(self.b.t())
+        self.a[slot] = 0
+        self.b[slot] = 0
+        self.ranks[slot] = 0
 
     def slot_a(self, slot: int) -> torch.Tensor:
-        """[in, W]: slot `slot`'s block of ``a`` (tests)."""
-        return self.a[:, slot * self.width:(slot + 1) * self.width]
+        """[in, W]: slot `slot`'s A_s, unpacked (a copy)."""
+        return self.a[slot].transpose(0, 1).reshape(self.in_features, -1)[:, :self.width]
 
     def slot_b(self, slot: int) -> torch.Tensor:
-        """[W, out]: slot `slot`'s block of ``b`` (tests)."""
-        return self.b[slot * self.width:(slot + 1) * self.width]
+        """[W, out]: slot `slot`'s B_s, unpacked (a copy)."""
+        rank = int(self.ranks[slot])
+        out = torch.zeros(self.width, sum(self.part_sizes), dtype=self.b.dtype, device=self.b.device)
+        for p, (offset, size) in enumerate(zip(self.part_offsets, self.part_sizes)):
+            first, panels = self.panel_offsets[p], self.part_panels[p]
+            block = self.b[slot, first:first + panels, :rank].transpose(0, 1).reshape(rank, panels * LANES)
+            out[p * rank:(p + 1) * rank, offset:offset + size] = block[:, :size]
+        return out
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (this linear's output for ``x [T, in]``) plus the step's adapter deltas, in place."""
         step = _step
-        if step is None:
+        if step is None or not step.segments:
             return y
-        start = step.start
-        x = x[start:]
-        if self._a_packed is not None and x.shape[0] <= GEMM_ROWS[1] and x.dtype == torch.float32 \
-                and x.stride(1) == 1:
-            # the compiled GEMM on its own workers: torch.mm's OpenMP regions cost ~10x more on a busy CPU
-            shrunk = cpu_gemm.gemm(x, self._a_packed, None, self.a.shape[1])  # [rows, L*W]
-            _serial(torch.Tensor.mul_, shrunk, step.mask(self.width, shrunk.dtype))
-            _serial(torch.Tensor.add_, y[start:], cpu_gemm.gemm(shrunk, self._b_packed, None, self.b.shape[1]))
+        if self._op is not None and x.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1:
+            self._op(x, y, self.a, self.b, self.ranks, self.part_sizes, step.segments, 0)
             return y
-        shrunk = torch.mm(x, self.a)  # [rows, L*W]
-        shrunk.mul_(step.mask(self.width, shrunk.dtype))
-        y[start:].addmm_(shrunk, self.b)  # += [rows, out]
+        segments = step.segments
+        for i in range(0, len(segments), 3):
+            begin, end, slot = segments[i:i + 3]
+            columns = len(self.part_sizes) * int(self.ranks[slot])
+            if columns == 0 or begin == end:
+                continue
+            y[begin:end].addmm_(x[begin:end] @ self.slot_a(slot)[:, :columns], self.slot_b(slot)[:columns])
         return y
-
-
-SERIAL_ELEMENTS = 32768
-"""ATen runs an elementwise op over more elements than this (its grain size) in an OpenMP region; on a busy
-CPU that region cost 4.4 ms for a [14, 3072] add that takes microseconds on one thread."""
-
-
-def _serial(op, out: torch.Tensor, other: torch.Tensor) -> None:
-    """``op(out, other)`` in place (contiguous, same shape), in pieces small enough to run on this thread."""
-    if out.numel() <= SERIAL_ELEMENTS:
-        op(out, other)
-        return
-    out, other = out.view(-1), other.reshape(-1)
-    for i in range(0, out.numel(), SERIAL_ELEMENTS):
-        op(out[i:i + SERIAL_ELEMENTS], other[i:i + SERIAL_ELEMENTS])
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [n, k]`` in the compiled GEMM's panel layout ``[panels, k, NR]`` (as cpu_gemm.pack, in a tensor
-    of its own: slots are repacked whenever an adapter moves in), or None where that GEMM is off."""
-    nr = cpu_gemm.panel_width() if weight.device.type == "cpu" and weight.dtype == torch.float32 else 0
-    if nr == 0:
-        return None
-    n, k = weight.shape
-    num_panels = -(-n // nr)
-    padded = torch.zeros(num_panels * nr, k, dtype=weight.dtype)
-    padded[:n] = weight
-    return padded.view(num_panels, nr, k).transpose(1, 2).contiguous()

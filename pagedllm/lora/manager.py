@@ -105,15 +105,18 @@ class LoRAManager:
         return self.rows_of([None if r is None else self.slot_of[r.lora_int_id] for r in lora_requests], num_rows)
 
     def rows_of(self, slots: Sequence[int | None], num_rows: Sequence[int]) -> LoRAStep | None:
-        """(slot or None per request, rows per request), in batch order -> the step's LoRAStep (None: no adapter).
-        Rows before the first adapted request are skipped; a base request after it gets slot -1 (no delta)."""
-        first = next((i for i, slot in enumerate(slots) if slot is not None), None)
-        if first is None:
-            return None
-        start = sum(num_rows[:first])
-        row_slots = [(-1 if slot is None else slot) for slot, n in zip(slots[first:], num_rows[first:])
-                     for _ in range(n)]
-        return LoRAStep(start, torch.tensor(row_slots, device=self.device), self.max_loras)
+        """(slot or None per request, rows per request), in batch order -> the step's LoRAStep (None: no adapter):
+        one (begin, end, slot) segment per run of consecutive requests on one slot; base requests get none."""
+        segments: list[int] = []
+        row = 0
+        for slot, n in zip(slots, num_rows):
+            if slot is not None and n > 0:
+                if segments and segments[-1] == slot and segments[-2] == row:
+                    segments[-2] = row + n  # the previous request's slot: one longer segment
+                else:
+                    segments += [row, row + n, slot]
+            row += n
+        return LoRAStep(segments) if segments else None
 
     def _read(self, request: LoRARequest) -> LoRAWeights:
         weights = self.cpu_cache.get(request.lora_int_id)

@@ -221,7 +221,7 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
         lora_failed = {}
-        if self.lora is not None:  # adapters resident, each adapter's rows side by side (one GEMM pair each)
+        if self.lora is not None:  # adapters resident, each adapter's rows side by side (one segment each)
             order, failed = self.lora.prepare_step([s.lora_request for s in states])
             lora_failed = {states[i].req_id: error for i, error in failed.items()}
             states, num_scheduled = [states[i] for i in order], [num_scheduled[i] for i in order]

@@ -45,13 +45,11 @@ def test_slots_are_reused_least_recently_used_first_and_the_cpu_cache_is_bounded
         manager.activate([loras[1], loras[2], loras[3]])
 
 
-def test_step_rows_skip_the_leading_base_rows_and_mark_later_ones(setup):
+def test_step_rows_are_segments_of_consecutive_requests_on_one_slot(setup):
     model, _ = setup
     manager = LoRAManager(model, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
     step = manager.rows_of([None, 0, 0, 1, None, 0], [3, 2, 1, 2, 1, 2])
-    assert step.start == 3
-    assert step.row_slots.tolist() == [0, 0, 0, 1, 1, -1, 0, 0]
-    assert step.mask(2, torch.float32).tolist()[3:6] == [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
+    assert step.segments == [3, 6, 0, 6, 8, 1, 9, 11, 0]  # requests 1-2 share slot 0: one segment
     assert manager.rows_of([None, None], [4, 1]) is None
 
 

@@ -25,8 +25,8 @@ ADAPTERS = {  # name -> (id, rank, alpha, targets, rsLoRA)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    # Heads of 32 (not the tiny models' 16): the compiled attention and the fused decoder step could take
-    # this model, so the test also checks that adapter rows never go through the fused call.
+    # Heads of 32 (not the tiny models' 16): the compiled attention and the fused decoder step take this
+    # model, adapter rows included (their deltas added by lora_sgmv_cpu inside the fused call).
     base = make_hf_model("llama", seed=3, max_position_embeddings=512, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=32)
     base.generation_config.eos_token_id = None
@@ -76,9 +76,22 @@ def test_each_adapter_alone_matches_peft(setup, name):
     _check(llm, prompts, [name], loras, references, "alone")
 
 
-def test_three_adapters_and_base_in_one_batch_match_peft(setup):
+def test_three_adapters_and_base_in_one_batch_match_peft(setup, monkeypatch):
     """Every adapter resident at once (max_loras=3): steps mix three adapters and the base; the same
-    prompts under each adapter share no cached prefix; run twice so the second run hits the prefix cache."""
+    prompts under each adapter share no cached prefix; run twice so the second run hits the prefix cache.
+    Where the compiled library is built, adapted steps take the fused decoder call."""
+    from pagedllm.lora.layers import current_segments
+    from pagedllm.model.attention import cpu_op
+    from pagedllm.model.layers import fused_decoder
+
+    fused_with_segments = []
+    real_call = fused_decoder.FusedDecoder.__call__
+
+    def counted(decoder, *args):
+        fused_with_segments.append(len(current_segments()) // 3)
+        return real_call(decoder, *args)
+
+    monkeypatch.setattr(fused_decoder.FusedDecoder, "__call__", counted)
     model_path, prompts, loras, references = setup
     llm = LLM(model=model_path, max_loras=3, **COMMON)
     batch = [None, *ADAPTERS]
@@ -88,6 +101,8 @@ def test_three_adapters_and_base_in_one_batch_match_peft(setup):
     _check(llm, prompts, batch, loras, references, "mixed")
     _check(llm, prompts, batch, loras, references, "mixed, prefix cache warm")
     assert max(steps_with) == 4, "some step should have run the base and all three adapters together"
+    if cpu_op.load():
+        assert max(fused_with_segments) == 3, "a step of three adapters' segments should have run fused"
 
 
 def test_mixed_batch_with_preemption_and_slot_eviction_matches_peft(setup):

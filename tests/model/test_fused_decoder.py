@@ -197,3 +197,43 @@ def test_16_bit_kv_caches(dtype, tmp_path, monkeypatch):
     assert counter.calls == len(STEPS)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_lora_steps_take_the_fused_call_with_the_per_op_sums(tmp_path, monkeypatch):
+    """LoRA slots on every linear (ranks 8, 3 and 5; one adapter without the MLP): steps that mix adapted and
+    base rows take the fused call, and equal the per-op path bit for bit (both call lora_sgmv_cpu on the same
+    arguments); the adapters change the logits of their rows only."""
+    from pagedllm.lora.layers import lora_step
+    from pagedllm.lora.manager import LoRAManager
+
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("llama", seed=6, **HEADS_32), tmp_path / "m")).model)
+    base = run_steps(model, True)
+    manager = LoRAManager(model, max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+    g = torch.Generator().manual_seed(8)
+    for (layer, name), slots in manager.slots.items():
+        for slot, rank in enumerate((8, 3, 5)):
+            if slot == 2 and name.startswith("mlp"):
+                continue
+            slots.set_slot(slot, rank, [(torch.randn(rank, slots.in_features, generator=g) * 0.1,
+                                         torch.randn(size, rank, generator=g) * 0.1) for size in slots.part_sizes])
+    slot_of = {0: None, 1: 0, 2: 1, 3: 2}  # sequence 0 stays on the base model
+
+    def run(enabled: bool) -> list[torch.Tensor]:
+        fused_decoder.set_enabled(enabled)
+        runner = PagedRunner(model, block_size=4)
+        out = []
+        for step in STEPS:
+            rows = manager.rows_of([slot_of[seq] for seq, _ in step], [len(tokens) for _, tokens in step])
+            with lora_step(rows):
+                out.append(runner.step(step))
+        return out
+
+    counter = Counter(monkeypatch)
+    per_op = run(False)
+    assert counter.calls == 0
+    fused = run(True)
+    assert counter.calls == len(STEPS)
+    for a, b in zip(fused, per_op):
+        assert torch.equal(a, b)
+    assert torch.equal(fused[0], base[0]) and torch.equal(fused[2], base[2])  # sequence 0 alone: no adapter
+    assert not torch.equal(fused[1][:5], base[1][:5]) and not torch.equal(fused[1][5:], base[1][5:])

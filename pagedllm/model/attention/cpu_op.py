@@ -15,7 +15,8 @@ ops of ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, rotary, SiLU-and-m
 ``csrc/quant_gemm*.cpp`` (``quant_gemm_cpu``; bfloat16 weights too, ``csrc/bf16_gemm*``), which ``pagedllm.model.layers.quantized`` uses, and
 ``decoder_layers_cpu`` (``csrc/decoder_layer.cpp``: every decoder layer of a step in one call, over those ops),
 which ``pagedllm.model.layers.fused_decoder`` uses, and ``quant_rows_cpu`` / ``argmax_rows_cpu``
-(``csrc/step_ops.cpp``: the quantized embedding lookup and the greedy argmax, one call each). The
+(``csrc/step_ops.cpp``: the quantized embedding lookup and the greedy argmax, one call each), and
+``lora_sgmv_cpu`` (``csrc/lora_sgmv*.cpp``: one linear's LoRA deltas over rows grouped by adapter slot). The
 attention query and output are float32; the cache
 may be float32, float16 or bfloat16 (``--kv-cache-dtype``): 16-bit K/V are widened to float32 in
 registers as they are read (F16C / AVX-512 conversions; bfloat16 is a shift), and ``kv_write_cpu``
@@ -45,9 +46,11 @@ CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attention_avx512.cpp", "fused_ops.cpp",
            "cpu_gemm_op.cpp", "cpu_gemm_avx2.cpp", "cpu_gemm_avx512.cpp", "greedy_select.cpp",
            "thread_pool.cpp", "quant_gemm_op.cpp", "quant_gemm_avx2.cpp", "quant_gemm_avx512.cpp",
-           "decoder_layer.cpp", "bf16_gemm_op.cpp", "bf16_gemm_avx2.cpp", "bf16_gemm_avx512.cpp", "step_ops.cpp")
+           "decoder_layer.cpp", "bf16_gemm_op.cpp", "bf16_gemm_avx2.cpp", "bf16_gemm_avx512.cpp", "step_ops.cpp",
+           "lora_sgmv_op.cpp", "lora_sgmv_avx2.cpp", "lora_sgmv_avx512.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
-           "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "bf16_gemm.h", "bf16_gemm_kernel.h")
+           "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "bf16_gemm.h", "bf16_gemm_kernel.h",
+           "lora_sgmv.h", "lora_sgmv_kernel.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile
 # time only: at::parallel_for is an inline `#pragma omp parallel`, which without it runs on one

@@ -15,9 +15,10 @@ run, ~0.2-0.3 ms less Python a batch-1 step.
 Covered (checked once, when the model's first step builds the weight lists): CPU float32
 activations, tensor-parallel size 1, every linear either float32 panels of the compiled GEMM or a
 GGUF-quantized weight of the compiled quantized kernel, q/k/v and gate/up biases (o and down
-without), plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows,
-SmolLM2), SiLU, one rotary table, full attention without soft-capping, the compiled attention
-backend, no embedding scale, a float32 or compiled-quantized embedding table, and the batch-invariant mode (its
+without), LoRA adapter slots (``pagedllm/lora/layers.py``: each linear's deltas for the step's
+segments by the op the per-op path calls, ``lora_sgmv_cpu``, so a LoRA step adds the same sums),
+plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows, SmolLM2), SiLU, one
+rotary table, full attention without soft-capping, the compiled attention backend, no embedding scale, a float32 or compiled-quantized embedding table, and the batch-invariant mode (its
 kernels and attention choices passed along). Per step: at most ``MAX_TOKENS`` tokens (decode rows, prompt chunks
 and mixed steps alike: the ops are varlen), a KV cache the compiled attention reads, no hooks on the layers',
 the embedding's or the final norm's modules (``bench profile`` times modules with hooks). Not covered, per-op path: Qwen3's and Gemma
@@ -86,7 +87,7 @@ class FusedDecoder:
     """The weight lists of one model for ``decoder_layers_cpu``, and the per-step conditions."""
 
     def __init__(self, model, weights: list[torch.Tensor], linear_info: list[int], norm_lanes: int,
-                 silu_block: int, embed: tuple) -> None:
+                 silu_block: int, embed: tuple, lora: tuple[list[torch.Tensor], list[int]] | None) -> None:
         layer0 = model.layers[0]
         attn = layer0.self_attn
         self.weights = weights
@@ -114,6 +115,12 @@ class FusedDecoder:
         self._checked_caches = None  # the KV cache list last checked (by identity), and whether it is covered
         self._caches_ok = False
         self._op = _direct(torch.ops.pagedllm.decoder_layers_cpu.default)
+        # LoRA slots: (tensors, ints) for the op, and where the step's segments are read (lora/layers.py)
+        self._lora = lora
+        if lora is not None:
+            from pagedllm.lora.layers import current_segments
+
+            self._lora_segments = current_segments
 
     @classmethod
     def build(cls, model) -> FusedDecoder | None:
@@ -159,10 +166,13 @@ class FusedDecoder:
         signed_sin = torch.index_select(buffers["signed_sin_cache"], 0, positions)
         ctx = get_forward_context()
         md = ctx.attn_metadata
+        segments = self._lora_segments() if self._lora is not None else []
+        lora_weights, lora_info = self._lora if segments else ([], [])  # a base-only step passes no LoRA lists
         x, residual = self._op(hidden_states, cos, signed_sin, self.weights, self.linear_info, ctx.kv_caches,
                                md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
                                self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes,
-                               self.silu_block, *self.attention_args, self.invariant)
+                               self.silu_block, *self.attention_args, self.invariant, lora_weights, lora_info,
+                               segments)
         return self._add_rms_norm(x, residual, self._final_norm["weight"], self.final_eps, self.norm_lanes)[0]
 
 
@@ -199,7 +209,8 @@ def _linear_entry(linear, bias_allowed: bool) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _refusal(model):
-    """Why ``model`` (a LlamaModel) is not covered, as a string; else (weights, linear_info, lanes, block)."""
+    """Why ``model`` (a LlamaModel) is not covered, as a string; else (weights, linear_info, lanes, block,
+    embedding entry, LoRA lists or None)."""
     from pagedllm.distributed.parallel_state import get_tp_size
     from pagedllm.model.attention import cpu_op
     from pagedllm.model.attention.backend import CpuAttentionBackend
@@ -229,6 +240,8 @@ def _refusal(model):
         return f"a final {type(model.norm).__name__}"
     weights: list[torch.Tensor] = []
     info: list[int] = []
+    lora_weights: list[torch.Tensor] = []
+    lora_info: list[int] = []
     first = model.layers[0]
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -257,8 +270,11 @@ def _refusal(model):
         entries = []
         for linear, bias_allowed in ((attn.qkv_proj, True), (attn.o_proj, False), (mlp.gate_up_proj, True),
                                      (mlp.down_proj, False)):
-            if getattr(linear, "lora", None) is not None:  # its deltas are added in forward(), which C++ skips
-                return "LoRA adapter slots"
+            lora = _lora_entry(linear)
+            if isinstance(lora, str):
+                return lora
+            lora_weights += lora[0]
+            lora_info += lora[1]
             if linear.batch_invariant != first.self_attn.qkv_proj.batch_invariant:
                 return "linears in and out of the batch-invariant mode"
             entry = _linear_entry(linear, bias_allowed)
@@ -271,7 +287,21 @@ def _refusal(model):
         weights += [norms[0]._parameters["weight"], qkv_w, qkv_b, o_w, o_b, norms[1]._parameters["weight"],
                     gu_w, gu_b, d_w, d_b]
         info += qkv_i + o_i + gu_i + d_i
-    return weights, info, ops.norm_lanes, ops.silu_block, embed
+    has_lora = any(lora_info[i] for i in range(0, len(lora_info), 4))
+    return weights, info, ops.norm_lanes, ops.silu_block, embed, (lora_weights, lora_info) if has_lora else None
+
+
+def _lora_entry(linear) -> tuple[list[torch.Tensor], list[int]] | str:
+    """([a, b, ranks], [num_parts, part sizes padded to 3]) of one linear's LoRA slots (zeros and empty tensors
+    where it has none), or why the compiled op cannot add its deltas."""
+    slots = getattr(linear, "lora", None)
+    if slots is None:
+        empty = torch.empty(0)
+        return [empty, empty, empty], [0, 0, 0, 0]
+    if not slots.compiled:
+        return "LoRA slots the compiled op does not take"
+    sizes = slots.part_sizes
+    return [slots.a, slots.b, slots.ranks], [len(sizes)] + sizes + [0] * (3 - len(sizes))
 
 
 def _torch_rows(packed: torch.Tensor, kernel_type: int, ids: torch.Tensor) -> torch.Tensor:
