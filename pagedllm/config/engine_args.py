@@ -138,8 +138,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.batch_invariant and (self.tensor_parallel_size > 1 or self.device.startswith("cuda")):
-            raise ValueError("batch_invariant runs on the CPU with tensor_parallel_size 1 only")
+        if self.batch_invariant and self.device.startswith("cuda"):
+            raise ValueError("batch_invariant runs on the CPU only")
         if self.quantization in ("int8", "bf16") and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization!r} applies to float32 CPU models (dtype auto or "
                              f"float32), got dtype {self.dtype!r}")
