@@ -35,8 +35,8 @@ NUM_TOKENS = 8
 PARAMS = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
 
 
-def _prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 512) for _ in range(length)]
+def _prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 TARGET = _prompt(random.Random(29), 45)  # several blocks of 8, several chunks of 16
@@ -60,18 +60,19 @@ def tiny(tmp_path_factory) -> str:
     return save_hf_model(hf_model, tmp_path_factory.mktemp("tiny-bi-tp"))
 
 
-def _logprobs(llm: LLM, neighbours: int = 0, seed: int = 0, shared_prefix: int = 0, most_tokens: int = 12):
+def _logprobs(llm: LLM, neighbours: int = 0, seed: int = 0, shared_prefix: int = 0, most_tokens: int = 12,
+              target: list[int] = TARGET, vocab: int = 512):
     """The target's per-token (token, logprob) and sorted top logprobs among ``neighbours`` random
-    requests (prompts of 3-60 tokens, 1-``most_tokens`` new tokens); with ``shared_prefix``, the first
-    neighbour starts with the target's first ``shared_prefix`` tokens."""
+    requests (prompts of 3-60 tokens below ``vocab``, 1-``most_tokens`` new tokens); with ``shared_prefix``,
+    the first neighbour starts with the target's first ``shared_prefix`` tokens."""
     rng = random.Random(seed)
-    prompts = [_prompt(rng, rng.randrange(3, 60)) for _ in range(neighbours)]
+    prompts = [_prompt(rng, rng.randrange(3, 60), vocab) for _ in range(neighbours)]
     if shared_prefix and prompts:
-        prompts[0] = TARGET[:shared_prefix] + prompts[0]
+        prompts[0] = target[:shared_prefix] + prompts[0]
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, most_tokens + 1), ignore_eos=True)
               for _ in prompts]
     at = rng.randrange(neighbours + 1)
-    prompts.insert(at, TARGET)
+    prompts.insert(at, target)
     params.insert(at, PARAMS)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[at].outputs[0]
     assert len(out.token_ids) == NUM_TOKENS
@@ -109,6 +110,21 @@ def test_logprobs_bitwise_equal_alone_and_in_batches(tiny, tp):
         assert stats.num_preemptions > 0, "the cache was meant to be too small"
         assert stats.prefix_cache_hits > 0, "the target was meant to hit the prefix cache"
         assert got == alone
+    finally:
+        _close(llm)
+
+
+def test_default_model_tp3_quantized():
+    """The Q4_1 default model (9 query / 3 KV heads: tp 3) with its quantized kernels on each rank; at
+    3 ranks the row-parallel sums go through the rank-order all-reduce (gloo's ring order, planted
+    back, fails this test)."""
+    target = _prompt(random.Random(3), 45, vocab=40000)
+    llm = LLM(tensor_parallel_size=3, batch_invariant=True, block_size=8, enable_prefix_caching=False)
+    try:
+        alone = _logprobs(llm, target=target, vocab=40000)
+        for size in (3, 9):
+            got = _logprobs(llm, neighbours=size - 1, seed=size, target=target, vocab=40000)
+            assert got == alone, f"a batch of {size}"
     finally:
         _close(llm)
 
