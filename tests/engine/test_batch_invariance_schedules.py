@@ -1,8 +1,9 @@
 """The batch-invariant mode under schedules the other tests fix: speculative decoding (n-gram, and a
 draft model) stays lossless in it (greedy tokens equal, and the accepted tokens' logprobs bitwise
-equal, to the run without speculation, in batches of several sizes), and a hypothesis search over random schedules (the target's arrival position,
-its neighbours' prompts and lengths, the chunk budget, max_num_seqs, prefix caching, threads)
-finds no schedule under which one request's logprobs differ from its solo run."""
+equal, to the run without speculation, in batches of several sizes), and a hypothesis search over
+random schedules (the target's arrival position, its neighbours' prompts and lengths, the chunk
+budget, max_num_seqs, prefix caching, threads) finds no schedule under which one request's
+logprobs differ from its solo run."""
 
 from __future__ import annotations
 
