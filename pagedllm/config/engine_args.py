@@ -90,9 +90,10 @@ class EngineArgs:
                                           "torch), torch (the PyTorch reference), cpu (the compiled CPU op) or "
                                           "triton.", choices=ATTENTION_BACKENDS, group=_DEVICE)
     batch_invariant: bool = flag(False, "CPU only: one request's logits (and logprobs) bitwise the same alone and "
-                                        "in any batch, whatever the prompt's chunking, prefix-cache hits, preemption "
-                                        "by recompute and thread count; kernels with a fixed per-row sum order, "
-                                        "slower (pagedllm/model/batch_invariant.py).", group=_DEVICE)
+                                        "in any batch, whatever the prompt's chunking, prefix-cache hits, preemption, "
+                                        "speculative decoding and thread count, at a given tensor_parallel_size; "
+                                        "kernels with a fixed per-row sum order, slower "
+                                        "(pagedllm/model/batch_invariant.py).", group=_DEVICE)
     num_threads: int | None = flag(None, "CPU intra-op threads of the process that runs the model (tensor_parallel_size "
                                          "1); default: torch's, the cores this process may run on.", group=_DEVICE)
 
