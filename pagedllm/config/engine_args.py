@@ -90,9 +90,10 @@ class EngineArgs:
                                           "torch), torch (the PyTorch reference), cpu (the compiled CPU op) or "
                                           "triton.", choices=ATTENTION_BACKENDS, group=_DEVICE)
     batch_invariant: bool = flag(False, "CPU only: one request's logits (and logprobs) bitwise the same alone and "
-                                        "in any batch, whatever the prompt's chunking, prefix-cache hits, preemption "
-                                        "by recompute and thread count; kernels with a fixed per-row sum order, "
-                                        "slower (pagedllm/model/batch_invariant.py).", group=_DEVICE)
+                                        "in any batch, whatever the prompt's chunking, prefix-cache hits, preemption, "
+                                        "speculative decoding and thread count, at a given tensor_parallel_size; "
+                                        "kernels with a fixed per-row sum order, slower "
+                                        "(pagedllm/model/batch_invariant.py).", group=_DEVICE)
     num_threads: int | None = flag(None, "CPU intra-op threads of the process that runs the model (tensor_parallel_size "
                                          "1); default: torch's, the cores this process may run on.", group=_DEVICE)
 
@@ -138,8 +139,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.batch_invariant and (self.tensor_parallel_size > 1 or self.device.startswith("cuda")):
-            raise ValueError("batch_invariant runs on the CPU with tensor_parallel_size 1 only")
+        if self.batch_invariant and self.device.startswith("cuda"):
+            raise ValueError("batch_invariant runs on the CPU only")
         if self.quantization in ("int8", "bf16") and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization!r} applies to float32 CPU models (dtype auto or "
                              f"float32), got dtype {self.dtype!r}")

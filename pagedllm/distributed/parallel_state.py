@@ -71,6 +71,25 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_in_rank_order(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks as ``((x_0 + x_1) + x_2) + ...`` for every element, whatever ``x``'s
+    shape; in place, a no-op at size 1. The batch-invariant mode's reduction (model/batch_invariant.py).
+
+    gloo's ring all-reduce cuts the tensor into one segment per rank and starts each segment's sum at
+    a different rank, and the cuts move with the tensor's size: at 3 or more ranks an element's sum
+    order, hence its low bits, changes with the number of rows in the step. Two ranks add one pair,
+    the same either way round (float addition commutes), so the all-reduce stays; from 3 the ranks
+    gather every partial and add them in rank order (tp times the data of a ring all-reduce)."""
+    if _size <= 2:
+        return tp_all_reduce(x)
+    parts = [torch.empty_like(x) for _ in range(_size)]
+    _run_collective(lambda: dist.all_gather(parts, x.contiguous(), group=_group))
+    x.copy_(parts[0])
+    for part in parts[1:]:
+        x.add_(part)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order); a no-op at size 1."""
     if _size == 1:

@@ -1,6 +1,7 @@
 """The batch-invariant mode (``--batch-invariant``, issue 29): one request's logits, hence its
 logprobs, are bitwise the same alone and in any batch, whatever the chunking of its prompt, prefix
--cache hits, preemption (recompute or swap), speculative decoding and the thread count.
+-cache hits, preemption (recompute or swap), speculative decoding (n-gram or a draft model) and the
+thread count, at any one tensor_parallel_size.
 
 It chooses, per kernel, a call whose per-row reduction order is fixed:
 
@@ -21,6 +22,19 @@ It chooses, per kernel, a call whose per-row reduction order is fixed:
   chunk's length and on the batch's long chunks), so each row sums its keys in position order.
 * the fused decoder step (``model/layers/fused_decoder.py``) stays on, with the same three choices.
 * the bf16 greedy LM head (AMX CPUs) is off: it returns ids only, and not from these logits.
+* tensor parallelism: each rank applies the above to its shard (its ranks take the compiled attention
+  op, not the torch reference they use otherwise). The row-parallel linears add the ranks' partial
+  sums in rank order (``tp_all_reduce_in_rank_order``; gloo's ring all-reduce orders each element's
+  sum by the segment it falls in, which moves with the row count, from 3 ranks on); the
+  vocab-parallel embedding's all-reduce adds one rank's row to zeros and the LM head's all-gather
+  concatenates, exact as they are. Invariant within one tensor_parallel_size, not equal to another:
+  a row-parallel linear sums its K in tp pieces, then the pieces.
+* mixture-of-experts layers (``model/layers/moe.py``): the router and each expert through the same
+  GEMMs (an expert's row count moves with the batch's routing), each token's k weighted outputs
+  added in choice order, the tensor-parallel sum in rank order.
+* speculative decoding: a verify step's k + 1 rows of a request go through the same kernels, so its
+  scores equal those of plain decoding. A draft model keeps its default kernels: its proposals only
+  change how many are accepted, never what the target computes.
 
 Until session 10 the mode padded 1-4-row calls to 5 rows (3 for the quantized kernel), whose
 blocks keep one accumulator set, and turned the fused decoder step off: 0.69-0.81x the default's
@@ -62,6 +76,7 @@ def apply(model: nn.Module, attn_backend) -> None:
     from pagedllm.model.attention.backend import CpuAttentionBackend
     from pagedllm.model.layers.embedding import LMHead
     from pagedllm.model.layers.linear import LinearBase
+    from pagedllm.model.layers.moe import SparseMoE
 
     if not isinstance(attn_backend, CpuAttentionBackend) or attn_backend._attention is None:
         raise ValueError("batch_invariant needs the compiled CPU attention op (attention_backend 'cpu' or "
@@ -74,6 +89,8 @@ def apply(model: nn.Module, attn_backend) -> None:
             # The op would hand these layers to the torch reference (SDPA), whose sums vary.
             raise ValueError(f"batch_invariant: {name} has head_dim {module.head_dim}; the compiled attention "
                              f"op takes {cpu_op.SUPPORTED_HEAD_DIMS}")
+        if isinstance(module, SparseMoE):
+            module.make_batch_invariant()
         if isinstance(module, (LinearBase, LMHead)):
             if module.quant_weight is None and module.gemm_weight is None:
                 raise ValueError(f"batch_invariant: {name or 'the model'} has no compiled GEMM weight (library "

@@ -85,6 +85,9 @@ class InitWorkerMsg(msgspec.Struct, tag="init"):
     lora_slots: tuple[int, int, int] | None = None
     """(max_loras, max_lora_rank, max_cpu_loras) when LoRA is on: each rank patches its shard's linears and
     reads an adapter's weights, keeping its own share, the first time a step names it; None: LoRA off."""
+    batch_invariant: bool = False
+    """EngineArgs.batch_invariant: each rank runs the mode's kernels (model/batch_invariant.py), the compiled
+    attention op and the rank-order all-reduce."""
 
 
 class ReadyMsg(msgspec.Struct, tag="ready"):

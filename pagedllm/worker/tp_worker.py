@@ -171,8 +171,9 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, init.block_size, dtype)
         runner = ModelRunner(model, vocab_size=loaded.hf_config.vocab_size, kv_spec=kv_spec,
                              num_blocks=init.num_blocks, seed=init.seed, num_host_blocks=init.num_host_blocks,
-                             device="cpu", attention_backend="torch", cuda_graphs=None,  # ranks run eagerly on the CPU
-                             tokenizer=loaded.tokenizer, batch_invariant=False,  # EngineArgs refuses it at TP > 1
+                             # ranks run eagerly on the CPU; the mode needs the compiled attention op
+                             device="cpu", attention_backend="cpu" if init.batch_invariant else "torch",
+                             cuda_graphs=None, tokenizer=loaded.tokenizer, batch_invariant=init.batch_invariant,
                              lora=None if init.lora_slots is None else LoRAManager(model, *init.lora_slots))
         sock.send(proto.encoder.encode(proto.ReadyMsg(rank, model.num_kv_heads, shared_sliding_window(model))))
         logger.info("rank %d: ready (%d KV heads, %d blocks)", rank, model.num_kv_heads, init.num_blocks)

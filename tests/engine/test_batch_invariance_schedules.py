@@ -1,8 +1,9 @@
-"""The batch-invariant mode under schedules the other tests fix: speculative decoding (n-gram) stays
-lossless in it (greedy tokens equal, and the accepted tokens' logprobs bitwise equal, to the run
-without speculation), and a hypothesis search over random schedules (the target's arrival position,
-its neighbours' prompts and lengths, the chunk budget, max_num_seqs, prefix caching, threads)
-finds no schedule under which one request's logprobs differ from its solo run."""
+"""The batch-invariant mode under schedules the other tests fix: speculative decoding (n-gram, and a
+draft model) stays lossless in it (greedy tokens equal, and the accepted tokens' logprobs bitwise
+equal, to the run without speculation, in batches of several sizes), and a hypothesis search over
+random schedules (the target's arrival position, its neighbours' prompts and lengths, the chunk
+budget, max_num_seqs, prefix caching, threads) finds no schedule under which one request's
+logprobs differ from its solo run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.attention import cpu_op
+from pagedllm.model.truncate import write_truncated_model
 from tests.engine.test_spec_decode import copy_model
 from tests.model.tiny_models import save_hf_model
 
@@ -77,6 +79,47 @@ def test_speculative_decoding_stays_lossless(copy_dir, solo, k):
     assert alone == solo
     stats = llm.engine.core.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, "both paths were meant to run"
+
+
+@pytest.fixture(scope="module")
+def drafts(copy_dir, tmp_path_factory) -> dict[str, str]:
+    """The copy model's first layer (`cut`: proposals often kept, often rejected) and the copy model
+    itself (`same`: nearly all kept, so most verify steps score k + 1 rows of a request)."""
+    root = tmp_path_factory.mktemp("drafts-bi")
+    return {"cut": str(write_truncated_model(copy_dir, root / "cut", 1)), "same": copy_dir}
+
+
+@pytest.mark.parametrize(("draft", "k", "budget"), [("cut", 2, None), ("cut", 5, 16), ("same", 4, None)])
+def test_draft_model_speculation_stays_lossless(copy_dir, drafts, solo, draft, k, budget):
+    """A verify step scores k + 1 rows of each proposing request beside other requests' decode rows and
+    prompt chunks; the draft (not in the mode) proposes differently in different batches, so the
+    target's rows fall into steps of different shapes: its tokens and logprobs stay those of the
+    run without speculation."""
+    kwargs = {} if budget is None else {"max_num_batched_tokens": budget}
+    llm = _llm(copy_dir, num_threads=2, **kwargs,
+               speculative_config={"method": "draft_model", "model": drafts[draft], "num_speculative_tokens": k})
+    assert _run(llm, [], [], 0) == solo
+    for size in (2, 8, 16):
+        rng = random.Random(100 * k + size)
+        neighbours = [_prompt(rng, rng.randrange(5, 60)) for _ in range(size - 1)]
+        lengths = [rng.randrange(1, 30) for _ in neighbours]
+        assert _run(llm, neighbours, lengths, rng.randrange(size)) == solo, f"a batch of {size}"
+    stats = llm.engine.core.stats()
+    assert 0 < stats.spec_num_accepted_tokens, "proposals were meant to be kept"
+    if draft == "cut":
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, "and some rejected"
+
+
+def test_draft_model_speculation_without_the_mode_changes_the_bits(copy_dir, drafts):
+    """The comparison above without the mode: speculation alone changes the logprobs (a verify step's
+    k + 1 rows take other kernel paths than decode's one), so that test can fail."""
+    def plain(**kwargs) -> LLM:
+        return LLM(model=copy_dir, block_size=16, num_kv_blocks=256, enable_prefix_caching=False, **kwargs)
+
+    reference = _run(plain(num_threads=1), [], [], 0)
+    llm = plain(num_threads=2, speculative_config={"method": "draft_model", "model": drafts["cut"],
+                                                   "num_speculative_tokens": 2})
+    assert _run(llm, [], [], 0) != reference
 
 
 schedules = st.fixed_dictionaries({

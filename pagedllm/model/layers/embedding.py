@@ -74,6 +74,7 @@ class VocabEmbedding(nn.Module):
         outside = (local_ids < 0) | (local_ids >= self.num_embeddings_per_partition)
         embedded = self._lookup(local_ids.masked_fill(outside, 0))  # [T, hidden]
         embedded.masked_fill_(outside.unsqueeze(-1), 0.0)
+        # One rank holds each row, the others add zeros: exact in any order (batch-invariant as it is).
         return tp_all_reduce(embedded)
 
 

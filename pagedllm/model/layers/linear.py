@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.parallel_state import tp_all_reduce
+from pagedllm.distributed.parallel_state import tp_all_reduce, tp_all_reduce_in_rank_order
 from pagedllm.distributed.shapes import tp_shape
 from pagedllm.model import batch_invariant
 from pagedllm.model.layers import cpu_gemm, quantized
@@ -198,7 +198,8 @@ class RowParallelLinear(LinearBase):
         if self.lora is not None:  # before the reduction, which sums the ranks' B (A_shard x_shard) to B A x
             y = self.lora.apply(x, y)
         if self.tp_size > 1:
-            tp_all_reduce(y)
+            # The mode needs each element's sum of partials in an order fixed whatever the row count.
+            (tp_all_reduce_in_rank_order if self.batch_invariant else tp_all_reduce)(y)
         if self.bias is not None:
             y = y + self.bias
         return y

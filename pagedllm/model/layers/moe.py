@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.parallel_state import tp_all_reduce
+from pagedllm.distributed.parallel_state import tp_all_reduce, tp_all_reduce_in_rank_order
 from pagedllm.model.layers.activation import gated_activation
-from pagedllm.model.layers import quantized
-from pagedllm.model.layers.linear import materialize, pack_for_cpu, packed_linear
+from pagedllm.model.layers import cpu_gemm, quantized
+from pagedllm.model.layers.linear import invariant_matmul, materialize, pack_for_cpu, packed_linear
 from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
 
 logger = logging.getLogger(__name__)
@@ -68,9 +68,29 @@ class SparseMoE(nn.Module):
         self.dense = False  # the benchmark's switch: every expert over every token (forward_dense)
         self.act = gated_activation(activation)
 
+    batch_invariant = False
+    """Set by ``make_batch_invariant`` (model/batch_invariant.apply): row-count-independent sums."""
+    _gate_gemm: torch.Tensor | None = None  # the router's weight packed for the compiled GEMM (the mode's)
+
+    def make_batch_invariant(self) -> None:
+        """Route and run the experts through the mode's kernels (model/batch_invariant.py); ValueError
+        where a weight has neither a compiled GEMM copy nor a quantized kernel."""
+        experts = self.experts
+        self._gate_gemm = cpu_gemm.pack(self.gate.weight.detach())
+        covered = experts.packed is not None and all(
+            experts.quant[which] is not None or all(packed[which][0] is not None for packed in experts.packed)
+            for which in (0, 1))
+        if self._gate_gemm is None or not covered:
+            raise ValueError("batch_invariant: a mixture-of-experts layer has no compiled GEMM weights (library "
+                             "missing, PAGEDLLM_DISABLE_CPU_GEMM set, or not float32 on the CPU)")
+        self.batch_invariant = experts.batch_invariant = True
+
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in the activations' dtype, expert ids [T, k] int64) as HF routes."""
-        router_logits = self.gate(hidden_states)  # [T, E]
+        if self.batch_invariant:  # F.linear's (MKL's) blocking varies with the row count
+            router_logits = invariant_matmul(hidden_states, None, None, self._gate_gemm, self.num_experts)
+        else:
+            router_logits = self.gate(hidden_states)  # [T, E]
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -79,7 +99,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         out = self.forward_dense(hidden_states) if self.dense else self._grouped(hidden_states)
-        return tp_all_reduce(out) if self.tp_size > 1 else out
+        if self.tp_size == 1:
+            return out
+        return (tp_all_reduce_in_rank_order if self.batch_invariant else tp_all_reduce)(out)
 
     def _grouped(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (its intermediate slice of each chosen expert)."""
@@ -103,6 +125,11 @@ class SparseMoE(nn.Module):
         # tokens measured ~50 ms for 8 rows of 1024 on CPU, a slow scatter_add_ kernel; a gather
         # by the inverse permutation is microseconds.)
         pairs = out_rows.index_select(0, torch.argsort(order)).view(num_tokens, self.top_k, hidden)
+        if self.batch_invariant:  # each token's k outputs added in choice order, whatever torch's sum does
+            out = pairs[:, 0] * weights[:, :1]
+            for choice in range(1, self.top_k):
+                out += pairs[:, choice] * weights[:, choice : choice + 1]
+            return out
         return (pairs * weights.unsqueeze(-1)).sum(dim=1)
 
     def forward_dense(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -152,9 +179,15 @@ class _StackedExperts(nn.Module):
         # Per projection, per expert: GGUF shards still quantized, (row offset, QuantTensor).
         self._staged: list[dict[int, list]] = [{}, {}]
 
+    batch_invariant = False  # set through SparseMoE.make_batch_invariant: the mode's kernels
+
     def project(self, which: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x`` times expert ``expert``'s w13 (``which`` 0) or w2 (1), transposed."""
         quant = self.quant[which]
+        if self.batch_invariant:  # an expert's row count changes with the batch's routing
+            param = (self.w13, self.w2)[which]
+            return invariant_matmul(x, None, None if quant is None else quant[expert],
+                                    self.packed[expert][which][0], param.shape[1])
         if quant is not None:
             return quant[expert].matmul(x)
         weight = (self.w13, self.w2)[which][expert]
