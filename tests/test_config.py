@@ -84,6 +84,7 @@ def test_max_model_len_has_one_default_the_models_context_capped_at_4096():
     (dict(num_threads=0), "num_threads must be >= 1"),
     (dict(device="tpu"), "device must be 'auto', 'cpu' or 'cuda'"),
     (dict(speculative_config={"method": "medusa"}), "speculative method must be one of"),
+    (dict(batch_invariant=True, enable_lora=True), "batch_invariant does not cover LoRA adapters yet"),
 ])
 def test_a_bad_setting_is_refused_when_configured_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -141,6 +141,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batch_invariant and self.device.startswith("cuda"):
             raise ValueError("batch_invariant runs on the CPU only")
+        if self.batch_invariant and self.enable_lora:
+            # nobody has shown the adapters' delta kernel (lora_sgmv_cpu) sums each row in a fixed order
+            raise ValueError("batch_invariant does not cover LoRA adapters yet: turn off enable_lora or batch_invariant")
         if self.quantization in ("int8", "bf16") and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization!r} applies to float32 CPU models (dtype auto or "
                              f"float32), got dtype {self.dtype!r}")
