@@ -42,15 +42,6 @@ def _prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int]:
 TARGET = _prompt(random.Random(29), 45)  # several blocks of 8, several chunks of 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Like the workers: on a busy 2-core machine extra intra-op threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     """A tiny random Llama, 8 query / 4 KV heads of 32 (the compiled attention op's smallest head_dim):

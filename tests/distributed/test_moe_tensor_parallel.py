@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from gguf import GGMLQuantizationType
 
@@ -22,14 +21,6 @@ pytestmark = pytest.mark.slow  # two worker processes per engine
 
 MAX_NEW_TOKENS = 8
 PRESSURE = dict(max_num_batched_tokens=37, block_size=8, num_kv_blocks=14)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])

@@ -37,15 +37,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESSURE = dict(max_num_batched_tokens=37, block_size=8, num_kv_blocks=14)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Like the workers: on a busy 2-core machine extra intra-op threads only contend (~5x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _greedy(llm: LLM, prompts: list[list[int]]):
     return engine_greedy(llm, prompts, MAX_NEW_TOKENS)
 
