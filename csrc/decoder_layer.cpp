@@ -39,7 +39,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <tuple>
+#include <vector>
 
 namespace pagedllm {
 namespace {
@@ -94,6 +96,40 @@ const Ops& ops() {
   return instance;
 }
 
+// An in-place breakdown of the call's wall time (decoder_layers_clock_cpu): what the linears (with their
+// LoRA deltas), the KV write with attention, and the rest (norms, rotary, SiLU, views) took, summed over the
+// calls since the clock was last read. Replaying the ops alone moves with the machine and counts each
+// replay's own call overhead; this measures the very steps it divides. Off by default: one branch a phase.
+struct StepClock {
+  bool on = false;
+  double linear_s = 0, attention_s = 0, other_s = 0;
+  int64_t calls = 0;
+};
+StepClock g_clock;
+
+class PhaseTimer {
+ public:
+  PhaseTimer() : on_(g_clock.on), last_(on_ ? std::chrono::steady_clock::now() : Clock::time_point()) {}
+  void lap(double& bucket) {
+    if (!on_) return;
+    const Clock::time_point now = Clock::now();
+    bucket += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  bool on_;
+  Clock::time_point last_;
+};
+
+std::vector<double> decoder_layers_clock_cpu(bool on) {
+  std::vector<double> read{g_clock.linear_s, g_clock.attention_s, g_clock.other_s, static_cast<double>(g_clock.calls)};
+  g_clock = StepClock{};
+  g_clock.on = on;
+  return read;
+}
+
 constexpr int64_t kWeightsPerLayer = 10;
 constexpr int64_t kIntsPerLinear = 3;
 constexpr int64_t kIntsPerLayer = 4 * kIntsPerLinear;
@@ -144,6 +180,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
   const int64_t num_tokens = hidden.size(0);
   const std::vector<int64_t> head_split{num_heads, num_kv_heads, num_kv_heads};
   at::Tensor x = hidden, residual, h;
+  PhaseTimer timer;
+  double& linear_s = g_clock.linear_s;
+  double& attention_s = g_clock.attention_s;
+  double& other_s = g_clock.other_s;
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     const int64_t* info = linear_info.data() + l * kIntsPerLayer;
@@ -158,21 +198,31 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
     } else {
       std::tie(h, residual) = o.add_rms_norm.call(x, residual, w[0], eps, norm_lanes);
     }
+    timer.lap(other_s);
     at::Tensor qkv = linear(o, h, w[1], w[2], info, invariant, lora);  // [T, (H + 2 Hkv) D]
+    timer.lap(linear_s);
     o.rotary.call(qkv, cos, signed_sin, num_heads + num_kv_heads, head_dim);
     // [T, H, D], [T, Hkv, D], [T, Hkv, D]: views of qkv, as the per-op path's split_with_sizes
     const std::vector<at::Tensor> qkv_heads = qkv.view({num_tokens, -1, head_dim}).split_with_sizes(head_split, 1);
+    timer.lap(other_s);
     o.kv_write.call(qkv_heads[1], qkv_heads[2], kv_caches[l], slot_mapping);
     const at::Tensor attn = o.attention.call(qkv_heads[0], kv_caches[l], block_tables, seq_lens, query_start_loc,
                                              scale, num_splits, 0, tile_min_rows, 0, -1, 0.0);  // [T, H, D]
+    timer.lap(attention_s);
     const at::Tensor out = linear(o, attn.view({num_tokens, num_heads * head_dim}), w[3], w[4],
                                   info + kIntsPerLinear, invariant, lora ? lora + 1 : nullptr);
+    timer.lap(linear_s);
     std::tie(h, residual) = o.add_rms_norm.call(out, residual, w[5], eps, norm_lanes);
+    timer.lap(other_s);
     const at::Tensor gate_up =
         linear(o, h, w[6], w[7], info + 2 * kIntsPerLinear, invariant, lora ? lora + 2 : nullptr);
-    x = linear(o, o.silu_and_mul.call(gate_up, silu_block), w[8], w[9], info + 3 * kIntsPerLinear, invariant,
-               lora ? lora + 3 : nullptr);
+    timer.lap(linear_s);
+    const at::Tensor act = o.silu_and_mul.call(gate_up, silu_block);
+    timer.lap(other_s);
+    x = linear(o, act, w[8], w[9], info + 3 * kIntsPerLinear, invariant, lora ? lora + 3 : nullptr);
+    timer.lap(linear_s);
   }
+  if (g_clock.on) ++g_clock.calls;
   if (num_layers == 0) residual = at::zeros_like(x);
   return {x, residual};
 }
@@ -187,6 +237,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "int num_heads, int num_kv_heads, int head_dim, float scale, float eps, int norm_lanes, int silu_block, "
       "int num_splits, int tile_min_rows, bool invariant, Tensor[] lora_weights, int[] lora_info, "
       "int[] lora_segments) -> (Tensor, Tensor)");
+  m.def("decoder_layers_clock_cpu(bool on) -> float[]", &pagedllm::decoder_layers_clock_cpu);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

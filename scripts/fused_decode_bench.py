@@ -23,6 +23,13 @@ measured in the timed runs themselves (no replay): embedding lookup, rotary gath
 input preparation, sampling, scheduling, detokenizing. It does not depend on the replays, which a
 contended machine moves more.
 ``--fused-only`` skips the per-op runs.
+
+With --clock (fused runs only), the breakdown the issue asks for, measured inside the timed decode steps
+themselves in wall time: the compiled layers' call times its own phases (``decoder_layers_clock_cpu``: the
+linears, the KV write with attention, the rest), the LM head is timed around its call, and "else" is the step's
+wall time minus the matmuls (linears + LM head) and attention: the norms, rotary and SiLU inside the call plus
+everything outside it (embedding lookup, input preparation, sampling, scheduling, detokenizing). Run it on a quiet
+machine: wall time counts waits for a core.
 """
 
 import argparse
@@ -66,6 +73,56 @@ class Inside:
             finally:
                 self.total += time.process_time() - start
         return timed
+
+
+class Clocked:
+    """Per decode step, in wall time: the compiled call's own phase clock and the LM head's calls."""
+
+    def __init__(self, engine) -> None:
+        self.head_s = 0.0
+        model = engine.core.executor.runner.model
+        for name in ("compute_logits", "greedy_token_ids"):
+            setattr(model, name, self.wrap(getattr(model, name)))
+        self.clock = torch.ops.pagedllm.decoder_layers_clock_cpu
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.head_s += time.perf_counter() - start
+        return timed
+
+    def start(self) -> None:
+        self.head_s = 0.0
+        self.clock(True)
+
+    def read(self) -> tuple[float, float, float, float]:
+        """(linears, attention, the call's other ops, LM head) in ms since ``start``."""
+        linear, attention, other, calls = self.clock(False)
+        assert calls == 1, f"expected the fused call once a decode step, counted {calls:.0f}"
+        return linear * 1e3, attention * 1e3, other * 1e3, self.head_s * 1e3
+
+
+def clocked_run(engine, args, seed: int, clocked: Clocked) -> list[tuple[float, ...]]:
+    """One run's decode steps: (step, linears, attention, other inside the call, LM head) in wall ms."""
+    from pagedllm.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"c{seed}-{i}", {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.prompt_len)]},
+                           params)
+    engine.step()  # the prefill
+    rows = []
+    while engine.has_unfinished_requests():
+        clocked.start()
+        start = time.perf_counter()
+        engine.step()
+        step = (time.perf_counter() - start) * 1e3
+        rows.append((step, *clocked.read()))
+    return rows
 
 
 def run(engine, args, seed: int, profile: bool = False, inside: Inside | None = None):
@@ -219,6 +276,8 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="time steps by process CPU time, not wall time: with --threads 1 a contended "
                              "machine barely moves it (the steps' own work, without the waits for a core)")
+    parser.add_argument("--clock", action="store_true",
+                        help="only the in-step breakdown (fused path, wall time): see the module's docstring")
     args = parser.parse_args()
 
     from pagedllm.config.engine_args import EngineArgs
@@ -227,6 +286,9 @@ def main() -> None:
 
     engine = LLMEngine(EngineArgs(model=None, num_threads=args.threads, enable_prefix_caching=False,
                                   max_num_seqs=max(args.batch, 1)))
+    if args.clock:
+        clock_breakdown(engine, args)
+        return
     modes = {"fused": True} if args.fused_only else {"fused": True, "per-op": False}
     inside = Inside(engine) if args.cpu_time else None
     outside = {m: [] for m in modes}
@@ -283,6 +345,30 @@ def main() -> None:
         other = step - matmul - attention
         print(f"  {mode:7s} profiled decode step (wall) {step:.2f} ms: matmuls {matmul:.2f} ms ({matmul / step:.0%}), "
               f"attention {attention:.2f} ms ({attention / step:.0%}), else {other:.2f} ms ({other / step:.0%})")
+    fused_decoder.set_enabled(None)
+
+
+def clock_breakdown(engine, args) -> None:
+    from pagedllm.model.layers import fused_decoder
+
+    fused_decoder.set_enabled(True)
+    clocked = Clocked(engine)
+    run(engine, args, seed=0)  # warm-up
+    print(f"default model, batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} greedy tokens, "
+          f"{args.threads} threads; per decode step, wall ms (median of the run's steps), measured in the steps")
+    fractions = []
+    for r in range(args.rounds):
+        rows = clocked_run(engine, args, seed=10 + r, clocked=clocked)
+        step, linear, attention, other, head = (statistics.median(col) for col in zip(*rows))
+        # fractions per step, then the median: the medians of the parts need not add up to the step's
+        per_step = [((lin + hd) / st, att / st, (st - lin - hd - att) / st, oth / st)
+                    for st, lin, att, oth, hd in rows]
+        matmul_f, attention_f, else_f, other_f = (statistics.median(col) for col in zip(*per_step))
+        fractions.append(else_f)
+        print(f"  round {r + 1}: step {step:.2f} ms; matmuls {matmul_f:.1%} (linears {linear:.2f} + LM head {head:.2f} ms), "
+              f"attention {attention_f:.1%} ({attention:.2f} ms), else {else_f:.1%} (of which the call's norms, "
+              f"rotary and SiLU {other_f:.1%}, {other:.2f} ms)")
+    print(f"  else, median over rounds: {statistics.median(fractions):.1%}")
     fused_decoder.set_enabled(None)
 
 

@@ -237,3 +237,28 @@ def test_lora_steps_take_the_fused_call_with_the_per_op_sums(tmp_path, monkeypat
         assert torch.equal(a, b)
     assert torch.equal(fused[0], base[0]) and torch.equal(fused[2], base[2])  # sequence 0 alone: no adapter
     assert not torch.equal(fused[1][:5], base[1][:5]) and not torch.equal(fused[1][5:], base[1][5:])
+
+
+def test_phase_clock_divides_the_call(tmp_path, monkeypatch):
+    """decoder_layers_clock_cpu: off, it counts nothing; on, each call's linears, attention and other ops
+    add up to no more than the call's wall time, and reading resets it."""
+    import time
+
+    clock = torch.ops.pagedllm.decoder_layers_clock_cpu
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("llama", seed=4, **HEADS_32), tmp_path / "m")).model)
+    clock(False)
+    run_steps(model, True)
+    assert clock(False) == [0.0, 0.0, 0.0, 0.0]
+
+    fused_decoder.set_enabled(True)
+    runner = PagedRunner(model, block_size=4)
+    clock(True)
+    start = time.perf_counter()
+    for step in STEPS:
+        runner.step(step)
+    wall = time.perf_counter() - start
+    linear, attention, other, calls = clock(False)
+    assert calls == len(STEPS)
+    assert linear > 0 and attention > 0 and other > 0
+    assert linear + attention + other <= wall
+    assert clock(False) == [0.0, 0.0, 0.0, 0.0]  # read and reset, and left off
