@@ -20,7 +20,6 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.distributed.shapes import check_config_tp_size, head_dim_of as _head_dim
-from pagedllm.lora.layers import current_segments
 from pagedllm.model.attention.layer import Attention
 from pagedllm.model.layers import fused_decoder
 from pagedllm.model.layers.activation import gated_activation
@@ -161,10 +160,6 @@ class LlamaAttention(_DirectChildren):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-MLP_ROW_CHUNK = 512
-"""Rows of a long step's MLP computed at a time (``LlamaMLP.forward``)."""
-
-
 class LlamaMLP(_DirectChildren):
     def __init__(self, config, spec: DecoderSpec, intermediate_size: int | None = None):
         super().__init__()
@@ -178,18 +173,7 @@ class LlamaMLP(_DirectChildren):
         self.act = gated_activation(spec.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows <= 2 * MLP_ROW_CHUNK or not x.is_cpu or current_segments():
-            return self.down_proj(self.act(self.gate_up_proj(x)))
-        # A long prefill step's [rows, 2 x intermediate] product is the step's largest buffer (2048 rows of
-        # a 1B model: 128 MiB, its activation 64 MiB more): slices of rows keep it to a slice's. Rows are
-        # independent in every linear, so only the kernels' blocking sees the slices. Not with LoRA rows:
-        # the step's adapter segments index the whole batch.
-        out = x.new_empty(rows, self.down_proj.output_size)
-        for start in range(0, rows, MLP_ROW_CHUNK):
-            part = x[start : start + MLP_ROW_CHUNK]
-            out[start : start + part.shape[0]] = self.down_proj(self.act(self.gate_up_proj(part)))
-        return out
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(_DirectChildren):
