@@ -15,9 +15,11 @@
 // memory of the adapters present, read linearly (a row-major [K, L*W] A read 3 cache lines in 24 per
 // k-step, which ran at ~0.7x the packed speed).
 //
-// Two passes, each split across the op pool (thread_pool.h): shrink over (row block, panel group) units
-// into a scratch s [T, lds]; then expand over groups of output panels (every segment). A row's sums run
-// in one order whatever the segment sizes, the thread count or the other rows (batch-invariant).
+// Split across the op pool (thread_pool.h) one of two ways. With rows enough for a task per thread, one
+// pass over row tasks: each shrinks its rows into a scratch s [T, lds] and expands them (one pool job a
+// call). Else two passes: shrink over (row block, panel group) units into s; then expand over groups of
+// output panels (every segment). A row's sums run in one order whatever the segment sizes, the split,
+// the thread count or the other rows (batch-invariant).
 #pragma once
 
 #include <cstdint>
@@ -57,6 +59,10 @@ struct Args {
   // expand units: (part, first panel of a group within the part)
   const int64_t* block_part;
   const int64_t* block_panel;
+  // row tasks (the one-pass split): rows [task_begin, task_end) of segment task_segment, every panel
+  const int64_t* task_segment;
+  const int64_t* task_begin;
+  const int64_t* task_end;
 };
 
 // Panels per register block of an ISA (2 zmm or 2 ymm of sums a row).
@@ -65,8 +71,10 @@ constexpr int64_t kGroupAvx2 = 1;
 
 void shrink_avx512(const Args& args, int64_t u_begin, int64_t u_end);
 void expand_avx512(const Args& args, int64_t b_begin, int64_t b_end);
+void rows_avx512(const Args& args, int64_t t_begin, int64_t t_end);
 void shrink_avx2(const Args& args, int64_t u_begin, int64_t u_end);
 void expand_avx2(const Args& args, int64_t b_begin, int64_t b_end);
+void rows_avx2(const Args& args, int64_t t_begin, int64_t t_end);
 
 }  // namespace sgmv
 }  // namespace pagedllm

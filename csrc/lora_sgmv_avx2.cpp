@@ -30,5 +30,6 @@ namespace pagedllm {
 namespace sgmv {
 void shrink_avx2(const Args& args, int64_t u_begin, int64_t u_end) { shrink_units(args, u_begin, u_end); }
 void expand_avx2(const Args& args, int64_t b_begin, int64_t b_end) { expand_blocks(args, b_begin, b_end); }
+void rows_avx2(const Args& args, int64_t t_begin, int64_t t_end) { row_tasks(args, t_begin, t_end); }
 }  // namespace sgmv
 }  // namespace pagedllm

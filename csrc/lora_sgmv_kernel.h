@@ -142,6 +142,43 @@ void expand_blocks(const Args& g, int64_t b_begin, int64_t b_end) {
   }
 }
 
+// One pass over row tasks (task t: rows [task_begin[t], task_end[t]) of segment task_segment[t]): each task
+// shrinks its rows over all its slot's panels, then expands them over every output panel, so tasks need no
+// barrier between the passes and the op hands the pool one job, not two. Each block's sums run in the
+// order of shrink_units / expand_blocks (same k order, same rank order from y): the same bits.
+void row_tasks(const Args& g, int64_t t_begin, int64_t t_end) {
+  const int64_t panel_stride = g.max_rank * kLanes;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const Segment& seg = g.segments[g.task_segment[t]];
+    const int64_t first = g.task_begin[t], last = g.task_end[t];
+    const int64_t r = g.ranks[seg.slot];
+    const int64_t panels = (g.num_parts * r + kLanes - 1) / kLanes;
+    for (int64_t panel = 0; panel < panels; panel += GROUP) {
+      const int np = static_cast<int>(std::min<int64_t>(GROUP, panels - panel));
+      const float* a = g.a + (seg.slot * g.pa + panel) * g.k * kLanes;
+      for (int64_t row = first; row < last; row += kMaxRows) {
+        by_rows(std::min<int64_t>(kMaxRows, last - row), [&](auto d) {
+          d.shrink(np, g.x + row * g.ldx, g.ldx, a, g.k, g.s + row * g.lds + panel * kLanes, g.lds);
+        });
+      }
+    }
+    for (int p = 0; p < g.num_parts; ++p) {
+      const int64_t part_panels = (g.part_size[p] + kLanes - 1) / kLanes;
+      for (int64_t panel = 0; panel < part_panels; panel += GROUP) {
+        const int np = static_cast<int>(std::min<int64_t>(GROUP, part_panels - panel));
+        const int64_t col = g.part_offset[p] + panel * kLanes;
+        const int64_t cols = std::min<int64_t>(np * kLanes, g.part_offset[p] + g.part_size[p] - col);
+        const float* b = g.b + (seg.slot * g.pb + g.part_panel[p] + panel) * panel_stride;
+        for (int64_t row = first; row < last; row += kMaxRows) {
+          by_rows(std::min<int64_t>(kMaxRows, last - row), [&](auto d) {
+            d.expand(np, g.s + row * g.lds + p * r, g.lds, b, panel_stride, r, cols, g.y + row * g.ldy + col, g.ldy);
+          });
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sgmv
 }  // namespace pagedllm

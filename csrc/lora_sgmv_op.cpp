@@ -46,6 +46,10 @@ int64_t lora_sgmv_isa(int64_t isa) {
 // at rank 16) come from memory, and two threads stream them faster than one.
 constexpr int64_t kSerialFmas = 1 << 14;
 
+// Rows a one-pass task covers at most: its slot's A and B (~100-300 KB a linear at rank 16) are read from
+// L2 once per task, so a long prefill segment is cut into tasks of this many rows.
+constexpr int64_t kTaskRows = 16;
+
 void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
                    const at::Tensor& ranks, at::IntArrayRef part_sizes, at::IntArrayRef segments, int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
@@ -92,7 +96,8 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
 
   const int64_t group = chosen == 2 ? sgmv::kGroupAvx512 : sgmv::kGroupAvx2;
   thread_local std::vector<sgmv::Segment> segs;
-  thread_local std::vector<int64_t> unit_segment, unit_row, unit_panel, block_part, block_panel;
+  thread_local std::vector<int64_t> unit_segment, unit_row, unit_panel, block_part, block_panel, task_segment,
+      task_begin, task_end;
   thread_local std::vector<float> scratch;
   segs.clear();
   unit_segment.clear();
@@ -100,7 +105,10 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
   unit_panel.clear();
   block_part.clear();
   block_panel.clear();
-  int64_t fmas = 0, max_cols = 0;
+  task_segment.clear();
+  task_begin.clear();
+  task_end.clear();
+  int64_t fmas = 0, max_cols = 0, adapted_rows = 0;
   for (size_t i = 0; i < segments.size(); i += 3) {
     const sgmv::Segment seg{segments[i], segments[i + 1], segments[i + 2]};
     TORCH_CHECK(seg.begin >= 0 && seg.begin <= seg.end && seg.end <= num_rows, "lora_sgmv_cpu: segment rows [",
@@ -116,10 +124,23 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
         unit_panel.push_back(panel);
       }
     segs.push_back(seg);
+    adapted_rows += seg.end - seg.begin;
     fmas += (seg.end - seg.begin) * r * (num_parts * k + out);
     max_cols = std::max(max_cols, slot_panels * sgmv::kLanes);
   }
   if (segs.empty() || k == 0) return;
+  // One pass when the rows make a task per thread: each segment in equal tasks of at most task_rows rows.
+  const int64_t threads = at::get_num_threads();
+  const int64_t task_rows =
+      std::min(kTaskRows, std::max<int64_t>(sgmv::kMaxRows, (adapted_rows + threads - 1) / std::max<int64_t>(1, threads)));
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const int64_t rows = segs[i].end - segs[i].begin, tasks = (rows + task_rows - 1) / task_rows;
+    for (int64_t t = 0; t < tasks; ++t) {
+      task_segment.push_back(static_cast<int64_t>(i));
+      task_begin.push_back(segs[i].begin + rows * t / tasks);
+      task_end.push_back(segs[i].begin + rows * (t + 1) / tasks);
+    }
+  }
   for (int p = 0; p < num_parts; ++p)
     for (int64_t panel = 0; panel * sgmv::kLanes < g.part_size[p]; panel += group) {
       block_part.push_back(p);
@@ -149,12 +170,21 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
   g.unit_panel = unit_panel.data();
   g.block_part = block_part.data();
   g.block_panel = block_panel.data();
+  g.task_segment = task_segment.data();
+  g.task_begin = task_begin.data();
+  g.task_end = task_end.data();
   auto shrink = chosen == 2 ? &sgmv::shrink_avx512 : &sgmv::shrink_avx2;
   auto expand = chosen == 2 ? &sgmv::expand_avx512 : &sgmv::expand_avx2;
   const int64_t num_units = static_cast<int64_t>(unit_row.size()), num_blocks = static_cast<int64_t>(block_part.size());
   if (fmas < kSerialFmas) {
     shrink(g, 0, num_units);
     expand(g, 0, num_blocks);
+    return;
+  }
+  const int64_t num_tasks = static_cast<int64_t>(task_begin.size());
+  if (threads > 1 && num_tasks >= threads) {
+    auto rows = chosen == 2 ? &sgmv::rows_avx512 : &sgmv::rows_avx2;
+    parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) { rows(g, begin, end); });
     return;
   }
   parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) { shrink(g, begin, end); });

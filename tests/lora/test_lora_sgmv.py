@@ -120,6 +120,29 @@ def test_large_steps_use_the_pool_and_agree_with_one_row_at_a_time(isa):
         assert torch.equal(alone, whole[row:row + 1]), row
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("segments, num_rows", [([0, 18, 0], 18), ([0, 5, 0, 9, 13, 1, 13, 18, 2], 18),
+                                                ([2, 3, 0, 3, 40, 1], 41), ([0, 3, 1], 3)],
+                         ids=["decode-one-adapter", "decode-three-adapters", "a long segment", "one-task"])
+def test_one_pass_row_tasks_and_two_passes_agree_bit_for_bit(isa, segments, num_rows):
+    """With two threads and rows for a task each, the op runs one pass over row tasks (one pool job); with one
+    thread, the two passes (shrink units, then expand blocks): the same sums in the same order."""
+    code = need(isa)
+    slots = make_slots(576, [1536, 1536], [16, 8, 16], 16, seed=7)
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(num_rows, 576, generator=g), torch.randn(num_rows, 3072, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        two_passes = run(x, y.clone(), slots, segments, code)
+        torch.set_num_threads(2)
+        one_pass = run(x, y.clone(), slots, segments, code)
+    finally:
+        torch.set_num_threads(threads)
+    check(one_pass, reference(x, y, slots, segments), 576, 16)
+    assert torch.equal(one_pass, two_passes)
+
+
 def test_strided_rows_of_x_and_y():
     slots = make_slots(32, [16, 8], [4, 2], 4, seed=1)
     g = torch.Generator().manual_seed(2)
