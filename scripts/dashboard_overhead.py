@@ -14,10 +14,12 @@ is ended and the next run waits until a core's watch lease (10 s) would have lap
 watched (an older server keeps the maps coming for the lease; this one stops when the last viewer leaves).
 
 Per run: output tok/s, the load average, what the viewer received (events, bytes, the maps' build times in
-the core), and the CPU seconds (utime + stime from /proc) of the API server process, its engine core, this
-measuring client and the viewer process; `--threads` adds the server's and the core's threads. Per trace:
-each open mode / closed per round and their median (the issue's target: >= 0.98), and each mode's median CPU
-seconds per process. CPU seconds are the steadier figure on a shared machine: other jobs move the throughput.
+the core), the CPU seconds (from /proc/<pid>/task/*/schedstat) of the API server process, its engine core,
+this measuring client and the viewer process, and how long the core's threads waited for a CPU (the machine's
+contention as the engine felt it); `--threads` adds the server's and the core's threads. Per trace:
+each open mode / closed per round and their median (the issue's target: >= 0.98), the ratios of the rounds
+whose two runs were both quiet (the core waited < 15% of the run), and each mode's median CPU seconds per
+process. CPU seconds are the steadier figure on a shared machine: other jobs move the throughput.
 
 `--servers old=/work/main,new=.` runs a server per named PYTHONPATH, one at a time, started in turn each round
 (order reversed every other round), to compare two versions in one session.
@@ -36,7 +38,9 @@ import time
 
 import httpx
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+QUIET_WAIT = 0.15
+"""A run counts as quiet when its engine core's threads waited for a CPU (runnable, another task on it) less
+than this fraction of its wall time, summed over the threads."""
 LEASE_S = 10.0
 """The core's watch lease (engine/core_proc.py KV_MAP_LEASE_S): how long maps may still come after the last
 renewal, when the server does not end the watch itself."""
@@ -52,22 +56,36 @@ def _stat_fields(path: str) -> tuple[str, list[str]]:
     return name, text[text.rindex(")") + 2:].split()  # fields from 3 (state) on
 
 
+def _schedstat(pid: int) -> dict[str, tuple[float, float]]:
+    """Per thread ("main" for the main thread, others by name, those of one name summed): (seconds on a CPU,
+    seconds runnable but waiting for one), from /proc/<pid>/task/<tid>/schedstat, exact to the nanosecond
+    (utime + stime are sampled at the 10 ms tick)."""
+    out: dict[str, tuple[float, float]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = "main" if int(tid) == pid else _stat_fields(f"/proc/{pid}/task/{tid}/stat")[0]
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns, _ = f.read().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile
+        run, wait = out.get(name, (0.0, 0.0))
+        out[name] = (run + int(run_ns) / 1e9, wait + int(wait_ns) / 1e9)
+    return out
+
+
 def cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads, not its children), seconds."""
-    _, f = _stat_fields(f"/proc/{pid}/stat")
-    return (int(f[11]) + int(f[12])) / CLK_TCK
+    """Seconds on a CPU of a process's live threads (not its children)."""
+    return sum(run for run, _ in _schedstat(pid).values())
+
+
+def wait_s(pid: int) -> float:
+    """Seconds its live threads were runnable but waited for a CPU (taken by another task)."""
+    return sum(wait for _, wait in _schedstat(pid).values())
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
-    """utime + stime per thread name (threads of one name summed)."""
-    out: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            name, f = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / CLK_TCK
-    return out
+    """Seconds on a CPU per thread."""
+    return {name: run for name, (run, _) in _schedstat(pid).items()}
 
 
 def children(pid: int) -> list[int]:
@@ -145,7 +163,7 @@ class Watcher:
         else:
             self.stop_event.set()  # the thread ends at its next line; its CPU time is the client's
         events = int(self.counts[0])
-        return {"events": events - self.start_counts[0], "bytes": int(self.counts[1]) - self.start_counts[1],
+        return {"events": events - int(self.start_counts[0]), "bytes": int(self.counts[1] - self.start_counts[1]),
                 "build_ms_mean": 1e3 * self.counts[2] / max(events, 1), "build_ms_max": 1e3 * self.counts[3]}
 
 
@@ -159,12 +177,14 @@ def measured_run(server, requests, watcher_kind: str | None, threads: bool) -> d
     pids = {"server": server.proc.pid, "core": core, "client": os.getpid()}
     watcher = Watcher(server.url, watcher_kind) if watcher_kind else None
     before = {name: cpu_s(pid) for name, pid in pids.items()}
+    core_wait_before = wait_s(core)
     threads_before = {name: thread_cpu_s(pids[name]) for name in ("server", "core")} if threads else {}
     load = os.getloadavg()[0]
     row = run_client(server.url, requests, [float("inf")], progress=False)[0]
     assert row["num_ok"] == len(requests), row["errors"]
     result = {"tok_s": row["output_tok_s"], "duration_s": row["duration_s"], "load": load,
-              "cpu": {name: cpu_s(pid) - before[name] for name, pid in pids.items()}}
+              "cpu": {name: cpu_s(pid) - before[name] for name, pid in pids.items()},
+              "core_wait_s": wait_s(core) - core_wait_before}
     if threads:
         result["threads"] = {}
         for name in ("server", "core"):
@@ -235,7 +255,8 @@ def main() -> None:
                                     f"{res['build_ms_mean']:.2f} ms (max {res['build_ms_max']:.2f})"
                                     if mode != "closed" else "")
                             print(f"{version:<5} {trace:<9} round {r + 1} {mode:<7} {res['tok_s']:7.1f} tok/s "
-                                  f"{res['duration_s']:5.1f} s  load {res['load']:4.1f}  CPU s: {cpu}{seen}",
+                                  f"{res['duration_s']:5.1f} s  load {res['load']:4.1f}  CPU s: {cpu}; core waited "
+                                  f"{res['core_wait_s']:5.2f} s{seen}",
                                   flush=True)
                             for proc, per_thread in res.get("threads", {}).items():
                                 print(f"      {proc} threads: " + ", ".join(
@@ -250,13 +271,19 @@ def main() -> None:
         for trace in traces:
             closed = results[(version, trace, "closed")]
             for mode in modes[1:]:
-                ratios = [o["tok_s"] / c["tok_s"] for o, c in zip(results[(version, trace, mode)], closed)]
+                pairs = list(zip(results[(version, trace, mode)], closed))
+                ratios = [o["tok_s"] / c["tok_s"] for o, c in pairs]
+                # a run whose core waited for a CPU more than QUIET_WAIT of its time shared the machine
+                quiet = [o["tok_s"] / c["tok_s"] for o, c in pairs
+                         if max(o["core_wait_s"] / o["duration_s"], c["core_wait_s"] / c["duration_s"]) < QUIET_WAIT]
                 print(f"{version} {trace}: {mode} open / closed per round " + ", ".join(f"{x:.3f}" for x in ratios)
-                      + f"; median {statistics.median(ratios):.3f}")
+                      + f"; median {statistics.median(ratios):.3f}; rounds with both runs quiet: "
+                      + (", ".join(f"{x:.3f}" for x in quiet) or "none"))
             for mode in modes:
                 runs = results[(version, trace, mode)]
                 print(f"    {mode:<7} median CPU s: " + ", ".join(
                     f"{n} {statistics.median(run['cpu'][n] for run in runs):.2f}" for n in runs[0]["cpu"])
+                      + f"; core waited {statistics.median(run['core_wait_s'] for run in runs):.2f} s"
                       + f"; tok/s {statistics.median(run['tok_s'] for run in runs):.1f}")
 
 
