@@ -6,8 +6,9 @@ The loop polls its input without blocking while it has work and blocks in short 
 idle. On going idle it checks that every KV block is free or cached and reports what it finds.
 A fatal error is sent as an EngineDeadMsg before exiting.
 
-While a front end watches the block map (utility `watch_kv_map`, renewed within KV_MAP_LEASE_S),
-the stats after a step carry a KVMapMsg at most every KV_MAP_INTERVAL_S; unwatched, none is built.
+While a front end watches the block map (utility `watch_kv_map`, renewed within KV_MAP_LEASE_S,
+ended by `unwatch_kv_map`), the stats after a step carry a KVMapMsg at most every KV_MAP_INTERVAL_S;
+unwatched, none is built.
 
 A watchdog thread notices the death of the front end, busy or not: it asks the loop to stop,
 and if the loop has not ended within a grace period (a long step, a hung collective) it removes
@@ -195,6 +196,9 @@ class EngineCoreProc:
                 self._kv_map_last = 0.0
                 self._send(OutputsMsg([], self._stats(), time.monotonic()))
             return UtilityResultMsg(msg.call_id, KV_MAP_LEASE_S)
+        if msg.method == "unwatch_kv_map":
+            self._kv_map_until = 0.0
+            return UtilityResultMsg(msg.call_id, None)
         return UtilityResultMsg(msg.call_id, error=f"unknown utility method {msg.method!r}")
 
     # --- output -----------------------------------------------------------------------

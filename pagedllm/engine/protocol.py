@@ -48,9 +48,10 @@ class ShutdownMsg(msgspec.Struct, tag="shutdown"):
     """Leave the busy loop and exit cleanly."""
 
 
-UTILITY_METHODS = ("stats", "check_kv_leaks", "ping", "watch_kv_map")
+UTILITY_METHODS = ("stats", "check_kv_leaks", "ping", "watch_kv_map", "unwatch_kv_map")
 """watch_kv_map: publish a KVMapMsg in the stats, at a bounded rate, for the next KV_MAP_LEASE_S seconds (the
-dashboard renews it while someone watches; nobody watching costs nothing)."""
+dashboard renews it while someone watches); unwatch_kv_map: stop now (the last viewer left; the lease only
+covers a front end that died). Nobody watching costs nothing."""
 
 FrontendMessage = Union[AddRequestMsg, AbortRequestsMsg, UtilityRequestMsg, ShutdownMsg]
 

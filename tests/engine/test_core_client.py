@@ -139,6 +139,44 @@ def test_mp_client_matches_inproc_and_cleans_up(engine_args):
     asyncio.run(scenario())
 
 
+def test_block_maps_while_watched_and_none_once_unwatched(engine_args):
+    """watch_kv_map: a map at once, then with the stats while a request runs and when idle; unwatch_kv_map:
+    none after it, though the lease (KV_MAP_LEASE_S) has not run out."""
+
+    async def scenario():
+        client = MPCoreClient(engine_args, log_level="WARNING")
+        try:
+            await client.wait_ready(120)
+            await _idle_stats(client)
+            client.request_utility("watch_kv_map")
+            first_look = await _next_of(client, OutputsMsg)
+            assert first_look.stats.kv_map is not None and not first_look.stats.kv_map.requests
+            client.add_request(_request("long", [3] * 40, max_tokens=300, ignore_eos=True))
+            while True:  # the next map (at most every KV_MAP_INTERVAL_S) shows the request running
+                msg = await _next_of(client, OutputsMsg)
+                if msg.stats.kv_map is not None:
+                    assert [r.state for r in msg.stats.kv_map.requests] == ["running"]
+                    break
+            call_id = client.request_utility("unwatch_kv_map")
+            while True:
+                msg = await client.get_output()
+                if isinstance(msg, UtilityResultMsg) and msg.call_id == call_id:
+                    assert msg.error is None
+                    break
+            unwatched = []
+            while True:  # to the end of the request, and the idle stats (a watched core sends a map there)
+                msg = await _next_of(client, OutputsMsg)
+                unwatched.append(msg)
+                if not msg.outputs and msg.stats.num_running == 0 and msg.stats.num_waiting == 0:
+                    break
+            assert any(out.finished for msg in unwatched for out in msg.outputs)
+            assert [msg for msg in unwatched if msg.stats.kv_map is not None] == []
+        finally:
+            client.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_killed_core_raises_engine_dead_promptly(engine_args):
     async def scenario():
         client = MPCoreClient(engine_args, log_level="WARNING")

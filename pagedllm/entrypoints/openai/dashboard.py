@@ -4,12 +4,13 @@ Served by `pagedllm serve --enable-dashboard` (off by default). The page is plai
 dashboard_page.py: no build step, nothing fetched from elsewhere, so it works offline.
 
     browser ──GET /dashboard/events──► DashboardFeed.stream ──every EVENT_INTERVAL_S──► the latest maps
-                                             │ while anyone watches, every WATCH_RENEW_S
+                                             │ on the first viewer, then every WATCH_RENEW_S
                                              ▼
                          each engine core: utility watch_kv_map ──► KVMapMsg in its stats (≤ 2/s)
                                                                     ──► ServerMetrics.kv_map_stats[replica]
 
-Nobody watching, no core builds a map. With an API key set, the event stream needs the key as a bearer
+Nobody watching, no core builds a map: the last viewer's leaving sends unwatch_kv_map (the lease only
+matters when the front end dies). With an API key set, the event stream needs the key as a bearer
 token; the page (which holds no data) reads it from the URL fragment (/dashboard#key=...), which browsers
 never send to the server, and keeps it in sessionStorage.
 """
@@ -69,16 +70,24 @@ class DashboardFeed:
 
     def watch(self) -> None:
         """Ask every core for block maps (a lease it renews by itself for KV_MAP_LEASE_S)."""
+        self._tell_cores("watch_kv_map")
+
+    def unwatch(self) -> None:
+        """Tell every core that nobody watches: no more maps, rather than until the lease runs out."""
+        self._tell_cores("unwatch_kv_map")
+
+    def _tell_cores(self, method: str) -> None:
         for client in self.core_clients():
             try:
-                client.request_utility("watch_kv_map")
+                client.request_utility(method)
             except Exception as e:  # a dead replica has no map to give; the others still do
-                logger.debug("watch_kv_map not sent: %s", e)
+                logger.debug("%s not sent: %s", method, e)
 
     async def _renew(self) -> None:
         while self.num_streams > 0:
-            self.watch()
             await asyncio.sleep(WATCH_RENEW_S)
+            if self.num_streams > 0:
+                self.watch()
 
     def event(self) -> bytes:
         """One event: every replica's latest map with its gauges of that moment, and the engine-wide totals now."""
@@ -96,6 +105,8 @@ class DashboardFeed:
     async def stream(self):
         """The event stream of one viewer: an event when a map changed, at most every EVENT_INTERVAL_S."""
         self.num_streams += 1
+        if self.num_streams == 1:  # the first viewer (again): the last one's leaving ended the watch
+            self.watch()
         if self._renew_task is None or self._renew_task.done():
             self._renew_task = asyncio.get_running_loop().create_task(self._renew())
         try:
@@ -110,6 +121,8 @@ class DashboardFeed:
                 await asyncio.sleep(EVENT_INTERVAL_S)
         finally:
             self.num_streams -= 1
+            if self.num_streams == 0 and not self._stopping():
+                self.unwatch()
 
 
 def add_dashboard_routes(app: FastAPI, engine, metrics, api_keys: tuple[str, ...], lifecycle=None) -> DashboardFeed:
