@@ -186,6 +186,8 @@ def bench_accuracy(args, engine_args: dict) -> dict:
             dst = workdir / f"{type_name}.gguf"
             requantize_gguf(gguf_path, dst, type_name)
             paths[f"requantized to {type_name}, kernels"] = (str(dst), False)
+            if quantized.int8_kernel_available():
+                paths[f"requantized to {type_name}, kernels, int8 activations"] = (str(dst), False, "int8")
         result["perplexity"] = {label: perplexity(path_args[0], path_args[1], args.max_text_tokens, engine_args,
                                                   *path_args[2:])
                                 for label, path_args in paths.items()}
