@@ -2,7 +2,9 @@
 // 16-row panels (quant_gemm.h). The layout does not depend on the ISA, so `isa` picks the kernel
 // per call (0 = the best this CPU runs, 1 = AVX2, 2 = AVX-512; tests run both on one machine).
 // Panels are split across the op pool's threads (thread_pool.h), each a contiguous range, so each
-// core streams its part of the weight linearly.
+// core streams its part of the weight linearly. The int8-activation types (quant_gemm_int8.h) go
+// through the same op (so the fused decoder layer calls them as any other kind): x is quantized
+// first (rows over the pool), then the panels as above.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -9,7 +9,7 @@ ms per call at each row count, the two kernels alternating round by round (best 
 16 layers' sum. Accuracy: per shape and type, the largest error over the output of each kernel against
 float64 on the same dequantized weight and the float32 x, relative to the output's largest magnitude
 (as ``pagedllm bench accuracy``), gguf-quantized Gaussian weights, Gaussian x. ``--engine`` adds
-``LLM`` on the random 1B GGUFs, a 128-token prefill and decode ms a step, option off and on.
+``LLM`` on the random 1B GGUFs, a 128-token prefill and decode ms a step (medians), option off and on.
 """
 
 from __future__ import annotations
@@ -141,12 +141,13 @@ def engine(args) -> None:
     times: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
         for key, llm in llms.items():
-            for new_tokens in (1, 17):
+            for new_tokens in (1, 33):
                 times.setdefault((key, new_tokens), []).append(run(llm, new_tokens))
-    print("\nengine, 128-token prompt (best of rounds, wall time):")
+    print("\nengine, 128-token prompt, wall time, median over rounds (decode: per round, the 33-token run less "
+          "the 1-token one, / 32):")
     for key in llms:
-        prefill = min(times[(key, 1)])
-        step = (min(times[(key, 17)]) - prefill) / 16
+        prefill = float(np.median(times[(key, 1)]))
+        step = float(np.median([(b - a) / 32 for a, b in zip(times[(key, 1)], times[(key, 33)])]))
         print(f"{key[0]} quant_activations={key[1]}: prefill {1e3 * prefill:.0f} ms ({128 / prefill:.0f} tok/s), "
               f"decode {1e3 * step:.1f} ms a step")
 

@@ -12,7 +12,8 @@ for long chunks) and ``kv_write_cpu`` (the slot-mapped K/V store), plus the smal
 ops of ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, rotary, SiLU-and-mul), which
 ``pagedllm.model.layers.cpu_fused`` uses, and the packed small-row GEMM of ``csrc/cpu_gemm*.cpp``
 (``gemm_packed_cpu``), which ``pagedllm.model.layers.cpu_gemm`` uses, and the GEMM on GGUF-quantized weights of
-``csrc/quant_gemm*.cpp`` (``quant_gemm_cpu``; bfloat16 weights too, ``csrc/bf16_gemm*``), which ``pagedllm.model.layers.quantized`` uses, and
+``csrc/quant_gemm*.cpp`` (``quant_gemm_cpu``; bfloat16 weights too, ``csrc/bf16_gemm*``; int8 activations,
+``csrc/quant_gemm_int8*``, with ``quantize_act_cpu``), which ``pagedllm.model.layers.quantized`` uses, and
 ``decoder_layers_cpu`` (``csrc/decoder_layer.cpp``: every decoder layer of a step in one call, over those ops),
 which ``pagedllm.model.layers.fused_decoder`` uses, and ``quant_rows_cpu`` / ``argmax_rows_cpu``
 (``csrc/step_ops.cpp``: the quantized embedding lookup and the greedy argmax, one call each), and

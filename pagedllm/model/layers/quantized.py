@@ -26,6 +26,10 @@ parallel shard) in whole 32-wide blocks. Embedding tables stay quantized too: a 
 dequantizes only the looked-up rows (``dequantize_rows``, plain torch); a tied LM head multiplies
 by the embedding's ``QuantizedWeight`` (found on the shared parameter).
 
+With ``--quant-activations int8`` the loader switches each linear's Q8_0 / Q4_0 / Q4_1 weight to the
+int8-activation kernel (``QuantizedWeight.use_int8_activations``): the same panels, each block's quant bytes
+reordered in place (``to_int8_layout``, csrc/quant_gemm_int8.h), and the op quantizes x per 32-block to int8.
+
 Where the compiled op is unavailable (not built, ``PAGEDLLM_DISABLE_CPU_OP=1``, no AVX2 + FMA +
 F16C), ``finalize`` dequantizes the staged rows into the float parameter instead, with a log line:
 the model then runs today's float32 path, just as ``--gguf-dequantize`` would.
