@@ -142,7 +142,8 @@ def test_layout_is_replaced_and_other_types_keep_the_float_path():
     assert torch.equal(weight.packed[..., :64], before[..., :64])  # the scales and mins where they were
     assert not torch.equal(weight.packed, before)
     # the same bytes, only reordered: [byte j][16 rows] -> [j / 4][16 rows][j % 4]
-    assert torch.equal(weight.packed[..., 64:].view(3, 3, 4, 16, 4), before[..., 64:].view(3, 3, 4, 4, 16).transpose(3, 4))
+    reordered = before[..., 64:].view(3, 3, 4, 4, 16).transpose(3, 4)
+    assert torch.equal(weight.packed[..., 64:].view(3, 3, 4, 16, 4), reordered)
     with pytest.raises(NotImplementedError):
         weight.rows(torch.arange(3))
     with pytest.raises(RuntimeError, match="batch-invariant"):
