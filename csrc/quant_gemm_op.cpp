@@ -2,12 +2,19 @@
 // 16-row panels (quant_gemm.h). The layout does not depend on the ISA, so `isa` picks the kernel
 // per call (0 = the best this CPU runs, 1 = AVX2, 2 = AVX-512; tests run both on one machine).
 // Panels are split across the op pool's threads (thread_pool.h), each a contiguous range, so each
-// core streams its part of the weight linearly.
+// core streams its part of the weight linearly. The int8-activation types (quant_gemm_int8.h) go
+// through the same op (so the fused decoder layer calls them as any other kind): x is quantized
+// first (rows over the pool), then the panels as above.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
 #include "bf16_gemm.h"
 #include "quant_gemm.h"
+#include "quant_gemm_int8.h"
 #include "thread_pool.h"
 
 namespace pagedllm {
@@ -29,11 +36,64 @@ bool has_avx2() {
   return has;
 }
 
+bool has_avx512_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return has_avx512() && __builtin_cpu_supports("avx512vnni");
+  }();
+  return has;
+}
+
 // The kernel a call with this `isa` request runs: 2 = AVX-512, 1 = AVX2, 0 = none here.
 int64_t quant_gemm_isa(int64_t isa) {
   if ((isa == 0 || isa == 2) && has_avx512()) return 2;
   if ((isa == 0 || isa == 1) && has_avx2()) return 1;
   return 0;
+}
+
+// x [M, K] quantized per 32-block (quant_gemm_int8.h): (xq int8 [M, K], xd float32 [M, K / 32],
+// xs int32 [M, K / 32]); rows split over the pool.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "quantize_act_cpu: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "quantize_act_cpu: x's rows must be dense (stride(1) == 1)");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % quant::kBlockK == 0, "quantize_act_cpu: K = ", k, " is not a multiple of ", quant::kBlockK);
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({m, k / quant::kBlockK}, x.options());
+  at::Tensor xs = at::empty({m, k / quant::kBlockK}, x.options().dtype(at::kInt));
+  const float* xp = x.data_ptr<float>();
+  const int64_t lda = x.stride(0);
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* d = xd.data_ptr<float>();
+  int32_t* s = xs.data_ptr<int32_t>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
+  parallel_for(0, m, grain, [&](int64_t begin, int64_t end) { quant::quantize_rows(xp, lda, k, q, d, s, begin, end); });
+  return {xq, xd, xs};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_act_cpu(const at::Tensor& x) {
+  return quantize_activations(x);
+}
+
+// The kernel an int8-activation call with this `isa` request runs: 2 = AVX-512 VNNI, 1 = AVX2, 0 =
+// none here (an AVX-512 CPU without VNNI runs the AVX2 one).
+int64_t quant_gemm_int8_isa(int64_t isa) {
+  if ((isa == 0 || isa == 2) && has_avx512_vnni()) return 2;
+  if ((isa == 0 || isa == 1 || isa == 2) && has_avx2()) return 1;
+  return 0;
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, const float* bias_p,
+                     int64_t isa, at::Tensor y) {
+  const int64_t chosen = quant_gemm_int8_isa(isa);
+  TORCH_CHECK(chosen != 0, "quant_gemm_cpu: no int8-activation kernel for isa ", isa, " on this CPU");
+  auto [xq, xd, xs] = quantize_activations(x);
+  const quant::I8Args args{static_cast<int>(qtype), xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(),
+                           packed.data_ptr<uint8_t>(), bias_p, y.data_ptr<float>(), n, x.size(0), n, x.size(1)};
+  auto kernel = chosen == 2 ? &quant::int8_panels_avx512vnni : &quant::int8_panels_avx2;
+  parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+  return y;
 }
 
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
@@ -42,7 +102,12 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
               "quant_gemm_cpu: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "quant_gemm_cpu: x's rows must be dense (stride(1) == 1)");
   const bool is_bf16 = qtype == bf16::kBF16;  // bf16 weights: same panels, no scales (bf16_gemm.h)
-  const int64_t bb = is_bf16 ? bf16::kBlockBytes : quant::block_bytes(static_cast<int>(qtype));
+  const bool is_int8 = quant::is_int8_type(qtype);  // int8 activations (quant_gemm_int8.h)
+  TORCH_CHECK(!(is_int8 && invariant), "quant_gemm_invariant_cpu: no batch-invariant kernel for the int8-activation "
+              "type ", qtype);
+  const int64_t bb = is_bf16    ? bf16::kBlockBytes
+                     : is_int8 ? quant::int8_block_bytes(qtype)
+                               : quant::block_bytes(static_cast<int>(qtype));
   TORCH_CHECK(bb > 0, "quant_gemm_cpu: unsupported quantization type ", qtype);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous() && packed.size(2) == bb,
@@ -65,6 +130,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   if (m == 0) return y;
   if (k == 0) return bias_p != nullptr ? y.copy_(bias->unsqueeze(0).expand({m, n})) : y.zero_();
   if (is_bf16) return bf16::gemm(x, packed, n, bias_p, chosen);
+  if (is_int8) return int8_gemm(x, packed, qtype, n, bias_p, isa, y);
   const quant::Args args{static_cast<int>(qtype), x.data_ptr<float>(), x.stride(0), packed.data_ptr<uint8_t>(),
                          bias_p, y.data_ptr<float>(), n, m, n, k};
   auto kernel = invariant ? (chosen == 2 ? &quant::quant_panels_invariant_avx512 : &quant::quant_panels_invariant_avx2)
@@ -86,15 +152,43 @@ at::Tensor quant_gemm_invariant_cpu(const at::Tensor& x, const at::Tensor& packe
 }
 
 }  // namespace
+
+namespace quant {
+void quantize_rows(const float* x, int64_t lda, int64_t k, int8_t* xq, float* xd, int32_t* xs, int64_t r_begin,
+                   int64_t r_end) {
+  const int64_t nb = k / kBlockK;
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* src = x + r * lda + b * kBlockK;
+      int8_t* dst = xq + r * k + b * kBlockK;
+      float amax = 0.0f;
+      for (int i = 0; i < kBlockK; ++i) amax = std::max(amax, std::fabs(src[i]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int i = 0; i < kBlockK; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(src[i] * inv));  // the default mode: half to even
+        const int32_t c = q > 127 ? 127 : q < -127 ? -127 : q;
+        dst[i] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      xd[r * nb + b] = amax / 127.0f;
+      xs[r * nb + b] = sum;
+    }
+  }
+}
+}  // namespace quant
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm_isa(int isa) -> int", &pagedllm::quant_gemm_isa);
+  m.def("quant_gemm_int8_isa(int isa) -> int", &pagedllm::quant_gemm_int8_isa);
+  m.def("quantize_act_cpu(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_gemm_cpu(Tensor x, Tensor packed, int qtype, int n, Tensor? bias, int isa) -> Tensor");
   m.def("quant_gemm_invariant_cpu(Tensor x, Tensor packed, int qtype, int n, Tensor? bias, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("quant_gemm_cpu", &pagedllm::quant_gemm_cpu);
+  m.impl("quantize_act_cpu", &pagedllm::quantize_act_cpu);
   m.impl("quant_gemm_invariant_cpu", &pagedllm::quant_gemm_invariant_cpu);
 }

@@ -9,9 +9,12 @@
    the model's own (dequantized, then quantized to each type with the ``gguf`` package); the gguf package
    cannot quantize to the K-quants, so those use random blocks of the same shape (sane scales), and only
    where the input width is a multiple of their 256-wide blocks.
+   For Q8_0, Q4_0 and Q4_1 also the int8-activation kernel (``--quant-activations int8``: x quantized per
+   32-wide block to int8), whose error is the activations' rounding, not float32's.
 2. Perplexity of the model on a text the package ships (bench/perplexity_text.py) through each path the
-   engine offers for the file: its weights dequantized to float32 (``--gguf-dequantize``) and kept quantized
-   through the kernels (the default); and the same model requantized (from its dequantized weights, with
+   engine offers for the file: its weights dequantized to float32 (``--gguf-dequantize``), kept quantized
+   through the kernels (the default), and the same with int8 activations (``--quant-activations int8``,
+   where that kernel runs); and the same model requantized (from its dequantized weights, with
    the gguf package) to each ``--requantize`` type, through the kernels. From the prompt logprobs of one
    request each.
 """
@@ -91,6 +94,9 @@ def kernel_errors(gguf_path, rows: list[int], seed: int = 0, max_out_features: i
                    else quantize(w, qtype))
             w_deq = dequantize(raw, qtype).reshape(n, k)
             kernel = QuantizedWeight(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)), k)
+            int8 = QuantizedWeight(int(qtype), torch.from_numpy(np.array(raw)), k)
+            if not int8.use_int8_activations():  # a type (or a CPU) without the int8 kernel
+                int8 = None
             w32 = torch.from_numpy(w_deq.astype(np.float32))
             for m in rows:
                 x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
@@ -98,9 +104,12 @@ def kernel_errors(gguf_path, rows: list[int], seed: int = 0, max_out_features: i
                 scale = float(np.abs(exact).max())
                 kernel_err = float(np.abs(kernel.matmul(x).double().numpy() - exact).max()) / scale
                 f32_err = float(np.abs((x @ w32.T).double().numpy() - exact).max()) / scale
+                int8_err = (None if int8 is None
+                            else float(np.abs(int8.matmul(x).double().numpy() - exact).max()) / scale)
                 results.append({"weight": name, "shape": f"{n}x{k}", "type": type_name,
                                 "weights": "random blocks" if k_quant else "the model's, requantized",
-                                "rows": m, "kernel_rel_err": kernel_err, "float32_rel_err": f32_err})
+                                "rows": m, "kernel_rel_err": kernel_err, "float32_rel_err": f32_err,
+                                "int8_activations_rel_err": int8_err})
     return results
 
 
@@ -132,12 +141,14 @@ def requantize_gguf(src, dst, type_name: str) -> None:
     writer.close()
 
 
-def perplexity(model: str | None, gguf_dequantize: bool, max_tokens: int, engine_args: dict) -> dict:
+def perplexity(model: str | None, gguf_dequantize: bool, max_tokens: int, engine_args: dict,
+               quant_activations: str = "none") -> dict:
     """The model's perplexity on the shipped text, weights through one path (prompt logprobs of one request)."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.bench.perplexity_text import TEXT
 
-    llm = LLM(**{**engine_args, "model": model, "gguf_dequantize": gguf_dequantize, "enable_prefix_caching": False})
+    llm = LLM(**{**engine_args, "model": model, "gguf_dequantize": gguf_dequantize, "enable_prefix_caching": False,
+                 "quant_activations": quant_activations})
     token_ids = llm.get_tokenizer().encode(TEXT)[:max_tokens]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
@@ -155,22 +166,31 @@ def bench_accuracy(args, engine_args: dict) -> dict:
         raise SystemExit("bench accuracy needs a .gguf model (the default model is one)")
     errors = kernel_errors(gguf_path, args.rows)
     result = {"model": str(gguf_path), "kernels": errors}
-    print(format_table(["weight", "shape", "type", "weights", "rows", "kernel vs float64", "float32 path vs float64"],
+    print(format_table(["weight", "shape", "type", "weights", "rows", "kernel vs float64", "float32 path vs float64",
+                        "int8 activations vs float64"],
                        [[e["weight"], e["shape"], e["type"], e["weights"], e["rows"], e["kernel_rel_err"],
-                         e["float32_rel_err"]] for e in errors], floatfmt="{:.1e}"))
+                         e["float32_rel_err"], "-" if e["int8_activations_rel_err"] is None
+                         else e["int8_activations_rel_err"]] for e in errors], floatfmt="{:.1e}"))
     if not args.skip_perplexity:
         import tempfile
         from pathlib import Path
 
+        from pagedllm.model.layers import quantized
+
         paths = {"float32 (dequantized at load)": (str(gguf_path), True),
                  "quantized kernels (the file's types)": (str(gguf_path), False)}
+        if quantized.int8_kernel_available():
+            paths["quantized kernels, int8 activations"] = (str(gguf_path), False, "int8")
         workdir = Path(tempfile.mkdtemp(prefix="pagedllm-requant-"))
         for type_name in filter(None, args.requantize.split(",")):
             dst = workdir / f"{type_name}.gguf"
             requantize_gguf(gguf_path, dst, type_name)
             paths[f"requantized to {type_name}, kernels"] = (str(dst), False)
-        result["perplexity"] = {label: perplexity(path, dequantize, args.max_text_tokens, engine_args)
-                                for label, (path, dequantize) in paths.items()}
+            if quantized.int8_kernel_available():
+                paths[f"requantized to {type_name}, kernels, int8 activations"] = (str(dst), False, "int8")
+        result["perplexity"] = {label: perplexity(path_args[0], path_args[1], args.max_text_tokens, engine_args,
+                                                  *path_args[2:])
+                                for label, path_args in paths.items()}
         print()
         print(format_table(["weights", "tokens scored", "perplexity"],
                            [[label, p["tokens_scored"], p["perplexity"]]

@@ -33,7 +33,8 @@ class UniprocExecutor(Executor):
         if engine_args.num_threads is not None:  # before loading: weight conversion runs on these threads
             torch.set_num_threads(engine_args.num_threads)
         self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device),
-                                 gguf_dequantize=engine_args.gguf_dequantize, quantization=engine_args.quantization)
+                                 gguf_dequantize=engine_args.gguf_dequantize, quantization=engine_args.quantization,
+                                 quant_activations=engine_args.quant_activations)
         self.model_info = ModelInfo.from_loaded(self.loaded)
         self.lora = make_lora_manager(self.loaded.model, engine_args.lora_config())
         """The LoRA adapters' slots, made before CUDA profiling so the KV cache leaves room for them."""

@@ -26,6 +26,10 @@ parallel shard) in whole 32-wide blocks. Embedding tables stay quantized too: a 
 dequantizes only the looked-up rows (``dequantize_rows``, plain torch); a tied LM head multiplies
 by the embedding's ``QuantizedWeight`` (found on the shared parameter).
 
+With ``--quant-activations int8`` the loader switches each linear's Q8_0 / Q4_0 / Q4_1 weight to the
+int8-activation kernel (``QuantizedWeight.use_int8_activations``): the same panels, each block's quant bytes
+reordered in place (``to_int8_layout``, csrc/quant_gemm_int8.h), and the op quantizes x per 32-block to int8.
+
 Where the compiled op is unavailable (not built, ``PAGEDLLM_DISABLE_CPU_OP=1``, no AVX2 + FMA +
 F16C), ``finalize`` dequantizes the staged rows into the float parameter instead, with a log line:
 the model then runs today's float32 path, just as ``--gguf-dequantize`` would.
@@ -58,6 +62,13 @@ PANEL_ROWS = 16
 SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K))
 """The GGUF types the GGUF loader keeps as they are (BF16 reaches the kernel from safetensors, ``convert``)."""
 ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
+INT8_KERNEL_TYPE = {Q4_0: 112, Q4_1: 113, Q8_0: 118}
+"""The int8-activation kernel's types (csrc/quant_gemm_int8.h) by kernel type: the same panels with
+each block's quant bytes reordered (``to_int8_layout``)."""
+ACTIVATION_FORMATS = ("none", "int8")
+"""``--quant-activations``: none keeps the activations float32 (the weights dequantized in registers);
+int8 quantizes them per 32-wide block of a row (one float32 scale each, as Q8_0) for integer dot
+products with the linears' Q8_0 / Q4_0 / Q4_1 weights."""
 
 
 class QuantTensor:
@@ -268,6 +279,34 @@ def kernel_available() -> bool:
             and int(torch.ops.pagedllm.quant_gemm_isa(kernel_isa())) != 0)
 
 
+def int8_kernel_available() -> bool:
+    """Whether the int8-activation kernel runs here (the library has it; AVX2 at least)."""
+    return (kernel_available() and hasattr(torch.ops.pagedllm, "quant_gemm_int8_isa")
+            and int(torch.ops.pagedllm.quant_gemm_int8_isa(kernel_isa())) != 0)
+
+
+def to_int8_layout(kernel_type: int, packed: torch.Tensor) -> None:
+    """Reorder, in place, each K-block's quant bytes of ``packed`` (panels of ``kernel_type``, Q8_0 / Q4_0 /
+    Q4_1) from ``[byte j][16 rows]`` to ``[j / 4][16 rows][j % 4]``, the int8 kernel's dword per row
+    (csrc/quant_gemm_int8.h); Q8_0's bytes also + 128 (XOR 0x80). One weight's quant bytes are copied
+    once on the way; the weight is then only in the new layout."""
+    offset = 64 if kernel_type == Q4_1 else 32
+    array = packed.numpy()
+    num_panels, nb, bb = array.shape
+    q_bytes = bb - offset
+    q = array[..., offset:]  # a view: [P, nb, j, 16 rows]
+    reordered = q.reshape(num_panels, nb, q_bytes // 64, 4, PANEL_ROWS).transpose(0, 1, 2, 4, 3).copy()
+    if kernel_type == Q8_0:
+        reordered ^= np.uint8(0x80)
+    q[...] = reordered.reshape(num_panels, nb, q_bytes)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` float32 as the int8 kernel quantizes it: ``(q int8 [M, K], d float32 [M, K/32],
+    sum int32 [M, K/32])``, per 32-wide block d = max|x| / 127 and q = rint(x * (127 / max|x|))."""
+    return torch.ops.pagedllm.quantize_act_cpu(x)
+
+
 class QuantizedWeight:
     """One repacked ``[n, k]`` weight and its product ``x W^T (+ bias)``."""
 
@@ -297,7 +336,20 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` dequantized to float32 ``[len(ids), k]``."""
+        if self.kernel_type in INT8_KERNEL_TYPE.values():
+            raise NotImplementedError("rows of a weight in the int8-activation layout (only linears take it)")
         return dequantize_rows(self.kernel_type, self.packed, ids)
+
+    def use_int8_activations(self) -> bool:
+        """Switch this weight to the int8-activation kernel (its panels reordered in place): every later
+        ``matmul`` quantizes x per 32-block to int8. False, and nothing changed, for a type it lacks
+        (the K-quants' QX, bf16) or where the kernel does not run."""
+        target = INT8_KERNEL_TYPE.get(self.kernel_type)
+        if target is None or not int8_kernel_available():
+            return False
+        to_int8_layout(self.kernel_type, self.packed)
+        self.kernel_type = target
+        return True
 
 
 def stage(param: nn.Parameter, row_offset: int, loaded: QuantTensor) -> None:
