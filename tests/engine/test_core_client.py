@@ -152,11 +152,19 @@ def test_block_maps_while_watched_and_none_once_unwatched(engine_args):
             first_look = await _next_of(client, OutputsMsg)
             assert first_look.stats.kv_map is not None and not first_look.stats.kv_map.requests
             client.add_request(_request("long", [3] * 40, max_tokens=300, ignore_eos=True))
-            while True:  # the next map (at most every KV_MAP_INTERVAL_S) shows the request running
+            # The next maps (at most every KV_MAP_INTERVAL_S) show the request running. One map built before
+            # the core took the request in may still be on its way (seen on a loaded machine): it shows no
+            # request, and at most that one is skipped.
+            maps_without_it = 0
+            while True:
                 msg = await _next_of(client, OutputsMsg)
-                if msg.stats.kv_map is not None:
-                    assert [r.state for r in msg.stats.kv_map.requests] == ["running"]
-                    break
+                if msg.stats.kv_map is None:
+                    continue
+                if not msg.stats.kv_map.requests and maps_without_it == 0:
+                    maps_without_it += 1
+                    continue
+                assert [r.state for r in msg.stats.kv_map.requests] == ["running"]
+                break
             call_id = client.request_utility("unwatch_kv_map")
             while True:
                 msg = await client.get_output()

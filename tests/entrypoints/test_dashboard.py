@@ -188,7 +188,9 @@ def test_an_open_dashboard_does_not_hold_up_shutdown(tmp_path):
     watcher.start()
     time.sleep(2.0)  # the stream is open and has sent its first events
     start = time.monotonic()
-    assert srv.stop(timeout_s=20) == 0
-    assert time.monotonic() - start < 10, "the event stream held the drain (its shutdown_timeout is 30 s)"
+    assert srv.stop(timeout_s=40) == 0
+    # A held drain would take the stream's 30 s shutdown_timeout; a loaded CI machine took 10.8 s to stop
+    # without one, so the bound sits between the two.
+    assert time.monotonic() - start < 22, "the event stream held the drain (its shutdown_timeout is 30 s)"
     assert ended.wait(10)
     watcher.join()
