@@ -55,3 +55,16 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from pagedllm.engine.core import EngineCore\n")
     assert "pagedllm.engine.core" in imported_modules(bad)
+
+
+def test_the_api_server_module_imports_no_grammar_engine():
+    """xgrammar (and the torch it pulls in, ~3 s and ~220 MB) waits for the first request that needs a
+    grammar; importing the API server must not load it. Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedllm.entrypoints.openai.api_server; "
+            "print(sorted(m for m in ('xgrammar', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout
+    assert out.strip() == "[]"

@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
-from xgrammar.structural_tag import (
-    AnyTextFormat,
-    JSONSchemaFormat,
-    OptionalFormat,
-    StructuralTag,
-    TagFormat,
-    TriggeredTagsFormat,
-)
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# xgrammar (and the torch it imports) is imported by the functions that build grammars, not here: the API
+# server imports this module for FORMATS, and a server that never sees `tools` should not pay torch's
+# import time and ~220 MB for it.
 
 CALL_RULE = "tool_call"
 
@@ -67,6 +64,7 @@ def object_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 def tool_call_grammar(parser_name: str, functions: list[tuple[str, dict | None]], parallel: bool) -> str:
     """EBNF (xgrammar's dialect, root rule `root`) of one or more calls to `functions` ((name, parameters)
     pairs) in the format of `parser_name`; ValueError naming a schema xgrammar cannot use."""
+    import xgrammar as xgr
     fmt = FORMATS[parser_name]
     calls = []
     for name, parameters in functions:
@@ -85,6 +83,8 @@ TRIGGERS = {"hermes": "<tool_call>"}
 def opened_call_grammar(parser_name: str, functions: list[tuple[str, dict | None]], parallel: bool) -> str | None:
     """EBNF of free text in which every call, once opened by the format's marker, is a valid call to one of
     `functions` (at most one call when not `parallel`); None for a format without such a marker."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TriggeredTagsFormat
     trigger = TRIGGERS.get(parser_name)
     if trigger is None:
         return None
@@ -99,12 +99,15 @@ def opened_call_grammar(parser_name: str, functions: list[tuple[str, dict | None
 
 def either_grammar(answer: xgr.Grammar, calls_ebnf: str) -> str:
     """EBNF of an answer in `answer`'s language or of the calls `calls_ebnf` admits."""
+    import xgrammar as xgr
     return str(xgr.Grammar.union(answer, xgr.Grammar.from_ebnf(calls_ebnf)))
 
 
 def after_reasoning(answer: xgr.Grammar, reasoning_parser: str) -> str:
     """EBNF of free reasoning, then `answer`: for deepseek_r1 text up to </think> (the template opened
     <think>), for qwen3 an optional <think>...</think>; whitespace may follow the reasoning."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import AnyTextFormat, OptionalFormat, StructuralTag, TagFormat
     think = TagFormat(begin="<think>" if reasoning_parser == "qwen3" else "", content=AnyTextFormat(), end="</think>")
     reasoning = StructuralTag(format=OptionalFormat(content=think) if reasoning_parser == "qwen3" else think)
     return str(xgr.Grammar.concat(xgr.Grammar.from_structural_tag(reasoning), xgr.Grammar.from_ebnf("root ::= [ \\n]*"),
@@ -112,6 +115,7 @@ def after_reasoning(answer: xgr.Grammar, reasoning_parser: str) -> str:
 
 
 def _arguments(fmt: CallFormat, name: str, parameters: dict | None) -> xgr.Grammar:
+    import xgrammar as xgr
     schema = object_schema(parameters)
     try:
         if not fmt.kwargs:
@@ -135,6 +139,7 @@ def _quoted(text: str) -> str:
 
 
 def _literal(text: str) -> xgr.Grammar:
+    import xgrammar as xgr
     return xgr.Grammar.from_ebnf(f"root ::= {_quoted(text)}")
 
 
