@@ -11,24 +11,31 @@
 //   h, res = add_rms_norm(o, res)
 //   x      = (silu(g) * u) Wdown^T   with [g | u] = h Wgate_up^T (+ bias)
 //
-// and returns (x, res): their sum is the last layer's output (the caller applies the final norm).
-// num_splits and tile_min_rows go to the attention op (0 = its defaults); `invariant` calls the
-// linears' batch-invariant kernels (pagedllm/model/batch_invariant.py sets all three).
+//   out, res = add_rms_norm(x, res)        after the last layer, with the plan's final norm weight
 //
-// What it removes is the Python between the ops: at batch 1 a step of the default model ran ~10
-// small ops per layer, each behind a Python frame, a module call and argument checks, which cost
-// about as much as the norms, rotary and activation themselves. The ops are reached through their
-// typed dispatcher handles (found once): a C++ dispatcher call costs well under a microsecond, and
-// the kernels stay where they are (fused_ops.cpp, cpu_gemm_op.cpp, quant_gemm_op.cpp,
-// paged_attention_op.cpp) with one definition each. Each handle's signature is its kernel's C++
-// signature exactly (the dispatcher calls the unboxed kernel through it).
+// and returns (out, res) (without a final norm weight: (x, res), whose sum is the last layer's output).
+// num_splits and tile_min_rows go to the attention op (0 = its defaults); `invariant` calls the
+// linears' batch-invariant kernels (pagedllm/model/batch_invariant.py sets all three). The rotary
+// tables come whole, with the step's positions: the call reads row positions[t] for token t (the
+// per-op path's index_select gathers the same rows first).
+//
+// What it removes is the Python between the ops, and then the ops' own overhead: at batch 1 a step of
+// the default model ran ~10 small ops per layer, each behind a Python frame, a module call and
+// argument checks. The linears, the KV write and attention are reached through their typed dispatcher
+// handles (found once; each handle's signature is its kernel's C++ signature exactly), so their
+// kernels stay where they are (cpu_gemm_op.cpp, quant_gemm_op.cpp, paged_attention_op.cpp). The norms,
+// rotary and SiLU are the plain functions of fused_ops.h, the same loops fused_ops.cpp's ops run,
+// writing into three buffers this call allocates once and every layer reuses (the residual stream is
+// updated in place): through the dispatcher, each with its own output allocation, those 120 small ops
+// cost 3-5 us each at batch 1, several times their arithmetic.
 //
 // Weights: 10 tensors per layer, in this order:
 //   input_norm, qkv, qkv_bias, o, o_bias, post_attention_norm, gate_up, gate_up_bias, down, down_bias
 // a bias being a 0-element tensor where there is none; and 3 ints per linear (12 per layer):
 //   kind (-1 = float32 panels for gemm_packed_cpu, else the quantized kernel type for
 //   quant_gemm_cpu), n (output features), isa (quant_gemm_cpu's isa argument; unused for float32).
-// pagedllm/model/layers/fused_decoder.py builds these lists once and decides when the call applies.
+// pagedllm/model/layers/fused_decoder.py builds these lists once, into a DecoderPlan with the model's
+// constants, and decides when the call applies.
 //
 // LoRA (pagedllm/lora/layers.py): with lora_segments not empty, each linear's output gets the step's
 // adapter deltas right after its product, before anything reads it, by the op the per-op path calls
@@ -37,20 +44,18 @@
 // no slots on this linear, then up to 3 part sizes), lora_segments: the step's (begin, end, slot) rows.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <chrono>
 #include <tuple>
 #include <vector>
 
+#include "fused_ops.h"
+
 namespace pagedllm {
 namespace {
 
-using RmsNormSig = at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t);
-using AddRmsNormSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                         double, int64_t);
-using RotarySig = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
-using SiluSig = at::Tensor(const at::Tensor&, int64_t);
 using KvWriteSig = void(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&);
 using AttentionSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, double, int64_t, int64_t, int64_t, int64_t, int64_t, double);
@@ -65,10 +70,6 @@ c10::OperatorHandle handle(const char* name) {
 }
 
 struct Ops {
-  c10::TypedOperatorHandle<RmsNormSig> rms_norm;
-  c10::TypedOperatorHandle<AddRmsNormSig> add_rms_norm;
-  c10::TypedOperatorHandle<RotarySig> rotary;
-  c10::TypedOperatorHandle<SiluSig> silu_and_mul;
   c10::TypedOperatorHandle<KvWriteSig> kv_write;
   c10::TypedOperatorHandle<AttentionSig> attention;
   c10::TypedOperatorHandle<GemmSig> gemm;
@@ -78,11 +79,7 @@ struct Ops {
   c10::TypedOperatorHandle<LoraSig> lora_sgmv;
 
   Ops()
-      : rms_norm(handle("pagedllm::rms_norm_cpu").typed<RmsNormSig>()),
-        add_rms_norm(handle("pagedllm::add_rms_norm_cpu").typed<AddRmsNormSig>()),
-        rotary(handle("pagedllm::rotary_qk_cpu").typed<RotarySig>()),
-        silu_and_mul(handle("pagedllm::silu_and_mul_cpu").typed<SiluSig>()),
-        kv_write(handle("pagedllm::kv_write_cpu").typed<KvWriteSig>()),
+      : kv_write(handle("pagedllm::kv_write_cpu").typed<KvWriteSig>()),
         attention(handle("pagedllm::paged_attention_cpu").typed<AttentionSig>()),
         gemm(handle("pagedllm::gemm_packed_cpu").typed<GemmSig>()),
         quant_gemm(handle("pagedllm::quant_gemm_cpu").typed<QuantGemmSig>()),
@@ -136,6 +133,60 @@ constexpr int64_t kIntsPerLayer = 4 * kIntsPerLinear;
 constexpr int64_t kLoraWeightsPerLinear = 3;
 constexpr int64_t kLoraIntsPerLinear = 4;
 
+}  // namespace
+
+// What a model's steps share, handed over once (pagedllm.classes.DecoderPlan): converting ~300 weight
+// tensors and ~400 ints from Python lists at every call cost 25-60 us a step. Checked here, once.
+struct DecoderPlan : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> linear_info;
+  std::vector<at::Tensor> lora_weights;
+  std::vector<int64_t> lora_info;
+  at::Tensor final_norm;  // the model's final RMSNorm weight, or 0 elements: return (x, residual) unnormed
+  int64_t num_layers, num_heads, num_kv_heads, head_dim, norm_lanes, silu_block, num_splits, tile_min_rows;
+  bool invariant;
+  double scale, eps, final_eps;
+
+  DecoderPlan(std::vector<at::Tensor> weights_, std::vector<int64_t> linear_info_, std::vector<at::Tensor> lora_weights_,
+              std::vector<int64_t> lora_info_, at::Tensor final_norm_, std::vector<int64_t> ints,
+              std::vector<double> floats)
+      : weights(std::move(weights_)), linear_info(std::move(linear_info_)), lora_weights(std::move(lora_weights_)),
+        lora_info(std::move(lora_info_)), final_norm(std::move(final_norm_)) {
+    TORCH_CHECK(ints.size() == 8 && floats.size() == 3,
+                "DecoderPlan: ints (num_heads, num_kv_heads, head_dim, norm_lanes, silu_block, num_splits, "
+                "tile_min_rows, invariant) and floats (scale, eps, final_eps) expected");
+    num_heads = ints[0], num_kv_heads = ints[1], head_dim = ints[2], norm_lanes = ints[3], silu_block = ints[4];
+    num_splits = ints[5], tile_min_rows = ints[6], invariant = ints[7] != 0;
+    scale = floats[0], eps = floats[1], final_eps = floats[2];
+    num_layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
+    TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
+                "DecoderPlan: ", kWeightsPerLayer, " weights per layer expected, got ", weights.size());
+    TORCH_CHECK(static_cast<int64_t>(linear_info.size()) == num_layers * kIntsPerLayer,
+                "DecoderPlan: ", kIntsPerLayer, " ints per layer expected");
+    TORCH_CHECK(lora_weights.empty() ||
+                    (static_cast<int64_t>(lora_weights.size()) == num_layers * 4 * kLoraWeightsPerLinear &&
+                     static_cast<int64_t>(lora_info.size()) == num_layers * 4 * kLoraIntsPerLinear),
+                "DecoderPlan: ", 4 * kLoraWeightsPerLinear, " LoRA tensors and ", 4 * kLoraIntsPerLinear,
+                " LoRA ints per layer expected, or none");
+    TORCH_CHECK(norm_lanes == 8 || norm_lanes == 16, "DecoderPlan: norm_lanes must be 8 or 16");
+    TORCH_CHECK(silu_block == 16 || silu_block == 32, "DecoderPlan: silu_block must be 16 or 32");
+    TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && num_heads > 0 && num_kv_heads > 0, "DecoderPlan: heads");
+    // The norms run as plain functions on raw rows (fused_ops.h): their weights are checked here.
+    const int64_t hidden = weights[0].numel();
+    auto check_norm = [hidden](const at::Tensor& w) {
+      TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() &&
+                      w.numel() == hidden, "DecoderPlan: norm weights must be contiguous float32 [hidden]");
+    };
+    for (int64_t l = 0; l < num_layers; ++l) {
+      check_norm(weights[l * kWeightsPerLayer]);
+      check_norm(weights[l * kWeightsPerLayer + 5]);
+    }
+    if (final_norm.numel() > 0) check_norm(final_norm);
+  }
+};
+
+namespace {
+
 // One linear's LoRA arguments for this step, or none (lora == nullptr).
 struct Lora {
   const at::Tensor* weights;  // a, b, ranks
@@ -156,87 +207,147 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& weight, c
   return y;
 }
 
+// A view of `base`'s storage, made without a dispatcher call (as at::alias does it): the q, k, v heads
+// of a qkv row and the attention output as the linears read it, four a layer.
+at::Tensor view_of(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(base.storage()),
+                                                   base.key_set(), base.dtype());
+  impl->set_sizes_and_strides(sizes, strides, base.storage_offset() + offset);
+  return at::Tensor(std::move(impl));
+}
+
+void check_float_rows(const at::Tensor& t, int64_t cols, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1 &&
+                  t.size(1) == cols, "decoder_layers_cpu: ", what, " must be float32 rows of ", cols);
+}
+
 std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
-    const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList weights,
-    at::IntArrayRef linear_info, at::TensorList kv_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, int64_t norm_lanes, int64_t silu_block,
-    int64_t num_splits, int64_t tile_min_rows, bool invariant, at::TensorList lora_weights, at::IntArrayRef lora_info,
-    at::IntArrayRef lora_segments) {
-  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
-              "decoder_layers_cpu: ", kWeightsPerLayer, " weights per layer expected, got ", weights.size(), " for ",
-              num_layers, " layers");
-  TORCH_CHECK(static_cast<int64_t>(linear_info.size()) == num_layers * kIntsPerLayer,
-              "decoder_layers_cpu: ", kIntsPerLayer, " ints per layer expected");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+    const at::Tensor& hidden, const at::Tensor& cos_cache, const at::Tensor& signed_sin_cache,
+    const at::Tensor& positions, const c10::intrusive_ptr<DecoderPlan>& plan, at::TensorList kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, at::IntArrayRef lora_segments) {
+  const DecoderPlan& p = *plan;
+  const int64_t num_layers = p.num_layers, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
+  const int64_t head_dim = p.head_dim, lanes = p.norm_lanes;
+  const float eps = static_cast<float>(p.eps);
+  TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers, "decoder_layers_cpu: one KV cache per layer (",
+              num_layers, ") expected, got ", kv_caches.size());
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.is_cpu(),
               "decoder_layers_cpu: hidden must be a contiguous float32 [num_tokens, hidden_size] tensor");
+  const int64_t num_tokens = hidden.size(0), width = hidden.size(1);
+  TORCH_CHECK(width == p.weights[0].numel(), "decoder_layers_cpu: hidden size ", width, " is not the plan's ",
+              p.weights[0].numel());
+  for (const at::Tensor* t : {&cos_cache, &signed_sin_cache})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
+                    t->size(1) == head_dim && t->size(0) == cos_cache.size(0),
+                "decoder_layers_cpu: the rotary tables must be contiguous float32 [max_positions, head_dim]");
+  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.is_contiguous() && positions.size(0) == num_tokens,
+              "decoder_layers_cpu: one contiguous int64 position per token expected");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_cache.size(0), "decoder_layers_cpu: position ", pos[t],
+                " past the rotary tables' ", cos_cache.size(0));
   const bool with_lora = !lora_segments.empty();
-  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora_weights.size()) == num_layers * 4 * kLoraWeightsPerLinear &&
-                             static_cast<int64_t>(lora_info.size()) == num_layers * 4 * kLoraIntsPerLinear),
-              "decoder_layers_cpu: ", 4 * kLoraWeightsPerLinear, " LoRA tensors and ", 4 * kLoraIntsPerLinear,
-              " LoRA ints per layer expected with LoRA segments");
+  TORCH_CHECK(!with_lora || !p.lora_weights.empty(), "decoder_layers_cpu: LoRA segments for a plan without slots");
   const Ops& o = ops();
-  const int64_t num_tokens = hidden.size(0);
-  const std::vector<int64_t> head_split{num_heads, num_kv_heads, num_kv_heads};
-  at::Tensor x = hidden, residual, h;
+  const float* cos = cos_cache.data_ptr<float>();
+  const float* signed_sin = signed_sin_cache.data_ptr<float>();
+  const int64_t qkv_cols = (num_heads + 2 * num_kv_heads) * head_dim;
+  // This call's buffers, reused by every layer: the normed input of a linear (h), the residual stream,
+  // updated in place (res), and the SiLU product (act, sized at the first layer). The per-op path
+  // allocates each op's output, ~4 small allocations a layer.
+  at::Tensor h = at::empty({num_tokens, width}, hidden.options());
+  at::Tensor res = at::empty({num_tokens, width}, hidden.options());
+  at::Tensor act;
+  float* hp = h.data_ptr<float>();
+  float* rp = res.data_ptr<float>();
+  at::Tensor x = hidden;
   PhaseTimer timer;
   double& linear_s = g_clock.linear_s;
   double& attention_s = g_clock.attention_s;
   double& other_s = g_clock.other_s;
   for (int64_t l = 0; l < num_layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
-    const int64_t* info = linear_info.data() + l * kIntsPerLayer;
+    const at::Tensor* w = p.weights.data() + l * kWeightsPerLayer;
+    const int64_t* info = p.linear_info.data() + l * kIntsPerLayer;
     Lora loras[4];
     for (int64_t j = 0; with_lora && j < 4; ++j)
-      loras[j] = Lora{lora_weights.data() + (l * 4 + j) * kLoraWeightsPerLinear,
-                      lora_info.data() + (l * 4 + j) * kLoraIntsPerLinear, lora_segments};
+      loras[j] = Lora{p.lora_weights.data() + (l * 4 + j) * kLoraWeightsPerLinear,
+                      p.lora_info.data() + (l * 4 + j) * kLoraIntsPerLinear, lora_segments};
     const Lora* lora = with_lora ? loras : nullptr;
-    if (l == 0) {
-      residual = x;
-      h = o.rms_norm.call(x, w[0], eps, norm_lanes);
+    if (l == 0) {  // the residual stream starts as the input itself (read from `hidden` until the first add)
+      fused::rms_norm_rows(hidden.data_ptr<float>(), width, w[0].data_ptr<float>(), eps, lanes, hp, num_tokens, width);
     } else {
-      std::tie(h, residual) = o.add_rms_norm.call(x, residual, w[0], eps, norm_lanes);
+      check_float_rows(x, width, "a down projection's output");
+      fused::add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), rp, width, w[0].data_ptr<float>(), eps, lanes, hp,
+                               rp, num_tokens, width);
     }
     timer.lap(other_s);
-    at::Tensor qkv = linear(o, h, w[1], w[2], info, invariant, lora);  // [T, (H + 2 Hkv) D]
+    at::Tensor qkv = linear(o, h, w[1], w[2], info, p.invariant, lora);  // [T, (H + 2 Hkv) D]
     timer.lap(linear_s);
-    o.rotary.call(qkv, cos, signed_sin, num_heads + num_kv_heads, head_dim);
+    check_float_rows(qkv, qkv_cols, "the qkv projection's output");
+    const int64_t qs = qkv.stride(0);
+    fused::rotary_rows(qkv.data_ptr<float>(), qs, cos, signed_sin, pos, num_tokens, num_heads + num_kv_heads,
+                       head_dim);
     // [T, H, D], [T, Hkv, D], [T, Hkv, D]: views of qkv, as the per-op path's split_with_sizes
-    const std::vector<at::Tensor> qkv_heads = qkv.view({num_tokens, -1, head_dim}).split_with_sizes(head_split, 1);
+    const at::Tensor q = view_of(qkv, {num_tokens, num_heads, head_dim}, {qs, head_dim, 1}, 0);
+    const at::Tensor k = view_of(qkv, {num_tokens, num_kv_heads, head_dim}, {qs, head_dim, 1}, num_heads * head_dim);
+    const at::Tensor v = view_of(qkv, {num_tokens, num_kv_heads, head_dim}, {qs, head_dim, 1},
+                                 (num_heads + num_kv_heads) * head_dim);
     timer.lap(other_s);
-    o.kv_write.call(qkv_heads[1], qkv_heads[2], kv_caches[l], slot_mapping);
-    const at::Tensor attn = o.attention.call(qkv_heads[0], kv_caches[l], block_tables, seq_lens, query_start_loc,
-                                             scale, num_splits, 0, tile_min_rows, 0, -1, 0.0);  // [T, H, D]
+    o.kv_write.call(k, v, kv_caches[l], slot_mapping);
+    const at::Tensor attn = o.attention.call(q, kv_caches[l], block_tables, seq_lens, query_start_loc, p.scale,
+                                             p.num_splits, 0, p.tile_min_rows, 0, -1, 0.0);  // [T, H, D]
     timer.lap(attention_s);
-    const at::Tensor out = linear(o, attn.view({num_tokens, num_heads * head_dim}), w[3], w[4],
-                                  info + kIntsPerLinear, invariant, lora ? lora + 1 : nullptr);
+    TORCH_CHECK(attn.is_contiguous() && attn.numel() == num_tokens * num_heads * head_dim,
+                "decoder_layers_cpu: attention output of an unexpected layout");
+    const at::Tensor attn_rows = view_of(attn, {num_tokens, num_heads * head_dim}, {num_heads * head_dim, 1}, 0);
+    const at::Tensor out = linear(o, attn_rows, w[3], w[4], info + kIntsPerLinear, p.invariant,
+                                  lora ? lora + 1 : nullptr);
     timer.lap(linear_s);
-    std::tie(h, residual) = o.add_rms_norm.call(out, residual, w[5], eps, norm_lanes);
+    check_float_rows(out, width, "the o projection's output");
+    fused::add_rms_norm_rows(out.data_ptr<float>(), out.stride(0), l == 0 ? hidden.data_ptr<float>() : rp, width,
+                             w[5].data_ptr<float>(), eps, lanes, hp, rp, num_tokens, width);
     timer.lap(other_s);
     const at::Tensor gate_up =
-        linear(o, h, w[6], w[7], info + 2 * kIntsPerLinear, invariant, lora ? lora + 2 : nullptr);
+        linear(o, h, w[6], w[7], info + 2 * kIntsPerLinear, p.invariant, lora ? lora + 2 : nullptr);
     timer.lap(linear_s);
-    const at::Tensor act = o.silu_and_mul.call(gate_up, silu_block);
+    TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
+                    gate_up.size(0) == num_tokens && gate_up.size(1) % 2 == 0,
+                "decoder_layers_cpu: the gate/up projection's output must be float32 rows of gate, then up");
+    const int64_t d = gate_up.size(1) / 2;
+    if (!act.defined() || act.size(1) != d) act = at::empty({num_tokens, d}, hidden.options());
+    fused::silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), num_tokens, d,
+                         p.silu_block);
     timer.lap(other_s);
-    x = linear(o, act, w[8], w[9], info + 3 * kIntsPerLinear, invariant, lora ? lora + 3 : nullptr);
+    x = linear(o, act, w[8], w[9], info + 3 * kIntsPerLinear, p.invariant, lora ? lora + 3 : nullptr);
     timer.lap(linear_s);
   }
+  check_float_rows(x, width, "a down projection's output");
+  if (p.final_norm.numel() == 0) {
+    if (g_clock.on) ++g_clock.calls;
+    return {x, res};
+  }
+  // The final norm, as LlamaModel's `norm(x, residual)`: (normed, the stream's sum); h and res are this
+  // call's own buffers, so they are returned as they are.
+  fused::add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), rp, width, p.final_norm.data_ptr<float>(),
+                           static_cast<float>(p.final_eps), lanes, hp, rp, num_tokens, width);
+  timer.lap(other_s);
   if (g_clock.on) ++g_clock.calls;
-  if (num_layers == 0) residual = at::zeros_like(x);
-  return {x, residual};
+  return {h, res};
 }
 
 }  // namespace
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.class_<pagedllm::DecoderPlan>("DecoderPlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>,
+                       at::Tensor, std::vector<int64_t>, std::vector<double>>());
   m.def(
-      "decoder_layers_cpu(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor[] weights, int[] linear_info, "
-      "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "int num_heads, int num_kv_heads, int head_dim, float scale, float eps, int norm_lanes, int silu_block, "
-      "int num_splits, int tile_min_rows, bool invariant, Tensor[] lora_weights, int[] lora_info, "
-      "int[] lora_segments) -> (Tensor, Tensor)");
+      "decoder_layers_cpu(Tensor hidden, Tensor cos_cache, Tensor signed_sin_cache, Tensor positions, "
+      "__torch__.torch.classes.pagedllm.DecoderPlan plan, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int[] lora_segments) -> (Tensor, Tensor)");
   m.def("decoder_layers_clock_cpu(bool on) -> float[]", &pagedllm::decoder_layers_clock_cpu);
 }
 

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "fused_ops.h"
 #include "thread_pool.h"
 
 namespace pagedllm {
@@ -95,8 +96,8 @@ __attribute__((target("avx2"))) void scale_row(const float* __restrict x, const 
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-__attribute__((target("avx2"))) void add_row(const float* __restrict x, const float* __restrict r,
-                                             float* __restrict out, int64_t n) {
+// r and out may be the same row (decoder_layers_cpu updates the residual stream in place): no restrict.
+__attribute__((target("avx2"))) void add_row(const float* __restrict x, const float* r, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] + r[i];
 }
 
@@ -117,17 +118,39 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight, int64_t lane
               "rms_norm_cpu: weight must be a contiguous float32 [hidden] tensor matching x");
 }
 
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
-  check_norm_args(x, weight, lanes);
-  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+}  // namespace
+
+namespace fused {
+
+void rms_norm_rows(const float* x, int64_t x_stride, const float* w, float eps, int64_t lanes, float* out,
+                   int64_t rows, int64_t n) {
   parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      scale_row(xp + r * xs, wp, inv_rms(xp + r * xs, n, static_cast<float>(eps), lanes), op + r * n, n);
+      scale_row(x + r * x_stride, w, inv_rms(x + r * x_stride, n, eps, lanes), out + r * n, n);
   });
+}
+
+void add_rms_norm_rows(const float* x, int64_t x_stride, const float* residual, int64_t residual_stride,
+                       const float* w, float eps, int64_t lanes, float* out, float* sum, int64_t rows, int64_t n) {
+  parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sum + r * n;
+      add_row(x + r * x_stride, residual + r * residual_stride, s, n);
+      scale_row(s, w, inv_rms(s, n, eps, lanes), out + r * n, n);
+    }
+  });
+}
+
+}  // namespace fused
+
+namespace {
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
+  check_norm_args(x, weight, lanes);
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  fused::rms_norm_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), static_cast<float>(eps), lanes,
+                       out.data_ptr<float>(), rows, n);
   return out;
 }
 
@@ -136,21 +159,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
   check_norm_args(x, weight, lanes);
   check_rows(residual, "add_rms_norm_cpu: residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_cpu: x and residual shapes differ");
-  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows, n}, x.options());
   at::Tensor sum = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* s = sp + r * n;
-      add_row(xp + r * xs, rp + r * rs, s, n);
-      scale_row(s, wp, inv_rms(s, n, static_cast<float>(eps), lanes), op + r * n, n);
-    }
-  });
+  fused::add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), residual.data_ptr<float>(), residual.stride(0),
+                           weight.data_ptr<float>(), static_cast<float>(eps), lanes, out.data_ptr<float>(),
+                           sum.data_ptr<float>(), rows, n);
   return {out, sum};
 }
 
@@ -166,6 +180,26 @@ __attribute__((target("avx2"))) void rotate_head(float* __restrict x, const floa
   }
 }
 
+}  // namespace
+
+namespace fused {
+
+void rotary_rows(float* qkv, int64_t qkv_stride, const float* cos, const float* signed_sin, const int64_t* positions,
+                 int64_t rows, int64_t num_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  parallel_for(0, rows, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t row = positions != nullptr ? positions[t] : t;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotate_head(qkv + t * qkv_stride + h * head_dim, cos + row * head_dim, signed_sin + row * head_dim, half);
+    }
+  });
+}
+
+}  // namespace fused
+
+namespace {
+
 void rotary_qk_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t num_heads,
                    int64_t head_dim) {
   check_rows(qkv, "rotary_qk_cpu: qkv");
@@ -177,15 +211,8 @@ void rotary_qk_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == tokens * head_dim,
                 "rotary_qk_cpu: cos and signed_sin must be contiguous float32 [num_tokens, (1,) head_dim]");
-  const int64_t qs = qkv.stride(0), half = head_dim / 2;
-  float* qp = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = signed_sin.data_ptr<float>();
-  parallel_for(0, tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < num_heads; ++h)
-        rotate_head(qp + t * qs + h * head_dim, cp + t * head_dim, sp + t * head_dim, half);
-  });
+  fused::rotary_rows(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
+                     nullptr, tokens, num_heads, head_dim);
 }
 
 // e^x as torch's Vectorized<float>::exp computes it (SLEEF's expf_u10 with FMA: Cody-Waite
@@ -235,17 +262,27 @@ __attribute__((target("avx2,fma"))) void silu_mul_row(const float* __restrict g,
   }
 }
 
+}  // namespace
+
+namespace fused {
+
+void silu_mul_rows(const float* x, int64_t x_stride, float* out, int64_t rows, int64_t d, int64_t block) {
+  parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(x + r * x_stride, x + r * x_stride + d, out + r * d, d, block);
+  });
+}
+
+}  // namespace fused
+
+namespace {
+
 at::Tensor silu_and_mul_cpu(const at::Tensor& x, int64_t block) {
   check_rows(x, "silu_and_mul_cpu: x");
   TORCH_CHECK(block == 16 || block == 32, "silu_and_mul_cpu: block must be 16 or 32, got ", block);
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul_cpu: the last dim must be even (gate, then up)");
-  const int64_t rows = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({rows, d}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * xs, xp + r * xs + d, op + r * d, d, block);
-  });
+  fused::silu_mul_rows(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), rows, d, block);
   return out;
 }
 

@@ -19,16 +19,18 @@ the rounds.
 
 With --cpu-time, also "outside": per decode step, the process CPU time spent outside the compiled
 layers' call (``decoder_layers_cpu``) and the LM head (``compute_logits`` / ``greedy_token_ids``),
-measured in the timed runs themselves (no replay): embedding lookup, rotary gathers, final norm,
-input preparation, sampling, scheduling, detokenizing. It does not depend on the replays, which a
+measured in the timed runs themselves (no replay): embedding lookup, input preparation, sampling,
+scheduling, detokenizing (the rotary gathers and the final norm run inside the call since session 13). It does not depend on the replays, which a
 contended machine moves more.
 ``--fused-only`` skips the per-op runs.
 
 With --clock (fused runs only), the breakdown the issue asks for, measured inside the timed decode steps
 themselves in wall time: the compiled layers' call times its own phases (``decoder_layers_clock_cpu``: the
 linears, the KV write with attention, the rest), the LM head is timed around its call, and "else" is the step's
-wall time minus the matmuls (linears + LM head) and attention: the norms, rotary and SiLU inside the call plus
-everything outside it (embedding lookup, input preparation, sampling, scheduling, detokenizing). Run it on a quiet
+wall time minus the matmuls (linears + LM head) and attention: the norms (the final one included), rotary and SiLU
+inside the call plus everything outside it (embedding lookup, input preparation, argmax, scheduling, detokenizing,
+and the Python frames and argument passing around each call). The LM head's time is its Python call's, so its frames
+count as matmul: a few microseconds. Run it on a quiet
 machine: wall time counts waits for a core.
 """
 
@@ -361,13 +363,13 @@ def clock_breakdown(engine, args) -> None:
         rows = clocked_run(engine, args, seed=10 + r, clocked=clocked)
         step, linear, attention, other, head = (statistics.median(col) for col in zip(*rows))
         # fractions per step, then the median: the medians of the parts need not add up to the step's
-        per_step = [((lin + hd) / st, att / st, (st - lin - hd - att) / st, oth / st)
+        per_step = [((lin + hd) / st, att / st, (st - lin - hd - att) / st, oth / st, (st - lin - hd - att - oth) / st)
                     for st, lin, att, oth, hd in rows]
-        matmul_f, attention_f, else_f, other_f = (statistics.median(col) for col in zip(*per_step))
+        matmul_f, attention_f, else_f, other_f, outside_f = (statistics.median(col) for col in zip(*per_step))
         fractions.append(else_f)
         print(f"  round {r + 1}: step {step:.2f} ms; matmuls {matmul_f:.1%} (linears {linear:.2f} + LM head {head:.2f} ms), "
               f"attention {attention_f:.1%} ({attention:.2f} ms), else {else_f:.1%} (of which the call's norms, "
-              f"rotary and SiLU {other_f:.1%}, {other:.2f} ms)")
+              f"rotary and SiLU {other_f:.1%}, {other:.2f} ms; outside the call {outside_f:.1%})")
     print(f"  else, median over rounds: {statistics.median(fractions):.1%}")
     fused_decoder.set_enabled(None)
 

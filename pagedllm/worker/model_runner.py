@@ -388,10 +388,12 @@ class ModelRunner:
             input_id_list = [s.token_ids[p] for s, p in zip(states, position_list)]
             seq_lens_host = [p + 1 for p in position_list]
             slot_list = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(states, position_list)]
-            # One host array whose rows are the step's vectors: one conversion instead of four.
-            input_ids, positions, slot_mapping, seq_lens = torch.from_numpy(
-                np.array([input_id_list, position_list, slot_list, seq_lens_host], dtype=np.int64)).unbind(0)
-            query_start_loc = torch.arange(len(states) + 1, dtype=torch.int64)
+            # One host array holding the step's five vectors: one conversion, one split (torch.arange for
+            # query_start_loc alone cost as much as the rest)
+            n = len(states)
+            input_ids, positions, slot_mapping, seq_lens, query_start_loc = torch.from_numpy(
+                np.array(input_id_list + position_list + slot_list + seq_lens_host + list(range(n + 1)),
+                         dtype=np.int64)).split((n, n, n, n, n + 1))
         else:
             input_id_list = []
             for state, n in zip(states, num_scheduled):
@@ -408,19 +410,21 @@ class ModelRunner:
             seq_lens_host = seq_lens.tolist()
             input_ids = torch.tensor(input_id_list, dtype=torch.int64)
         device = self.device
-
+        if device.type != "cpu":  # on the CPU the tensors are used as built: no seven .to calls a step
+            input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables = (
+                t.to(device) for t in (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables))
         metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            query_start_loc=query_start_loc.to(device),
-            seq_lens=seq_lens.to(device),
-            block_tables=block_tables.to(device),
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             max_query_len=max(num_scheduled),
             max_seq_len=max(seq_lens_host),
             block_size=bs,
             query_lens_host=list(num_scheduled),
             seq_lens_host=seq_lens_host,
         )
-        return input_ids.to(device), positions.to(device), metadata
+        return input_ids, positions, metadata
 
     def _compute_prompt_logprobs(self, states, num_scheduled, metadata, hidden_states, output) -> None:
         """Logprobs of the prompt tokens this step covers: position p predicts token p + 1."""

@@ -135,7 +135,7 @@ def test_not_covered_models_take_the_per_op_path(tmp_path, monkeypatch):
         model = load_model(save_hf_model(make_hf_model(kind, **HEADS_32), tmp_path / kind)).model
         with_cpu_backend(model)
         run_steps(model, True)
-        assert model.model.__dict__["_fused_decoder"][1] is None, kind
+        assert model.model.__dict__["_fused_decoder"][-1] is None, kind
     assert counter.calls == 0
 
 
@@ -262,3 +262,38 @@ def test_phase_clock_divides_the_call(tmp_path, monkeypatch):
     assert linear > 0 and attention > 0 and other > 0
     assert linear + attention + other <= wall
     assert clock(False) == [0.0, 0.0, 0.0, 0.0]  # read and reset, and left off
+
+
+def test_the_plan_and_the_call_check_their_arguments(tmp_path):
+    """DecoderPlan refuses lists of the wrong length and norm weights the plain kernels cannot read; the call
+    refuses a position past the rotary tables (it gathers their rows itself) before touching a cache."""
+    model = with_cpu_backend(load_model(save_hf_model(make_hf_model("llama", seed=4, **HEADS_32), tmp_path / "m")).model)
+    fused_decoder.set_enabled(True)
+    PagedRunner(model, block_size=4).step(STEPS[0])
+    decoder = model.model.__dict__["_fused_decoder"][-1]
+    assert decoder is not None
+    attn = model.model.layers[0].self_attn
+    ints = [attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim, 16, 32, 0, 0, 0]
+    floats = [0.125, 1e-5, 1e-5]
+    norm = model.model.norm.weight
+    weights = [w for layer in model.model.layers for w in (layer.input_layernorm.weight, torch.empty(0), torch.empty(0),
+                                                           torch.empty(0), torch.empty(0),
+                                                           layer.post_attention_layernorm.weight, torch.empty(0),
+                                                           torch.empty(0), torch.empty(0), torch.empty(0))]
+    info = [0] * (12 * len(model.model.layers))
+    torch.classes.pagedllm.DecoderPlan(weights, info, [], [], norm, ints, floats)  # well-formed
+    with pytest.raises(RuntimeError, match="weights per layer"):
+        torch.classes.pagedllm.DecoderPlan(weights[:-1], info, [], [], norm, ints, floats)
+    with pytest.raises(RuntimeError, match="ints per layer"):
+        torch.classes.pagedllm.DecoderPlan(weights, info[:-1], [], [], norm, ints, floats)
+    with pytest.raises(RuntimeError, match="norm weights"):
+        torch.classes.pagedllm.DecoderPlan(weights, info, [], [], norm.double(), ints, floats)
+
+    rotary = model.model.rotaries[model.model.rotary_keys[0]]
+    hidden = torch.zeros(1, norm.numel())
+    caches = [torch.zeros(1) for _ in model.model.layers]  # never reached
+    index = torch.zeros(1, dtype=torch.int64)
+    for position in (rotary.cos_cache.shape[0], -1):
+        with pytest.raises(RuntimeError, match="rotary tables"):
+            decoder._op(hidden, rotary.cos_cache, rotary.signed_sin_cache, torch.tensor([position]), decoder.plan,
+                        caches, index, index, index, index, ())

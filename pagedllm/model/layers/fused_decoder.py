@@ -8,9 +8,10 @@ calls and checks between them cost about as much again as the norms, rotary and 
 loop, so its output equals the per-op path bit for bit (tests/model/test_fused_decoder.py); the
 per-op path (``LlamaDecoderLayer.forward``) stays the reference and runs everything else. Around
 that call the step's other ops are called directly too, without their modules: the embedding
-lookup (``quant_rows_cpu`` for a GGUF table, ``torch.embedding`` for a float32 one), the rotary
-tables' two row gathers, and the final norm (``add_rms_norm_cpu``): the same ops the modules would
-run, ~0.2-0.3 ms less Python a batch-1 step.
+lookup (``quant_rows_cpu`` for a GGUF table, ``torch.embedding`` for a float32 one); the rotary
+tables' row gathers (by the step's positions) and the final norm run inside the call. What does not
+change between steps (the weights, ints and the model's constants) goes to the op once, as a
+``DecoderPlan``.
 
 Covered (checked once, when the model's first step builds the weight lists): CPU float32
 activations, tensor-parallel size 1, every linear either float32 panels of the compiled GEMM or a
@@ -47,7 +48,7 @@ MAX_TOKENS = 256
 """Steps of more tokens take the per-op path: there the float32 linears leave the compiled GEMM
 (``linear.GEMM_ROWS``) for MKL, which this call does not reach."""
 
-_ATTR = "_fused_decoder"  # on the LlamaModel instance: (backend, a FusedDecoder or None once refused)
+_ATTR = "_fused_decoder"  # on the LlamaModel instance: (attention, backend, a FusedDecoder or None once refused)
 _enabled: list[bool] = []  # [] = follow the environment; [flag] = set_enabled's choice
 
 
@@ -71,13 +72,16 @@ def for_step(model, input_ids: torch.Tensor) -> FusedDecoder | None:
     """The fused call for this step of ``model`` (a ``LlamaModel``), or None: run the layers one by one."""
     if not (_enabled[0] if _enabled else not envs.PAGEDLLM_DISABLE_FUSED_DECODER):
         return None
-    # (the attention backend it was decided for, the FusedDecoder or None): decided again when the
-    # backend changes (a model stepped first under the torch reference, then by the runner).
-    backend, fused = model.__dict__.get(_ATTR, (None, None))
-    current = model.layers[0].self_attn.attn.backend if len(model.layers) else None
-    if backend is not current:
-        fused = FusedDecoder.build(model)
-        model.__dict__[_ATTR] = (current, fused)
+    # (the first layer's attention, the backend it was decided for, the FusedDecoder or None): decided
+    # again when the backend changes (a model stepped first under the torch reference, then by the runner).
+    decided = model.__dict__.get(_ATTR)
+    if decided is None or decided[0].backend is not decided[1]:
+        attention = model.layers[0].self_attn.attn if len(model.layers) else None
+        if attention is None:
+            return None
+        decided = (attention, attention.backend, FusedDecoder.build(model))
+        model.__dict__[_ATTR] = decided
+    fused = decided[2]
     if fused is None or not fused.applies(input_ids):
         return None
     return fused
@@ -90,33 +94,28 @@ class FusedDecoder:
                  silu_block: int, embed: tuple, lora: tuple[list[torch.Tensor], list[int]] | None) -> None:
         layer0 = model.layers[0]
         attn = layer0.self_attn
-        self.weights = weights
-        self.linear_info = linear_info
-        self.num_heads = attn.num_local_heads
-        self.num_kv_heads = attn.num_local_kv_heads
-        self.head_dim = attn.head_dim
-        self.scale = float(attn.attn.scale)
-        self.eps = float(layer0.input_layernorm.eps)
-        self.norm_lanes = norm_lanes
-        self.silu_block = silu_block
         # The batch-invariant mode (model/batch_invariant.py): its linear kernels and attention choices.
         from pagedllm.model import batch_invariant
 
-        self.invariant = bool(attn.qkv_proj.batch_invariant and batch_invariant.INVARIANT_KERNELS)
+        invariant = bool(attn.qkv_proj.batch_invariant and batch_invariant.INVARIANT_KERNELS)
         backend = attn.attn.backend
-        self.attention_args = backend._invariant_args if backend.batch_invariant else (0, 0)
+        num_splits, tile_min_rows = backend._invariant_args if backend.batch_invariant else (0, 0)
+        lora_weights, lora_info = lora if lora is not None else ([], [])
+        # Everything the steps share, handed to the op once (csrc/decoder_layer.cpp checks it there).
+        self.plan = torch.classes.pagedllm.DecoderPlan(
+            weights, linear_info, lora_weights, lora_info, model.norm._parameters["weight"],
+            [attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim, norm_lanes, silu_block, num_splits,
+             tile_min_rows, int(invariant)],
+            [float(attn.attn.scale), float(layer0.input_layernorm.eps), float(model.norm.eps)])
         # Modules whose hooks the fused call would skip: checked each step (a dict's truthiness).
         self._watched = (attn.qkv_proj, attn.attn, layer0, model.embed_tokens, model.norm)
         self._embed = embed  # (quant_rows_cpu, packed, kernel type) or (None, the float32 table's owner, None)
         self._rotary_buffers = model.rotaries[model.rotary_keys[0]]._buffers  # read per step (a .to() replaces them)
-        self._final_norm = model.norm._parameters
-        self.final_eps = float(model.norm.eps)
-        self._add_rms_norm = _direct(torch.ops.pagedllm.add_rms_norm_cpu.default)
         self._checked_caches = None  # the KV cache list last checked (by identity), and whether it is covered
         self._caches_ok = False
         self._op = _direct(torch.ops.pagedllm.decoder_layers_cpu.default)
-        # LoRA slots: (tensors, ints) for the op, and where the step's segments are read (lora/layers.py)
-        self._lora = lora
+        # LoRA slots: where the step's segments are read (lora/layers.py); the plan holds the slots
+        self._lora_segments = None
         if lora is not None:
             from pagedllm.lora.layers import current_segments
 
@@ -161,19 +160,12 @@ class FusedDecoder:
             hidden_states = rows_op(table, kernel_type, input_ids)
         else:
             hidden_states = torch.embedding(table._parameters["weight"], input_ids)
-        buffers = self._rotary_buffers  # RotaryEmbedding.cos_sin's gathers; the op reads [T, D] as [T, 1, D]
-        cos = torch.index_select(buffers["cos_cache"], 0, positions)
-        signed_sin = torch.index_select(buffers["signed_sin_cache"], 0, positions)
+        buffers = self._rotary_buffers  # RotaryEmbedding.cos_sin's tables: the op gathers the positions' rows
         ctx = get_forward_context()
         md = ctx.attn_metadata
-        segments = self._lora_segments() if self._lora is not None else []
-        lora_weights, lora_info = self._lora if segments else ([], [])  # a base-only step passes no LoRA lists
-        x, residual = self._op(hidden_states, cos, signed_sin, self.weights, self.linear_info, ctx.kv_caches,
-                               md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, self.num_heads,
-                               self.num_kv_heads, self.head_dim, self.scale, self.eps, self.norm_lanes,
-                               self.silu_block, *self.attention_args, self.invariant, lora_weights, lora_info,
-                               segments)
-        return self._add_rms_norm(x, residual, self._final_norm["weight"], self.final_eps, self.norm_lanes)[0]
+        segments = self._lora_segments() if self._lora_segments is not None else ()  # () = a base-only step
+        return self._op(hidden_states, buffers["cos_cache"], buffers["signed_sin_cache"], positions, self.plan,
+                        ctx.kv_caches, md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, segments)[0]
 
 
 def _direct(overload):
