@@ -15,9 +15,9 @@ The runner puts each adapter's rows side by side (base rows first), so a step's 
 segments ``(begin, end, slot)`` (``LoRAStep``). ``LoRASlots.apply`` adds their deltas in one call of the
 compiled ``lora_sgmv_cpu`` (csrc/lora_sgmv*.cpp), which shrinks each segment by its own slot's
 ``n_parts * r`` columns and expands by its own ``r`` rows, part by part: the arithmetic and memory of the
-adapters present. A step streams the slots of every adapter present (19.5 MB of the default model's a
-rank-16 adapter), so the manager puts all linears' slots in one ``SlotArena`` on 2 MB huge pages
-(``pagedllm.model.huge_pages``), in the order a step reads them. The fused decoder step (csrc/decoder_layer.cpp) calls the same op on the same
+adapters present. A step streams the slots of every adapter present (19.5 MB for a rank-16 adapter of the
+default model), so the manager cuts all linears' slots from one ``SlotArena`` on 2 MB huge pages, in the
+order a step reads them. The fused decoder step (csrc/decoder_layer.cpp) calls the same op on the same
 arguments, so LoRA steps stay on it with the same sums. Without the compiled op (another device or
 dtype) each segment runs as a torch product pair on the unpacked matrices.
 """
@@ -91,8 +91,8 @@ def slot_shapes(in_features: int, part_sizes: Sequence[int], max_loras: int,
 class SlotArena:
     """One zeroed buffer that the slots of many linears are cut from, in the order they are taken: on 2 MB
     transparent huge pages where the platform gives them (``huge_pages.zeros``; a plain buffer elsewhere).
-    At 4 KB pages each slot read is a TLB miss and a cut hardware-prefetch stream every 4 KB; the kernel
-    alone over a decode step's 120 linears took ~0.86x the time on huge pages (docs/benchmarks.md, session 13)."""
+    At 4 KB pages each slot read is a TLB miss and a cut hardware-prefetch stream every 4 KB; the kernel alone
+    over a decode step's 120 linears took 0.82-0.90x the time on huge pages (docs/benchmarks.md, session 13)."""
 
     ALIGN = 64
 
