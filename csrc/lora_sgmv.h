@@ -63,6 +63,7 @@ struct Args {
   const int64_t* task_segment;
   const int64_t* task_begin;
   const int64_t* task_end;
+  bool prefetch;  // the one-pass split prefetches the data its tasks read next (lora_sgmv_kernel.h)
 };
 
 // Panels per register block of an ISA (2 zmm or 2 ymm of sums a row).

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <vector>
 
 #include "lora_sgmv.h"
@@ -40,6 +41,12 @@ int64_t lora_sgmv_isa(int64_t isa) {
   if ((isa == 0 || isa == 1) && has_avx2()) return 1;
   return 0;
 }
+
+// The one-pass split's software prefetch (lora_sgmv_kernel.h, row_tasks): on by default; an A/B switch for
+// scripts/lora_kernel_bench.py (lora_sgmv_prefetch(0) turns it off). It never changes the sums.
+std::atomic<bool> prefetch{true};
+
+int64_t lora_sgmv_prefetch(int64_t value) { return value < 0 ? prefetch.load() : prefetch.exchange(value != 0); }
 
 // Below this many multiply-adds (shrink and expand together) the call runs on the calling thread (about what
 // handing it to the pool costs). Above it even one row is split: its slot's A and B (~100-200 KB a linear
@@ -173,6 +180,7 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
   g.task_segment = task_segment.data();
   g.task_begin = task_begin.data();
   g.task_end = task_end.data();
+  g.prefetch = prefetch.load(std::memory_order_relaxed);
   auto shrink = chosen == 2 ? &sgmv::shrink_avx512 : &sgmv::shrink_avx2;
   auto expand = chosen == 2 ? &sgmv::expand_avx512 : &sgmv::expand_avx2;
   const int64_t num_units = static_cast<int64_t>(unit_row.size()), num_blocks = static_cast<int64_t>(block_part.size());
@@ -196,6 +204,7 @@ void lora_sgmv_cpu(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, cons
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("lora_sgmv_isa(int isa) -> int", &pagedllm::lora_sgmv_isa);
+  m.def("lora_sgmv_prefetch(int value) -> int", &pagedllm::lora_sgmv_prefetch);
   m.def(
       "lora_sgmv_cpu(Tensor x, Tensor(a!) y, Tensor a, Tensor b, Tensor ranks, int[] part_sizes, int[] segments, "
       "int isa=0) -> ()");

@@ -4,7 +4,10 @@ one engine per setting, runs alternated round by round (a shared machine's slow 
     PYTHONPATH=$PWD python scripts/lora_throughput.py [--adapters 0,4] [--rounds 3] [--num-requests 64]
 
 Adapters are random rank-R PEFT adapters on every projection, written in PEFT's format (no peft needed).
-"0" runs an engine without --enable-lora; "0L" one with LoRA enabled but every request on the base.
+"0" runs an engine without --enable-lora; "0L" one with LoRA enabled but every request on the base; an "m" suffix
+("4m") holds the slots as main did before session 13, for an A/B in one run: each linear's slots in its own plain
+tensors (4 KB pages) instead of the huge-page SlotArena, and lora_sgmv_cpu's prefetch off while it runs (a
+measurement, not a mode: the engine is patched after it starts).
 
 2026-12-01, default model, 16 requests, rank 16, 2 rounds, a 2-vCPU machine at load 4.6-6.3 (shared):
     0: 94.7, 83.8 tok/s   0L: 97.9, 124.1   4 adapters: 60.9, 85.6   -> medians 4/0 = 0.82x, 4/0L = 0.66x
@@ -52,6 +55,16 @@ def write_adapter(path: Path, hf_config, rank: int, seed: int) -> str:
     return str(path)
 
 
+def _plain_slots(llm) -> None:
+    """Move an in-process engine's LoRA slots out of the arena into plain tensors of their own (4 KB pages)."""
+    from pagedllm.model.layers import fused_decoder
+
+    runner = llm.engine.core.executor.runner
+    for slots in runner.lora.slots.values():
+        slots.a, slots.b = slots.a.clone(), slots.b.clone()
+    fused_decoder.invalidate(runner.model.model)  # its plan holds the arena's tensors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--adapters", default="0,4", help="comma-separated adapter counts; 0L = LoRA on, base only")
@@ -61,7 +74,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     settings = args.adapters.split(",")
-    max_k = max(int(s.rstrip("L")) for s in settings)
+    max_k = max(int(s.rstrip("Lm")) for s in settings)
     requests = make_workload(WorkloadSpec(name="alpaca", num_requests=args.num_requests, max_model_len=2048))
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     engines, loras = {}, []
@@ -69,6 +82,8 @@ def main() -> None:
         lora = setting != "0"
         kwargs = dict(enable_lora=True, max_loras=max(1, max_k), max_lora_rank=args.rank) if lora else {}
         engines[setting] = LLM(args.model, **kwargs)
+        if setting.endswith("m"):
+            _plain_slots(engines[setting])
     hf_config = next(iter(engines.values())).engine.core.model_info.hf_config
     loras = [LoRARequest(f"a{i}", i + 1, write_adapter(tmp / f"a{i}", hf_config, args.rank, i)) for i in range(max_k)]
     params = [request_params(r) for r in requests]
@@ -76,7 +91,8 @@ def main() -> None:
     results = {s: [] for s in settings}
     for _ in range(args.rounds):
         for setting, llm in engines.items():
-            k = int(setting.rstrip("L"))
+            k = int(setting.rstrip("Lm"))
+            torch.ops.pagedllm.lora_sgmv_prefetch(0 if setting.endswith("m") else 1)
             per_request = [loras[i % k] if k else None for i in range(len(requests))]
             llm.generate(engine_prompts(requests[:k or 1]), params[:k or 1], use_tqdm=False,
                          lora_request=per_request[:k or 1] if setting != "0" else None)  # warm-up, adapters read

@@ -15,13 +15,16 @@ The runner puts each adapter's rows side by side (base rows first), so a step's 
 segments ``(begin, end, slot)`` (``LoRAStep``). ``LoRASlots.apply`` adds their deltas in one call of the
 compiled ``lora_sgmv_cpu`` (csrc/lora_sgmv*.cpp), which shrinks each segment by its own slot's
 ``n_parts * r`` columns and expands by its own ``r`` rows, part by part: the arithmetic and memory of the
-adapters present. The fused decoder step (csrc/decoder_layer.cpp) calls the same op on the same
+adapters present. A step streams the slots of every adapter present (19.5 MB for a rank-16 adapter of the
+default model), so the manager cuts all linears' slots from one ``SlotArena`` on 2 MB huge pages, in the
+order a step reads them. The fused decoder step (csrc/decoder_layer.cpp) calls the same op on the same
 arguments, so LoRA steps stay on it with the same sums. Without the compiled op (another device or
 dtype) each segment runs as a torch product pair on the unpacked matrices.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,11 +80,51 @@ def _panels(columns: int) -> int:
     return -(-columns // LANES)
 
 
+def slot_shapes(in_features: int, part_sizes: Sequence[int], max_loras: int,
+                max_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of ``LoRASlots.a`` and ``.b`` for these arguments."""
+    width = len(part_sizes) * max_rank
+    return ((max_loras, _panels(width), in_features, LANES),
+            (max_loras, sum(_panels(size) for size in part_sizes), max_rank, LANES))
+
+
+class SlotArena:
+    """One zeroed buffer that the slots of many linears are cut from, in the order they are taken: on 2 MB
+    transparent huge pages where the platform gives them (``huge_pages.zeros``; a plain buffer elsewhere).
+    At 4 KB pages each slot read is a TLB miss and a cut hardware-prefetch stream every 4 KB; the kernel alone
+    over a decode step's 120 linears took 0.82-0.90x the time on huge pages (docs/benchmarks.md, session 13)."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        from pagedllm.model import huge_pages
+
+        if device.type == "cpu":
+            self.buffer = huge_pages.zeros((max(nbytes, 1),), torch.uint8)
+        else:
+            self.buffer = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
+        self.offset = 0
+
+    @classmethod
+    def nbytes(cls, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> int:
+        """The arena size that holds tensors of these shapes."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(-(-math.prod(shape) * size // cls.ALIGN) * cls.ALIGN for shape in shapes)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next zeroed contiguous tensor of `shape` (a view of the arena, 64-byte aligned)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        assert self.offset + nbytes <= self.buffer.numel(), "the arena was sized for fewer tensors"
+        view = self.buffer[self.offset:self.offset + nbytes].view(dtype).view(shape)
+        self.offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        return view
+
+
 class LoRASlots:
     """The adapter slots of one linear whose output is the concatenation of parts of `part_sizes` features."""
 
     def __init__(self, in_features: int, part_sizes: Sequence[int], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, arena: SlotArena | None = None) -> None:
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
         self.part_panels = [_panels(size) for size in self.part_sizes]
@@ -89,8 +132,12 @@ class LoRASlots:
         self.in_features = in_features
         self.max_rank = max_rank
         self.width = len(self.part_sizes) * max_rank
-        self.a = torch.zeros(max_loras, _panels(self.width), in_features, LANES, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(self.part_panels), max_rank, LANES, dtype=dtype, device=device)
+        a_shape, b_shape = slot_shapes(in_features, part_sizes, max_loras, max_rank)
+        if arena is None:
+            self.a = torch.zeros(a_shape, dtype=dtype, device=device)
+            self.b = torch.zeros(b_shape, dtype=dtype, device=device)
+        else:
+            self.a, self.b = arena.take(a_shape, dtype), arena.take(b_shape, dtype)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # updated in place: the fused step holds it
         self._op = compiled_op() if self.a.is_cpu and dtype == torch.float32 else None
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from pagedllm.lora.layers import LoRASlots, LoRAStep
+from pagedllm.lora.layers import LoRASlots, LoRAStep, SlotArena, slot_shapes
 from pagedllm.lora.peft import LoRAWeights, load_adapter
 from pagedllm.lora.request import LoRAError, LoRARequest
 from pagedllm.model.layers import fused_decoder
@@ -53,15 +53,19 @@ class LoRAManager:
         self.device = device
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         self.linears: dict[tuple[int, str], torch.nn.Module] = {}
+        shapes = {}  # (layer, linear) -> LoRASlots' arguments, in the order a step reads them
         for index, layer in enumerate(layers):
             for name in _NUM_PARTS:
                 linear = layer.get_submodule(name) if _has(layer, name) else None
                 if linear is None:
                     continue
                 self.linears[(index, name)] = linear
-                linear.lora = self.slots[(index, name)] = LoRASlots(
+                shapes[(index, name)] = (
                     linear.input_size_per_partition if hasattr(linear, "input_size_per_partition") else linear.input_size,
-                    _linear_parts(linear), max_loras, max_lora_rank, dtype, device)
+                    _linear_parts(linear), max_loras, max_lora_rank)
+        arena = SlotArena(SlotArena.nbytes([s for args in shapes.values() for s in slot_shapes(*args)], dtype), device)
+        for key, args in shapes.items():
+            self.linears[key].lora = self.slots[key] = LoRASlots(*args, dtype, device, arena=arena)
         fused_decoder.invalidate(model.model)  # a plan made before the slots existed would skip their deltas
         self.cpu_cache: OrderedDict[int, LoRAWeights] = OrderedDict()
         """Read adapters by id, least recently used first."""

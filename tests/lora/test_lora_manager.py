@@ -72,3 +72,23 @@ def test_peft_tensors_land_in_their_fused_parts(setup):
     assert not b[0:4, q:].any() and not b[8:12, :q + kv].any()  # block-diagonal
     assert not slots.slot_a(1).any()  # the other slot is empty
     assert not manager.slots[(1, "mlp.gate_up_proj")].slot_b(0).any()  # untargeted linears stay off
+
+
+def test_all_slots_are_cut_from_one_arena_in_the_order_a_step_reads_them(setup):
+    """One buffer (on huge pages where the platform gives them) holds every linear's a and b, layer by layer,
+    qkv, o, gate_up, down, a before b: 64-byte aligned, not overlapping, zeroed until an adapter is loaded."""
+    model, loras = setup
+    manager = LoRAManager(model, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    keys = list(manager.slots)
+    assert keys == [(layer, name) for layer in range(manager.num_layers)
+                    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    tensors = [t for key in keys for t in (manager.slots[key].a, manager.slots[key].b)]
+    storage = tensors[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in tensors)
+    end = 0
+    for t in tensors:
+        assert t.is_contiguous() and t.data_ptr() % 64 == 0 and not t.any()
+        assert t.data_ptr() >= end  # in order, after the previous one
+        end = t.data_ptr() + t.numel() * t.element_size()
+    manager.activate([loras[1]])
+    assert manager.slots[keys[0]].a[0].any() and not manager.slots[keys[0]].a[1].any()

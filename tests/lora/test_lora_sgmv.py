@@ -143,6 +143,46 @@ def test_one_pass_row_tasks_and_two_passes_agree_bit_for_bit(isa, segments, num_
     assert torch.equal(one_pass, two_passes)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefetch_changes_no_bit(isa):
+    """The one-pass split's software prefetch (the next task's A, this task's B) only moves data: on and off
+    give the same bits, with ranks under max_rank (B's rows strided) and several tasks per thread."""
+    code = need(isa)
+    slots = make_slots(576, [576, 192, 192], [16, 5, 12, 1], 16, seed=9)
+    g = torch.Generator().manual_seed(13)
+    x, y = torch.randn(18, 576, generator=g), torch.randn(18, 960, generator=g)
+    segments = [0, 5, 0, 5, 10, 1, 10, 14, 2, 14, 18, 3]
+    threads, before = torch.get_num_threads(), torch.ops.pagedllm.lora_sgmv_prefetch(-1)
+    try:
+        torch.set_num_threads(2)
+        torch.ops.pagedllm.lora_sgmv_prefetch(1)
+        on = run(x, y.clone(), slots, segments, code)
+        torch.ops.pagedllm.lora_sgmv_prefetch(0)
+        off = run(x, y.clone(), slots, segments, code)
+    finally:
+        torch.set_num_threads(threads)
+        torch.ops.pagedllm.lora_sgmv_prefetch(before)
+    check(on, reference(x, y, slots, segments), 576, 16)
+    assert torch.equal(on, off)
+
+
+def test_slot_arena_hands_out_aligned_zeroed_views():
+    from pagedllm.lora.layers import SlotArena
+    from pagedllm.model import huge_pages
+
+    shapes = [(2, 3, 576, 16), (2, 60, 16, 16), (1, 5, 7)]
+    arena = SlotArena(SlotArena.nbytes(shapes, torch.float32), torch.device("cpu"))
+    taken = [arena.take(shape, torch.float32) for shape in shapes]
+    assert [t.shape for t in taken] == shapes and all(t.data_ptr() % 64 == 0 and not t.any() for t in taken)
+    taken[1].fill_(1)
+    assert not taken[0].any() and not taken[2].any()
+    if huge_pages.available():  # over huge_pages.MIN_BYTES: its own 2 MB-aligned mapping
+        big = SlotArena(huge_pages.MIN_BYTES, torch.device("cpu"))
+        assert big.buffer.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    with pytest.raises(AssertionError, match="sized for fewer"):
+        arena.take((1,), torch.float32)
+
+
 def test_strided_rows_of_x_and_y():
     slots = make_slots(32, [16, 8], [4, 2], 4, seed=1)
     g = torch.Generator().manual_seed(2)
