@@ -107,6 +107,9 @@ VARIABLES: dict[str, Variable] = {
     "PAGEDLLM_DISABLE_HUGE_PAGES": Variable(
         "Switch: large CPU buffers (weights, KV cache) without transparent huge pages (A/B).",
         _switch, False),
+    "PAGEDLLM_DISABLE_MALLOC_TUNING": Variable(
+        "Switch: the engine core and workers keep glibc's default mmap/trim thresholds (worker/host_memory.py; A/B).",
+        _switch, False),
     "PAGEDLLM_DISABLE_BF16_GREEDY_HEAD": Variable(
         "Switch: greedy steps use the float32 LM head instead of the exact bf16 one on AMX CPUs (A/B).",
         _switch, False),

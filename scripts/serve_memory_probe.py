@@ -5,7 +5,9 @@ requests sent at once (whose prompts are prefilled together: the step's activati
         [--kv-mib 272] [-- <more serve flags, e.g. --max-num-batched-tokens 512>]
 
 Random 128-token prompts (no prefix-cache hits), 16 greedy tokens each, 2 threads. Prints VmHWM and VmRSS (MiB)
-per process at each stage; the engine core is the largest.
+per process at each stage, and the split of the resident pages now (anon: the heap, activations, the KV cache;
+file: mapped files, shared libraries' code and the mmapped model file; shmem: shared memory); the engine core is
+the largest. `--maps N` also prints the N largest resident mappings of the largest process at each stage.
 """
 
 from __future__ import annotations
@@ -28,15 +30,36 @@ def process_tree(root: int) -> list[int]:
     return [root] + [pid for child in children for pid in process_tree(int(child))]
 
 
-def memory(pids: list[int]) -> dict[int, tuple[int, int]]:
+MEMORY_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def memory(pids: list[int]) -> dict[int, dict[str, int]]:
+    """MEMORY_FIELDS of /proc/<pid>/status in MiB, per live process."""
     out = {}
     for pid in pids:
         try:
             fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
         except OSError:
             continue
-        out[pid] = (int(fields["VmHWM"].split()[0]) // 1024, int(fields["VmRSS"].split()[0]) // 1024)
+        out[pid] = {name: int(fields[name].split()[0]) // 1024 for name in MEMORY_FIELDS}
     return out
+
+
+def largest_mappings(pid: int, n: int) -> list[tuple[int, str]]:
+    """The n largest resident mappings (KiB, name) of a process, summed by file name ([anon] for the unnamed)."""
+    by_name: dict[str, int] = {}
+    name = "[anon]"
+    try:
+        lines = open(f"/proc/{pid}/smaps").read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        head = line.split(None, 5)
+        if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+            name = head[5].strip() if len(head) == 6 else "[anon]"
+        elif line.startswith("Rss:"):
+            by_name[name] = by_name.get(name, 0) + int(line.split()[1])
+    return sorted(((kib, name) for name, kib in by_name.items()), reverse=True)[:n]
 
 
 def main() -> None:
@@ -44,6 +67,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--burst", type=int, default=16)
     parser.add_argument("--kv-mib", type=int, default=272)
+    parser.add_argument("--maps", type=int, default=0, help="print this many of the largest process's mappings")
     parser.add_argument("serve_args", nargs="*")
     args = parser.parse_args()
 
@@ -66,8 +90,13 @@ def main() -> None:
 
     def report(stage: str) -> None:
         rows = memory(process_tree(server.pid))
-        print(f"{stage}: " + "; ".join(f"pid {pid} peak {hwm} now {rss} MiB" for pid, (hwm, rss) in rows.items()),
-              flush=True)
+        print(f"{stage}: " + "; ".join(
+            f"pid {pid} peak {m['VmHWM']} now {m['VmRSS']} MiB (anon {m['RssAnon']} file {m['RssFile']} "
+            f"shmem {m['RssShmem']})" for pid, m in rows.items()), flush=True)
+        if args.maps and rows:
+            largest = max(rows, key=lambda pid: rows[pid]["VmRSS"])
+            for kib, name in largest_mappings(largest, args.maps):
+                print(f"    {kib >> 10:6d} MiB  {name}", flush=True)
 
     try:
         start = time.time()

@@ -46,6 +46,7 @@ from pagedllm.engine.protocol import (
     UtilityResultMsg,
 )
 from pagedllm.errors import InvalidRequestError
+from pagedllm.worker.host_memory import configure_malloc
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s [core]: %(message)s")
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    configure_malloc()  # before loading: the weights' repacking temporaries are the first to leave the heap
     proc = EngineCoreProc(engine_args, input_address, output_address, kv_cache_manager_factory)
     proc.start_parent_watchdog()  # also while the model loads
     exit_code = 0

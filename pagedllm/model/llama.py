@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.distributed.shapes import check_config_tp_size, head_dim_of as _head_dim
+from pagedllm.lora.layers import current_segments as current_lora_segments
 from pagedllm.model.attention.layer import Attention
 from pagedllm.model.layers import fused_decoder
 from pagedllm.model.layers.activation import gated_activation
@@ -173,7 +174,23 @@ class LlamaMLP(_DirectChildren):
         self.act = gated_activation(spec.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        num_tokens = x.shape[0]
+        gate_up_row_bytes = self.gate_up_proj.output_size_per_partition * x.element_size()
+        rows = max(1, MLP_WORKSPACE_BYTES // gate_up_row_bytes)
+        if num_tokens <= rows or x.dim() != 2 or current_lora_segments():  # LoRA's segments index the whole step
+            return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = x.new_empty(num_tokens, self.down_proj.output_size)  # [T, hidden]
+        for start in range(0, num_tokens, rows):
+            part = x[start : start + rows]
+            out[start : start + rows] = self.down_proj(self.act(self.gate_up_proj(part)))
+        return out
+
+
+MLP_WORKSPACE_BYTES = 32 << 20
+"""Most bytes of the MLP's gate/up output at once: a longer step runs its MLP in row slices. A 1B model's
+2048-token step otherwise holds 128 MiB of gate/up and 64 MiB of activation per layer (slices of 512 rows:
+32 + 16 MiB). A row's result may differ only in summation order where a kernel blocks by the number of rows
+(bit-equal on the 1B Q4_0 one; docs/benchmarks.md "Session 13")."""
 
 
 class LlamaDecoderLayer(_DirectChildren):

@@ -27,6 +27,7 @@ import zmq
 
 from pagedllm import envs
 from pagedllm.config import DISTRIBUTED_SECRET_ENV
+from pagedllm.worker.host_memory import configure_malloc
 
 logger = logging.getLogger("pagedllm.worker.tp_worker")  # also when run as __main__
 
@@ -226,6 +227,7 @@ def run_worker_main(args: argparse.Namespace) -> int:
                         format=f"%(levelname)s %(name)s [rank {args.rank}]: %(message)s")
     if args.parent_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when its workers stop
+    configure_malloc()  # a rank's model runs here, as the engine core's does (worker/host_memory.py)
     start = time.monotonic()
     try:
         code = run_worker(args)
