@@ -70,6 +70,16 @@ async def _run_to_completion(client: MPCoreClient, req_ids: set[str]) -> dict[st
     return tokens
 
 
+async def _utility(client: MPCoreClient, method: str):
+    """Call a utility method and wait for its result (other messages are skipped)."""
+    call_id = client.request_utility(method)
+    while True:
+        msg = await _next_of(client, UtilityResultMsg)
+        if msg.call_id == call_id:
+            assert msg.error is None, msg.error
+            return msg.result
+
+
 async def _idle_stats(client: MPCoreClient):
     """Wait for the stats the core sends after its idle leak check."""
     while True:
@@ -151,20 +161,20 @@ def test_block_maps_while_watched_and_none_once_unwatched(engine_args):
             client.request_utility("watch_kv_map")
             first_look = await _next_of(client, OutputsMsg)
             assert first_look.stats.kv_map is not None and not first_look.stats.kv_map.requests
-            client.add_request(_request("long", [3] * 40, max_tokens=300, ignore_eos=True))
-            # The next maps (at most every KV_MAP_INTERVAL_S) show the request running. One map built before
-            # the core took the request in may still be on its way (seen on a loaded machine): it shows no
-            # request, and at most that one is skipped.
-            maps_without_it = 0
+            # A map a step builds waits KV_MAP_INTERVAL_S after the last one, and a fast machine can run the whole
+            # request inside that: so the busy map asked for is a first look too (unwatch, then watch again
+            # while the request runs), which the core sends at once.
+            await _utility(client, "unwatch_kv_map")
+            # 460 tokens: nearly the whole cache (32 blocks of 16), so the request outlasts the round trips below
+            client.add_request(_request("long", [3] * 40, max_tokens=460, ignore_eos=True))
+            first = await _next_of(client, OutputsMsg)
+            assert first.stats.num_running == 1
+            client.request_utility("watch_kv_map")
             while True:
                 msg = await _next_of(client, OutputsMsg)
-                if msg.stats.kv_map is None:
-                    continue
-                if not msg.stats.kv_map.requests and maps_without_it == 0:
-                    maps_without_it += 1
-                    continue
-                assert [r.state for r in msg.stats.kv_map.requests] == ["running"]
-                break
+                if msg.stats.kv_map is not None:
+                    assert [r.state for r in msg.stats.kv_map.requests] == ["running"]
+                    break
             call_id = client.request_utility("unwatch_kv_map")
             while True:
                 msg = await client.get_output()
