@@ -33,7 +33,10 @@ def test_a_step_over_the_workspace_runs_in_slices_with_the_same_rows(mlp, monkey
     monkeypatch.setattr(llama, "MLP_WORKSPACE_BYTES", 10 * 2 * 128 * 4)
     sliced, sliced_calls = _calls(mlp, x)
     assert sliced_calls == [10, 10, 10, 7]
-    torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
+    # Equal up to float32 summation order: the GEMM's register blocks (and with them how a row's k-steps are
+    # split over accumulators) follow the call's row count, and they differ between ISAs (bit-equal with
+    # AVX-512 here, not with AVX2).
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_a_lora_step_is_not_sliced(mlp, monkeypatch):

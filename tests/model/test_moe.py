@@ -135,8 +135,11 @@ def test_quantized_experts_stay_quantized_and_equal_their_floats(qtype, size):
     for num_tokens in (1, 7, 40):
         x = torch.randn(num_tokens, size, generator=torch.Generator().manual_seed(num_tokens))
         want = floats(x)
-        torch.testing.assert_close(quant(x), want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(quant.forward_dense(x), want, atol=1e-4, rtol=1e-4)
+        # Random K-quant blocks give outputs up to ~4e7 whose elements cancel: summation order (which differs
+        # between the kernel's ISAs) moves them by ~2e-7 of the largest output, not of their own size.
+        atol = max(1e-4, 1e-6 * want.abs().max().item())
+        torch.testing.assert_close(quant(x), want, atol=atol, rtol=1e-4)
+        torch.testing.assert_close(quant.forward_dense(x), want, atol=atol, rtol=1e-4)
         assert not torch.allclose(want, torch.zeros_like(want), atol=1e-2)
 
 
