@@ -9,7 +9,8 @@
 #
 # Instruction sets are explicit (GGML_NATIVE=OFF) so the binary does not depend on the
 # build host, and match what pagedllm's own kernels may use on the bench machine
-# (AVX2/FMA/F16C/AVX-512 with VNNI and BF16; AMX off: the bench CPUs have none).
+# (AVX2/FMA/F16C, and AVX-512 with VNNI and BF16 where the CPU has it; AMX off: the bench CPUs
+# have none).
 set -euo pipefail
 
 VERSION="${1:-0.3.36}"
@@ -19,8 +20,11 @@ PY="${PYTHON:-python3}"
 CACHE="${PAGEDLLM_CACHE:-$HOME/.cache/pagedllm}/llama-server/$VERSION"
 BIN="$CACHE/llama-server"
 
-if [[ -x "$BIN" ]]; then
-    echo "cached: $BIN"
+# AVX-512 (with VNNI and BF16) where this CPU has it, else AVX2 only: a binary with AVX-512 code
+# paths dies of SIGILL on an AVX2-only machine. The cache remembers which it holds.
+if grep -qw avx512f /proc/cpuinfo; then ISA=avx512; AVX512=ON; else ISA=avx2; AVX512=OFF; fi
+if [[ -x "$BIN" && "$(cat "$CACHE/isa" 2>/dev/null)" == "$ISA" ]]; then
+    echo "cached: $BIN ($ISA)"
     exit 0
 fi
 
@@ -43,7 +47,7 @@ cmake -S "$SRC" -B "$WORK/build" -G Ninja \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=OFF \
     -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+    -DGGML_AVX512=$AVX512 -DGGML_AVX512_VNNI=$AVX512 -DGGML_AVX512_BF16=$AVX512 \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DGGML_OPENMP=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
@@ -52,6 +56,7 @@ cmake -S "$SRC" -B "$WORK/build" -G Ninja \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 nice -n "$NICE" cmake --build "$WORK/build" --target llama-server -j "$JOBS"
 cp "$WORK/build/bin/llama-server" "$BIN"
+echo "$ISA" > "$CACHE/isa"
 end=$(date +%s)
-echo "built $BIN in $((end - start)) s"
+echo "built $BIN ($ISA) in $((end - start)) s"
 "$BIN" --version 2>&1 | head -3 || true
