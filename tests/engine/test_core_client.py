@@ -175,12 +175,7 @@ def test_block_maps_while_watched_and_none_once_unwatched(engine_args):
                 if msg.stats.kv_map is not None:
                     assert [r.state for r in msg.stats.kv_map.requests] == ["running"]
                     break
-            call_id = client.request_utility("unwatch_kv_map")
-            while True:
-                msg = await client.get_output()
-                if isinstance(msg, UtilityResultMsg) and msg.call_id == call_id:
-                    assert msg.error is None
-                    break
+            await _utility(client, "unwatch_kv_map")
             unwatched = []
             while True:  # to the end of the request, and the idle stats (a watched core sends a map there)
                 msg = await _next_of(client, OutputsMsg)
