@@ -367,7 +367,7 @@ class _StubExecutor:
         from pagedllm.worker.interface import ModelInfo
 
         self.num_blocks = num_blocks
-        self.model_info = ModelInfo(model_path="stub", hf_config=None, tokenizer=None, chat_template=None,
+        self.model_info = ModelInfo(model_path="stub", hf_config=None,
                                     vocab_size=50000, max_position_embeddings=max_len, eos_token_ids=(2,))
 
     def initialize_kv_cache(self, cache_config, scheduler_config):

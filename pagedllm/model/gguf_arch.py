@@ -15,19 +15,16 @@ what it means to llama.cpp; only the HF side is written down. Read:
   rotary base, Gemma's query scale, Qwen3-MoE's renormalised top-k.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR as T, MODEL_TENSORS, TENSOR_NAMES
-from transformers import (
-    Gemma2Config,
-    Gemma3TextConfig,
-    LlamaConfig,
-    MixtralConfig,
-    Phi3Config,
-    PretrainedConfig,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
 
 from pagedllm.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _ARCHES = (MODEL_ARCH.LLAMA, MODEL_ARCH.QWEN3, MODEL_ARCH.QWEN3MOE, MODEL_ARCH.GEMMA2, MODEL_ARCH.GEMMA3,
            MODEL_ARCH.PHI3)
@@ -103,6 +100,8 @@ def hf_config(arch: str, meta, common: dict, tensor_names: set[str], rope_factor
     """The HF config of a GGUF ``arch``: ``common`` holds the Llama-like fields already read, ``meta(key,
     default)`` reads ``{arch}.{key}`` (ModelLoadError when missing and no default), ``rope_factors``
     phi3's rope factor tensors by kind."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+
     num_layers = common["num_hidden_layers"]
     if arch == "llama" and int(meta("expert_count", 0)) > 0:
         return MixtralConfig(**common, architectures=["MixtralForCausalLM"],
@@ -138,6 +137,8 @@ def _window(meta) -> int | None:
 
 
 def _gemma_config(arch: str, meta, common: dict) -> PretrainedConfig:
+    from transformers import Gemma2Config, Gemma3TextConfig
+
     num_layers, head_dim = common["num_hidden_layers"], common["head_dim"]
     window = _window(meta)
     # llama.cpp (llama_load_hparams_gemma2/3): local layers are those with il % n < n - 1, n = 2
@@ -171,6 +172,8 @@ def _gemma_config(arch: str, meta, common: dict) -> PretrainedConfig:
 
 
 def _phi3_config(meta, common: dict, rope_factors: dict) -> PretrainedConfig:
+    from transformers import Phi3Config
+
     head_dim = common["head_dim"]
     rope_dims = int(meta("rope.dimension_count", head_dim))
     if rope_dims != head_dim:

@@ -13,6 +13,8 @@ are interleaved::
 caller chose; ``loader.py`` makes that atomic and cached.
 """
 
+from __future__ import annotations
+
 import mmap
 import os
 import warnings
@@ -24,10 +26,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, PretrainedConfig
+
+from typing import TYPE_CHECKING
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import gguf_arch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 from pagedllm.model.gguf_arch import SUPPORTED_ARCHITECTURES
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.quantized import QuantTensor
@@ -41,7 +47,10 @@ SUPPORTED_TENSOR_TYPES = tuple(
 def hf_tensor_name(gguf_name: str, config: PretrainedConfig | None = None) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (``config``: the file's
     HF config, a Llama's if None); ModelLoadError if unknown. Stacked experts: a ``{expert}`` template."""
-    config = config or LlamaConfig()
+    if config is None:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig()
     return gguf_arch.hf_name(config, *gguf_arch.classify(_gguf_arch(config), gguf_name))
 
 
@@ -275,6 +284,8 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         del tensors
     config.save_pretrained(out_dir)
+    from transformers import GenerationConfig
+
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out_dir)
     if "tokenizer.ggml.model" in reader.fields:
         _convert_tokenizer(gguf_path, reader, out_dir)

@@ -16,10 +16,15 @@
   default), else are widened to float32 with a log line; ``int8`` quantizes float32 or bf16 weights
   to Q8_0 at load; ``bf16`` rounds float32 ones; ``float32`` widens all (``quantized.plan``).
 
+A converted directory also keeps its config's resolved attributes (``resolved_config.py``): later loads read them
+without importing transformers' config classes, ~55 MB of a serving engine core.
+
 Conversions are atomic (written into a temporary sibling directory, then renamed) and keyed by
 the GGUF's path, size and mtime, so a changed file is reconverted and processes racing on the
 same cache directory never see a half-written one.
 """
+
+from __future__ import annotations
 
 import ctypes
 import hashlib
@@ -32,16 +37,19 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
 
 from pagedllm import envs
 from pagedllm.errors import ModelLoadError
-from pagedllm.model import gguf_loader
+from pagedllm.model import gguf_loader, resolved_config
 from pagedllm.model.layers import quantized
 from pagedllm.model.registry import resolve_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +65,24 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
 class LoadedModel:
     model: nn.Module | None  # LlamaForCausalLM (or another registered architecture), in eval mode;
     # None from load_model_info (the engine process of a tensor-parallel engine holds no weights)
-    hf_config: PretrainedConfig
-    tokenizer: object | None  # a transformers tokenizer; None when the directory has none
+    hf_config: PretrainedConfig | resolved_config.ResolvedConfig
     model_path: str  # the Hugging Face directory actually loaded
-    chat_template: str | None
+    _tokenizer_and_template: tuple[object | None, str | None] | None = None
+
+    @property
+    def tokenizer(self) -> object | None:
+        """A transformers tokenizer, None when the directory has none. Loaded at first use: a serving engine
+        core reads it only for structured outputs, and a 128k vocabulary holds ~45 MB of the core's memory."""
+        return self._tokenizer_files()[0]
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._tokenizer_files()[1]
+
+    def _tokenizer_files(self) -> tuple[object | None, str | None]:
+        if self._tokenizer_and_template is None:
+            self._tokenizer_and_template = _load_tokenizer(Path(self.model_path))
+        return self._tokenizer_and_template
 
 
 def cache_root() -> Path:
@@ -106,13 +128,13 @@ def gguf_source(model: str | None) -> Path | None:
 
 
 def load_model_info(model: str | None, weights: bool = True) -> LoadedModel:
-    """Config, tokenizer and chat template of ``model``, without building it or reading weights.
+    """Config, tokenizer and chat template of ``model`` (the tokenizer read at first use), without building it or
+    reading weights.
     ``weights=False``: a GGUF's converted directory may lack the float32 weights (whoever loads
     the model reads them from the GGUF)."""
     hf_dir = resolve_hf_dir(model, weights=weights)
     config, _ = _read_config(hf_dir)
-    tokenizer, chat_template = _load_tokenizer(hf_dir)
-    return LoadedModel(None, config, tokenizer, str(hf_dir), chat_template)
+    return LoadedModel(None, config, str(hf_dir))
 
 
 def resolve_hf_dir(model: str | None, weights: bool = True) -> Path:
@@ -290,7 +312,7 @@ def _iter_safetensors(files: list[Path]):
 def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 gguf_path: Path | None = None, quantization: str = "auto",
                 quant_activations: str = "none") -> LoadedModel:
-    """Build the model named by ``hf_dir/config.json`` and load its safetensors and tokenizer;
+    """Build the model named by ``hf_dir/config.json`` and load its safetensors (the tokenizer at first use);
     with ``gguf_path`` (the GGUF ``hf_dir`` was converted from) the weights come from it, the
     quantized ones kept quantized. ``quantization``: how float weights are kept (module docstring)."""
     if quantization not in quantized.WEIGHT_FORMATS:  # before any work
@@ -307,7 +329,7 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         raise ModelLoadError(f"unsupported model configuration in {hf_dir}: {e}") from e
     if gguf_path is not None:
         reader = gguf_loader.open_for_weights(gguf_path)
-        weights = gguf_loader.iter_gguf_tensors(reader, gguf_loader.gguf_to_hf_config(reader), keep_quantized=True)
+        weights = gguf_loader.iter_gguf_tensors(reader, config, keep_quantized=True)
     else:
         files = _weight_files(hf_dir)
         weights = _iter_safetensors(files)
@@ -333,10 +355,9 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         model.process_weights_after_loading()  # CPU GEMM layouts, once the dtype and device are final
     if quant_activations == "int8":
         use_int8_activations(model)
-    tokenizer, chat_template = _load_tokenizer(hf_dir)
     if gguf_path is not None or target is not None:
         _release_free_heap()
-    return LoadedModel(model, config, tokenizer, str(hf_dir), chat_template)
+    return LoadedModel(model, config, str(hf_dir))
 
 
 def use_int8_activations(model: nn.Module) -> int:
@@ -375,13 +396,19 @@ def _release_free_heap() -> None:
         pass
 
 
-def _read_config(hf_dir: Path) -> tuple[PretrainedConfig, type[nn.Module]]:
+def _read_config(hf_dir: Path) -> tuple[PretrainedConfig | resolved_config.ResolvedConfig, type[nn.Module]]:
     if not (hf_dir / "config.json").exists():
         raise ModelLoadError(f"{hf_dir} has no config.json; is it a Hugging Face model directory?")
-    try:
-        config = AutoConfig.from_pretrained(str(hf_dir))
-    except Exception as e:
-        raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {e}") from e
+    config = resolved_config.load(hf_dir)
+    if config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(hf_dir))
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {e}") from e
+        if hf_dir.resolve().is_relative_to(cache_root().resolve()):  # a conversion of ours: ours to write into
+            resolved_config.save(config, hf_dir)
     architectures = getattr(config, "architectures", None)
     if not architectures and config.model_type in _MODEL_TYPE_TO_ARCH:
         architectures = [_MODEL_TYPE_TO_ARCH[config.model_type]]

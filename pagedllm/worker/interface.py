@@ -11,6 +11,7 @@ schedules with (KVCacheInfo) and the front ends the tokenizer and config (ModelI
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -35,23 +36,33 @@ class ModelInfo:
     """The Hugging Face directory actually loaded."""
     hf_config: object
     """Its transformers config."""
-    tokenizer: object | None
-    """A transformers tokenizer; None when the directory has none."""
-    chat_template: str | None
     vocab_size: int
     max_position_embeddings: int
     """The model's context length (4096 when the config does not say)."""
     eos_token_ids: tuple[int, ...]
+    load_tokenizer: Callable[[], object | None] = lambda: None
+    """The transformers tokenizer (None when the directory has none), read at the first call: an engine core
+    serving a front end in another process needs it only for structured outputs."""
+
+    @property
+    def tokenizer(self) -> object | None:
+        return self.load_tokenizer()
+
+    @property
+    def chat_template(self) -> str | None:
+        tokenizer = self.load_tokenizer()
+        return getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
 
     @classmethod
     def from_loaded(cls, loaded) -> ModelInfo:
         """From a model.loader.LoadedModel (whose weights, if any, stay with the executor)."""
         config = loaded.hf_config
+        # The tokenizer's end-of-sequence id only when the config names none: reading it is what loads it.
+        eos = eos_token_ids_of(config, None) or eos_token_ids_of(config, loaded.tokenizer)
         return cls(
-            model_path=loaded.model_path, hf_config=config, tokenizer=loaded.tokenizer,
-            chat_template=loaded.chat_template, vocab_size=config.vocab_size,
+            model_path=loaded.model_path, hf_config=config, vocab_size=config.vocab_size,
             max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
-            eos_token_ids=tuple(eos_token_ids_of(config, loaded.tokenizer)),
+            eos_token_ids=tuple(eos), load_tokenizer=lambda: loaded.tokenizer,
         )
 
 

@@ -77,7 +77,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int, *,
                  num_host_blocks: int, device: torch.device | str, seed: int, attention_backend: str,
-                 cuda_graphs: SchedulerConfig | None, tokenizer=None, draft=None, lora=None,
+                 cuda_graphs: SchedulerConfig | None, load_tokenizer=lambda: None, draft=None, lora=None,
                  batch_invariant: bool) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -116,7 +116,8 @@ class ModelRunner:
         self._spec_tokens: dict[str, list[int]] = {}
         """This step's speculative proposals (worker/spec_verify.py), req_id -> tokens."""
         torch.manual_seed(seed)  # the shared stream of unseeded requests
-        self.tokenizer = tokenizer  # structured outputs build their vocabulary from it
+        self.load_tokenizer = load_tokenizer
+        """Returns the tokenizer structured outputs build their vocabulary from (read at the first constrained request)."""
         self.structured_output = None  # a StructuredOutputManager, made at the first constrained request
 
     # --- state updates from the scheduler's diffs ------------------------------------
@@ -165,8 +166,9 @@ class ModelRunner:
         if self.structured_output is None:
             from pagedllm.worker.structured_output import StructuredOutputManager  # xgrammar only when used
 
-            assert self.tokenizer is not None, "the front end refuses structured outputs without a tokenizer"
-            self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, eos_token_ids,
+            tokenizer = self.load_tokenizer()
+            assert tokenizer is not None, "the front end refuses structured outputs without a tokenizer"
+            self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, eos_token_ids,
                                                              self.device)
         spec = new.sampling_params.structured_outputs
         for req_id in [new.req_id] + [child_id for child_id, _ in new.fork_children]:

@@ -174,7 +174,7 @@ def run_worker(args: argparse.Namespace) -> int:
                              num_blocks=init.num_blocks, seed=init.seed, num_host_blocks=init.num_host_blocks,
                              # ranks run eagerly on the CPU; the mode needs the compiled attention op
                              device="cpu", attention_backend="cpu" if init.batch_invariant else "torch",
-                             cuda_graphs=None, tokenizer=loaded.tokenizer, batch_invariant=init.batch_invariant,
+                             cuda_graphs=None, load_tokenizer=lambda: loaded.tokenizer, batch_invariant=init.batch_invariant,
                              lora=None if init.lora_slots is None else LoRAManager(model, *init.lora_slots))
         sock.send(proto.encoder.encode(proto.ReadyMsg(rank, model.num_kv_heads, shared_sliding_window(model))))
         logger.info("rank %d: ready (%d KV heads, %d blocks)", rank, model.num_kv_heads, init.num_blocks)

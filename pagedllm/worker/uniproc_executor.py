@@ -68,9 +68,8 @@ class UniprocExecutor(Executor):
         self.runner = ModelRunner(
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
-            cuda_graphs=None if args.enforce_eager else scheduler_config, tokenizer=self.loaded.tokenizer, draft=draft,
-            lora=self.lora,
-            batch_invariant=args.batch_invariant,
+            cuda_graphs=None if args.enforce_eager else scheduler_config, load_tokenizer=lambda: self.loaded.tokenizer,
+            draft=draft, lora=self.lora, batch_invariant=args.batch_invariant,
         )
         # a draft model reads the same block tables, so its layers must share the window too
         window = shared_sliding_window(model, *([self.draft_loaded.model] if self.draft_loaded is not None else []))

@@ -17,7 +17,7 @@ class _EchoExecutor(Executor):
     forked from a leader whose prompt just finished sample 8."""
 
     def __init__(self, num_blocks: int = 8) -> None:
-        self.model_info = ModelInfo(model_path="stub", hf_config=None, tokenizer=None, chat_template=None,
+        self.model_info = ModelInfo(model_path="stub", hf_config=None,
                                     vocab_size=100, max_position_embeddings=64, eos_token_ids=(2,))
         self.num_blocks = num_blocks
 

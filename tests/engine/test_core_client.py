@@ -259,7 +259,7 @@ class _EchoExecutor(Executor):
     """No model: every request that finishes its prompt samples token 7."""
 
     def __init__(self) -> None:
-        self.model_info = ModelInfo(model_path="stub", hf_config=None, tokenizer=None, chat_template=None,
+        self.model_info = ModelInfo(model_path="stub", hf_config=None,
                                     vocab_size=100, max_position_embeddings=64, eos_token_ids=(2,))
         self.sizing_args = None
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedllm.model import gguf_loader, load_model
-from pagedllm.model.loader import resolve_hf_dir
+from pagedllm.model.loader import load_model_info, resolve_hf_dir
 from tests.model.paged_kv_helpers import PagedRunner
 
 pytestmark = pytest.mark.slow  # HF equivalence on the default model
@@ -36,6 +36,16 @@ def test_first_load_converts_into_cache(default_model):
     assert loaded.hf_config.num_hidden_layers == 30 and loaded.hf_config.tie_word_embeddings
     assert loaded.chat_template and "<|im_start|>" in loaded.chat_template
     assert loaded.tokenizer.decode(loaded.tokenizer("Hello world")["input_ids"]) == "Hello world"
+
+
+def test_the_tokenizer_is_read_at_first_use(default_model, monkeypatch):
+    """An engine core serving a front end in another process never reads it unless a structured output asks."""
+    _, cache, _ = default_model
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(cache))
+    info = load_model_info(None, weights=False)
+    assert info._tokenizer_and_template is None
+    assert "<|im_start|>" in info.chat_template
+    assert info._tokenizer_and_template is not None and info.tokenizer is info._tokenizer_and_template[0]
 
 
 def test_second_load_reads_the_cache(default_model, monkeypatch):

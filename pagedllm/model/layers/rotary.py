@@ -19,7 +19,6 @@ Per-layer-type parameters (Gemma 3: ``rope_parameters = {"sliding_attention": {.
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedllm.model.layers import cpu_fused
 
@@ -47,8 +46,12 @@ def compute_inv_freq(config, head_dim: int, layer_type: str | None = None,
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # here: plain RoPE needs no transformers
+
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    if hasattr(config, "to_transformers"):  # a ResolvedConfig (model/resolved_config.py): they call its methods
+        config = config.to_transformers()
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
     if seq_len is not None:
         kwargs["seq_len"] = seq_len
