@@ -63,10 +63,11 @@ def test_rms_norm_equals_reference_bit_for_bit(rows, hidden, monkeypatch):
     native = _counting(monkeypatch, RMSNorm, "forward_native")
     with torch.inference_mode():
         assert torch.equal(norm(x), norm.forward_native(x))
-        normed, summed = norm(x, residual)
         ref_normed, ref_summed = norm.forward_native(x, residual)
+        normed, summed = norm(x, residual)  # dense rows: written into x and residual
     assert len(native) == 2  # the two reference calls above only: the module took the op
     assert torch.equal(summed, ref_summed) and torch.equal(normed, ref_normed)
+    assert normed.data_ptr() == x.data_ptr() and summed.data_ptr() == residual.data_ptr()
     assert not torch.equal(normed, summed)
 
 
@@ -96,7 +97,8 @@ for hidden in (576, 100, 13, 4096):
     x, r = torch.randn(37, hidden, generator=gen) * 4, torch.randn(37, hidden, generator=gen)
     with torch.inference_mode():
         assert torch.equal(norm(x), norm.forward_native(x)), hidden
-        assert torch.equal(norm(x, r)[0], norm.forward_native(x, r)[0]), hidden
+        reference = norm.forward_native(x, r)[0]
+        assert torch.equal(norm(x, r)[0], reference), hidden  # (in place: x and r change)
 act = SiluAndMul()
 assert cpu_fused.ops().silu_and_mul is not None
 for d in (1536, 48, 40, 13):

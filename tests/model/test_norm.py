@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from pagedllm.model.layers import cpu_fused
 from pagedllm.model.layers.norm import RMSNorm
 
 
@@ -21,6 +22,15 @@ def test_rms_norm_equals_hf_exactly(dtype, num_tokens):
     residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     with torch.inference_mode():
         assert torch.equal(ours(x), hf(x))
-        normed, summed = ours(x, residual)
-        assert torch.equal(summed, x + residual)
-        assert torch.equal(normed, hf(x + residual))
+        expected_sum = x + residual
+        x_in, residual_in = x.clone(), residual.clone()
+        normed, summed = ours(x_in, residual_in)
+        assert torch.equal(summed, expected_sum)
+        assert torch.equal(normed, hf(expected_sum))
+        if dtype == torch.float32 and cpu_fused.usable(x) is not None:
+            # written into its inputs (the decoder rebinds both names): a prefill step holds two tensors fewer
+            assert normed.data_ptr() == x_in.data_ptr() and summed.data_ptr() == residual_in.data_ptr()
+            # a strided input keeps the out-of-place call, its inputs untouched
+            wide = torch.cat([x, x], dim=1)
+            normed, summed = ours(wide[:, :hidden], residual.clone())
+            assert torch.equal(wide[:, :hidden], x) and torch.equal(normed, hf(expected_sum))

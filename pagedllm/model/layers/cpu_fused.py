@@ -84,10 +84,13 @@ class _Ops:
         if lanes is None:
             logger.warning("the compiled RMSNorm does not round like torch %s here; norms use torch",
                            torch.__version__)
-            self.rms_norm = self.add_rms_norm = None
+            self.rms_norm = self.add_rms_norm = self.add_rms_norm_ = None
         else:
+            add_rms_norm_ = _direct(ns.add_rms_norm_inplace_cpu.default)
             self.rms_norm = lambda x, weight, eps: rms_norm(x, weight, eps, lanes)
             self.add_rms_norm = lambda x, residual, weight, eps: add_rms_norm(x, residual, weight, eps, lanes)
+            self.add_rms_norm_ = lambda x, residual, weight, eps: add_rms_norm_(x, residual, weight, eps, lanes)
+            """In place: ``residual += x`` and ``x = norm(residual)`` (dense rows, two tensors)."""
         self.norm_lanes = lanes
         silu_and_mul = _direct(ns.silu_and_mul_cpu.default)
         with torch.inference_mode():

@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``, which on the CPU are written into
+        ``x`` and ``residual`` themselves when both are dense: the decoder rebinds both names to the results, and a
+        prefill step then holds two [T, hidden] tensors fewer while its layer runs."""
         # The parameter read straight from _parameters: ``self.weight`` misses the instance dict
         # and runs nn.Module.__getattr__ (~0.7 us, twice a layer).
         weight = self._parameters["weight"]
@@ -42,6 +44,10 @@ class RMSNorm(nn.Module):
             elif (ops.add_rms_norm is not None and residual.dtype == torch.float32 and residual.dim() == 2
                   and residual.stride(1) == 1 and residual.shape[0] == x.shape[0]
                   and residual.shape[1] == x.shape[1]):
+                width = x.shape[1]
+                if x.stride(0) == width and residual.stride(0) == width and x.data_ptr() != residual.data_ptr():
+                    ops.add_rms_norm_(x, residual, weight, self.eps)
+                    return x, residual
                 return ops.add_rms_norm(x, residual, weight, self.eps)
         return self.forward_native(x, residual)
 
