@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.model.layers.rotary import limit_rotary_positions
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
@@ -48,6 +49,9 @@ class UniprocExecutor(Executor):
 
     def initialize_kv_cache(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> KVCacheInfo:
         model = self.loaded.model
+        # Positions from max_model_len on never run: the rotary tables need not cover the model's whole context.
+        for served in (model, *([self.draft_loaded.model] if self.draft_loaded is not None else [])):
+            limit_rotary_positions(served, scheduler_config.max_model_len)
         kv_dtype = resolve_kv_cache_dtype(self.engine_args.kv_cache_dtype, self.dtype, self.device)
         self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, kv_dtype)
         draft_spec = None

@@ -68,3 +68,28 @@ def test_rotation_is_hf_formula_bit_for_bit(rope):
     cos, sin = ours.cos_cache[positions][:, None], ours.sin_cache[positions][:, None]
     expected = qk * cos + rotate_half(qk) * sin
     assert torch.equal(ours.rotate(qk, ours.cos_sin(positions, qk.dtype)), expected)
+
+
+def test_tables_limited_to_the_served_length():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=4096)
+    rot = RotaryEmbedding(config, head_dim=16)
+    cos, signed_sin = rot.cos_cache.clone(), rot.signed_sin_cache.clone()
+    rot.limit_positions(100)
+    assert rot.cos_cache.shape == (100, 16) and rot.cos_cache.is_contiguous()
+    assert torch.equal(rot.cos_cache, cos[:100]) and torch.equal(rot.signed_sin_cache, signed_sin[:100])
+    assert torch.equal(rot.sin_cache[:, 8:], signed_sin[:100, 8:]) and torch.equal(rot.sin_cache[:, :8], -signed_sin[:100, :8])
+    rot.limit_positions(5000)  # never longer than the model's context
+    assert rot.cos_cache.shape[0] == 100
+
+
+def test_an_engine_keeps_rotary_rows_for_max_model_len_only(tmp_path):
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model.layers.rotary import RotaryEmbedding as Rotary
+    from tests.model.tiny_models import make_hf_model
+
+    make_hf_model("llama", seed=0).save_pretrained(tmp_path)  # context: 128 positions
+    llm = LLM(str(tmp_path), max_model_len=48, num_threads=1)
+    tables = [m.cos_cache.shape[0] for m in llm.engine.core.executor.runner.model.modules() if isinstance(m, Rotary)]
+    assert tables and set(tables) == {48}
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=45, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 45  # up to the last served position, 47

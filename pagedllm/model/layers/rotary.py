@@ -75,13 +75,25 @@ class RotaryEmbedding(nn.Module):
                                                long_inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
         # sin with its first half negated (see cos_sin), precomputed: negation is exact, and it
-        # saves cos_sin four ATen calls a step.
-        half = head_dim // 2
-        signed_sin = self.sin_cache.clone()
-        signed_sin[:, :half].neg_()
+        # saves cos_sin four ATen calls a step. The plain sin table is not kept (``sin_cache``).
+        signed_sin = emb.sin() * scaling
+        signed_sin[:, : head_dim // 2].neg_()
         self.register_buffer("signed_sin_cache", signed_sin, persistent=False)
+
+    @property
+    def sin_cache(self) -> torch.Tensor:
+        """sin of every position [P, D], from the signed table (exact: negation)."""
+        sin = self.signed_sin_cache.clone()
+        sin[:, : self.head_dim // 2].neg_()
+        return sin
+
+    def limit_positions(self, num_positions: int) -> None:
+        """Keep the tables' first ``num_positions`` rows: the engine serves up to max_model_len tokens, and a
+        model's context length may be far longer (Gemma 3 1B: 32768 positions x 256 dims, two tables of each)."""
+        if num_positions < self.cos_cache.shape[0]:
+            self.cos_cache = self.cos_cache[:num_positions].clone()
+            self.signed_sin_cache = self.signed_sin_cache[:num_positions].clone()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each [T, 1, D] in ``dtype``: gather them once per step and hand them to
@@ -128,3 +140,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin(positions, query.dtype)
         return self.rotate(query, cos_sin), self.rotate(key, cos_sin)
+
+
+def limit_rotary_positions(model: nn.Module, num_positions: int) -> None:
+    """``limit_positions`` on every rotary table of ``model``."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.limit_positions(num_positions)
