@@ -51,7 +51,9 @@ _LAYER = {
 }
 EXPERT_TENSORS = {T.FFN_GATE_EXP: "gate_proj", T.FFN_UP_EXP: "up_proj", T.FFN_DOWN_EXP: "down_proj"}
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-ROPE_FACTOR_TENSORS = (T.ROPE_FACTORS_LONG, T.ROPE_FACTORS_SHORT)  # phi3 longrope: config, not weights
+# Config, not weights: phi3's longrope factors, and llama's rope_freqs (Llama 3.1+: the divisor of each rotary
+# frequency that llama.cpp's converter computes from the checkpoint's "llama3" rope scaling).
+ROPE_FACTOR_TENSORS = (T.ROPE_FACTORS_LONG, T.ROPE_FACTORS_SHORT, T.ROPE_FREQS)
 
 
 def _name_table(arch: MODEL_ARCH) -> dict[str, T]:
@@ -74,7 +76,7 @@ def classify(arch: str, gguf_name: str) -> tuple[T, int | None, str]:
     kind = _TABLES[arch].get(base)
     if kind is None or suffix not in ("weight", "bias"):
         raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r} for architecture {arch!r} "
-                             "(e.g. rope_freqs / llama3 rope, per-expert ffn_*.E tensors are not supported)")
+                             "(e.g. per-expert ffn_*.E tensors are not supported)")
     return kind, layer, suffix
 
 
@@ -99,10 +101,12 @@ def hf_name(config: PretrainedConfig, kind: T, layer: int | None, suffix: str) -
 def hf_config(arch: str, meta, common: dict, tensor_names: set[str], rope_factors: dict) -> PretrainedConfig:
     """The HF config of a GGUF ``arch``: ``common`` holds the Llama-like fields already read, ``meta(key,
     default)`` reads ``{arch}.{key}`` (ModelLoadError when missing and no default), ``rope_factors``
-    phi3's rope factor tensors by kind."""
+    the rope factor tensors by kind (phi3's long and short, llama's rope_freqs)."""
     from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     num_layers = common["num_hidden_layers"]
+    if arch == "llama" and T.ROPE_FREQS in rope_factors:  # divides each rotary frequency (layers/rotary.py)
+        common = dict(common, rope_freq_factors=rope_factors[T.ROPE_FREQS])
     if arch == "llama" and int(meta("expert_count", 0)) > 0:
         return MixtralConfig(**common, architectures=["MixtralForCausalLM"],
                              num_local_experts=int(meta("expert_count")),

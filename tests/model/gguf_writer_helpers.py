@@ -56,14 +56,18 @@ def decoder_writer(cfg, path, arch: str, always_head_dim: bool) -> GGUFWriter:
     return writer
 
 
-def write_llama_gguf(hf_model, path, qtype: GGMLQuantizationType, arch: str = "llama", override: dict | None = None):
+def write_llama_gguf(hf_model, path, qtype: GGMLQuantizationType, arch: str = "llama", override: dict | None = None,
+                     extra: dict | None = None):
     """Write ``hf_model`` as GGUF with 2-D weights in ``qtype`` (1-D norms stay F32).
 
     Returns the HF state dict as the file holds it (quantized then dequantized), for reference.
-    ``override`` maps a GGUF tensor name to a (raw bytes array, raw qtype) to plant odd tensors.
+    ``override`` maps a GGUF tensor name to a (raw bytes array, raw qtype) to plant odd tensors;
+    ``extra`` adds float32 tensors the checkpoint lacks (name -> array), e.g. ``rope_freqs.weight``.
     """
     cfg = hf_model.config
     writer = decoder_writer(cfg, path, arch, always_head_dim=False)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
     reference = {}
     tied = cfg.tie_word_embeddings
     for name, tensor in hf_model.state_dict().items():
@@ -238,3 +242,24 @@ def _write_spm_vocab(writer: GGUFWriter, tokens: list[str]) -> None:
     writer.add_eos_token_id(1)
     writer.add_bos_token_id(2)
     writer.add_unk_token_id(3)
+
+
+def llama3_rope_freqs(cfg) -> np.ndarray:
+    """The ``rope_freqs.weight`` llama.cpp's converter writes for a "llama3" rope scaling: per rotary frequency,
+    1 below the high-frequency wavelength, ``factor`` above the low-frequency one, smoothly between."""
+    rope = cfg.rope_parameters
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    original, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    factors = []
+    for freq in inv_freq:
+        wavelength = 2 * np.pi / freq
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

@@ -37,7 +37,18 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
 
 def compute_inv_freq(config, head_dim: int, layer_type: str | None = None,
                      seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention_scaling) for ``config``."""
+    """(inv_freq [head_dim // 2] float32, attention_scaling) for ``config``; a GGUF's ``rope_freq_factors``
+    (llama's rope_freqs tensor) divide the frequencies, as llama.cpp applies them."""
+    inv_freq, scaling = _rope_inv_freq(config, head_dim, layer_type, seq_len)
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:
+        if len(factors) != inv_freq.shape[0]:
+            raise ValueError(f"rope_freq_factors has {len(factors)} entries for {inv_freq.shape[0]} rotary frequencies")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    return inv_freq, scaling
+
+
+def _rope_inv_freq(config, head_dim: int, layer_type: str | None, seq_len: int | None) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config, layer_type)
     if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
