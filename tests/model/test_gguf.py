@@ -144,3 +144,22 @@ def test_garbage_gguf(tmp_path):
     path.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelLoadError, match="corrupt"):
         load_model(str(path))
+
+
+def test_the_weights_reader_steps_over_the_tokenizer_arrays_and_reads_the_rest_alike():
+    """The default model's GGUF (49 K tokens and merges): every other field and every tensor as the full reader."""
+    from gguf import GGUFReader
+
+    from pagedllm.model.loader import default_gguf_path
+
+    full, weights = GGUFReader(default_gguf_path()), gguf_loader.open_for_weights(default_gguf_path())
+    skipped = {key for key, field in full.fields.items() if key.startswith("tokenizer.") and len(field.data) > 1}
+    assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"} <= skipped
+    assert list(weights.fields) == [key for key in full.fields if key not in skipped]
+    for key in weights.fields:
+        assert gguf_loader._field(weights, key) == gguf_loader._field(full, key), key
+    assert len(weights.tensors) == len(full.tensors) > 0
+    for ours, theirs in zip(weights.tensors, full.tensors):
+        assert (ours.name, ours.tensor_type, list(ours.shape), ours.data_offset) == \
+            (theirs.name, theirs.tensor_type, list(theirs.shape), theirs.data_offset)
+        assert np.array_equal(ours.data, theirs.data)
