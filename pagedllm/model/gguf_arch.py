@@ -184,7 +184,7 @@ def _phi3_config(meta, common: dict, rope_factors: dict) -> PretrainedConfig:
         raise ModelLoadError(f"phi3 GGUF with partial rotary ({rope_dims} of {head_dim} dims per head) "
                              "is not supported")
     rope = dict(common["rope_parameters"])
-    long, short = (rope_factors.get(kind) for kind in ROPE_FACTOR_TENSORS)
+    long, short = rope_factors.get(T.ROPE_FACTORS_LONG), rope_factors.get(T.ROPE_FACTORS_SHORT)
     if (long is None) != (short is None):
         raise ModelLoadError("phi3 GGUF has one of rope_factors_long / rope_factors_short but not both")
     if long is not None:
