@@ -158,6 +158,7 @@ class LlamaAttention(_DirectChildren):
             # [T, H, D], [T, Hkv, D], [T, Hkv, D]; queries and keys rotated
             q, k, v = self.rotary.rotate_qkv(qkv, cos_sin, self.num_local_heads, self.num_local_kv_heads)
         out = self.attn(q, k, v)  # [T, H, D]
+        del qkv, q, k, v  # dead once attended: a long step's o_proj output need not sit beside them
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -174,22 +175,25 @@ class LlamaMLP(_DirectChildren):
         self.act = gated_activation(spec.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]. A step longer than MLP_WORKSPACE_BYTES runs in row slices, each writing its
+        output over its own rows of a contiguous x (read just before), so callers pass an x they do not read again
+        (the post-attention norm's output)."""
         num_tokens = x.shape[0]
         gate_up_row_bytes = self.gate_up_proj.output_size_per_partition * x.element_size()
         rows = max(1, MLP_WORKSPACE_BYTES // gate_up_row_bytes)
         if num_tokens <= rows or x.dim() != 2 or current_lora_segments():  # LoRA's segments index the whole step
             return self.down_proj(self.act(self.gate_up_proj(x)))
-        out = x.new_empty(num_tokens, self.down_proj.output_size)  # [T, hidden]
+        out = x if x.is_contiguous() else x.new_empty(num_tokens, self.down_proj.output_size)  # [T, hidden]
         for start in range(0, num_tokens, rows):
-            part = x[start : start + rows]
-            out[start : start + rows] = self.down_proj(self.act(self.gate_up_proj(part)))
+            out[start : start + rows] = self.down_proj(self.act(self.gate_up_proj(x[start : start + rows])))
         return out
 
 
-MLP_WORKSPACE_BYTES = 32 << 20
+MLP_WORKSPACE_BYTES = 16 << 20
 """Most bytes of the MLP's gate/up output at once: a longer step runs its MLP in row slices. A 1B model's
-2048-token step otherwise holds 128 MiB of gate/up and 64 MiB of activation per layer (slices of 512 rows:
-32 + 16 MiB). A row's result may differ only in summation order where a kernel blocks by the number of rows
+2048-token step otherwise holds 128 MiB of gate/up and 64 MiB of activation per layer (slices of 256 rows:
+16 + 8 MiB; no slower than 512 on the Q4_0 1B, docs/benchmarks.md "Session 16"). A row's result may differ only in
+summation order where a kernel blocks by the number of rows
 (bit-equal on the 1B Q4_0 one; docs/benchmarks.md "Session 13")."""
 
 
