@@ -168,6 +168,11 @@ class AsyncLLM:
                     kv_cache_manager_factory=None, num_threads: int = 4) -> AsyncLLM:
         """Spawn the engine core (or data-parallel replicas: DPCoreClient), wait until its model is loaded,
         and load the tokenizer here."""
+        # A GGUF's first conversion, and its config resolved with transformers, happen here, where the tokenizer
+        # imports transformers anyway: the engine core then loads without them (~130 MB of its memory).
+        from pagedllm.worker.executor import prepare_model_files  # torch: not at the API server's import
+
+        await asyncio.to_thread(prepare_model_files, engine_args)
         if engine_args.parallel_config().uses_dp_client:
             from pagedllm.engine.dp_client import DPCoreClient
 

@@ -137,6 +137,15 @@ def load_model_info(model: str | None, weights: bool = True) -> LoadedModel:
     return LoadedModel(None, config, str(hf_dir))
 
 
+def prepare_model_dir(model: str | None, weights: bool = True) -> Path:
+    """``resolve_hf_dir`` and its resolved config, made in this process, so that a process that loads ``model``
+    later finds both and imports none of transformers' config classes (``resolved_config.py``): the server's
+    front end, which reads the tokenizer with transformers anyway, calls it before it starts the engine core."""
+    hf_dir = resolve_hf_dir(model, weights)
+    _read_config(hf_dir)
+    return hf_dir
+
+
 def resolve_hf_dir(model: str | None, weights: bool = True) -> Path:
     """The Hugging Face directory behind ``model`` (GGUF files and the default are converted once).
     ``weights=False``: a GGUF's directory need not hold float32 weights (``ensure_converted``)."""

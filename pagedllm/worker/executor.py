@@ -10,7 +10,10 @@ kv_cache.py and kv_cache_sizing.py) and report it as a ``KVCacheInfo``.
 
 from __future__ import annotations
 
+import torch
+
 from pagedllm.config import EngineArgs, ParallelConfig
+from pagedllm.model.loader import gguf_source, prepare_model_dir
 from pagedllm.worker.gpu import resolve_device, resolve_dtype
 from pagedllm.worker.interface import Executor
 from pagedllm.worker.kv_cache import resolve_kv_cache_dtype
@@ -34,3 +37,12 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
     if device.type != "cpu":
         raise ValueError("tensor parallelism runs on the CPU (gloo) so far; pass device='cpu' (--device cpu)")
     return MultiprocTPExecutor(engine_args, parallel_config, dtype)
+
+
+def prepare_model_files(engine_args: EngineArgs) -> None:
+    """The model directory the executor will load, converted (a GGUF's, with float32 weights only where they are
+    run) and its config resolved, here: ``loader.prepare_model_dir``."""
+    device = resolve_device(engine_args.device)
+    dtype = resolve_dtype(engine_args.dtype, device)
+    reads_gguf = not engine_args.gguf_dequantize and dtype == torch.float32 and device.type == "cpu"
+    prepare_model_dir(engine_args.model, weights=not (reads_gguf and gguf_source(engine_args.model) is not None))

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from transformers import AutoConfig
 
 from pagedllm.model import load_model, resolved_config
-from pagedllm.model.loader import load_model_info
+from pagedllm.model.loader import load_model_info, resolve_hf_dir
 from tests.model.gguf_writer_helpers import write_llama_gguf
 from tests.model.tiny_models import make_hf_model
 
@@ -59,3 +59,27 @@ def test_an_edited_config_or_another_transformers_is_read_again(gguf_file, monke
     assert resolved_config.load(hf_dir).rms_norm_eps == 1e-3  # saved again, from the edited file
     monkeypatch.setattr(resolved_config, "version", lambda package: "0.0.1")
     assert resolved_config.load(hf_dir) is None
+
+
+def _loads_without_config_classes(gguf_file, *args) -> list[str]:
+    code = ("import sys; from pagedllm.model import load_model; "
+            "loaded = load_model(sys.argv[1], gguf_dequantize=sys.argv[2:] == ['dequantize']); "
+            "print(type(loaded.hf_config).__name__, 'transformers.activations' in sys.modules, 'sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(gguf_file), *args], capture_output=True, text=True,
+                         check=True)
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_the_front_end_prepares_what_the_core_loads(gguf_file, dequantize):
+    """What AsyncLLM.start does before it starts the engine core, on a GGUF never converted: the core's first
+    load (here a fresh process) then converts nothing and imports none of transformers' config classes. With
+    --gguf-dequantize the core reads float32 weights from the directory: they are written here too."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.worker.executor import prepare_model_files
+
+    prepare_model_files(EngineArgs(model=str(gguf_file), gguf_dequantize=dequantize))
+    expected = ["ResolvedConfig", "False", "False"]
+    assert _loads_without_config_classes(gguf_file, *(["dequantize"] if dequantize else [])) == expected
+    hf_dir = resolve_hf_dir(str(gguf_file), weights=False)  # reads no config
+    assert bool(list(hf_dir.glob("*.safetensors"))) == dequantize
