@@ -166,23 +166,25 @@ class AsyncLLM:
     async def start(cls, engine_args: EngineArgs, metrics: ServerMetrics | None = None,
                     log_level: str = "INFO", ready_timeout_s: float = 900.0,
                     kv_cache_manager_factory=None, num_threads: int = 4) -> AsyncLLM:
-        """Spawn the engine core (or data-parallel replicas: DPCoreClient), wait until its model is loaded,
-        and load the tokenizer here."""
+        """Spawn the engine core (or data-parallel replicas: DPCoreClient), and load the tokenizer here while its
+        model loads."""
         # A GGUF's first conversion, and its config resolved with transformers, happen here, where the tokenizer
         # imports transformers anyway: the engine core then loads without them (~130 MB of its memory).
         from pagedllm.worker.executor import prepare_model_files  # torch: not at the API server's import
 
-        await asyncio.to_thread(prepare_model_files, engine_args)
+        model_dir = await asyncio.to_thread(prepare_model_files, engine_args)
         if engine_args.parallel_config().uses_dp_client:
             from pagedllm.engine.dp_client import DPCoreClient
 
             client = DPCoreClient(engine_args, log_level, kv_cache_manager_factory, metrics)
         else:
             client = MPCoreClient(engine_args, log_level, kv_cache_manager_factory)
+        tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, str(model_dir)))
         try:
             ready = await client.wait_ready(ready_timeout_s)
-            tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
+            tokenizer = await tokenizer_loaded
         except BaseException:
+            tokenizer_loaded.cancel()
             client.shutdown()
             raise
         return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits(),

@@ -10,6 +10,8 @@ kv_cache.py and kv_cache_sizing.py) and report it as a ``KVCacheInfo``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from pagedllm.config import EngineArgs, ParallelConfig
@@ -39,10 +41,10 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
     return MultiprocTPExecutor(engine_args, parallel_config, dtype)
 
 
-def prepare_model_files(engine_args: EngineArgs) -> None:
+def prepare_model_files(engine_args: EngineArgs) -> Path:
     """The model directory the executor will load, converted (a GGUF's, with float32 weights only where they are
     run) and its config resolved, here: ``loader.prepare_model_dir``."""
     device = resolve_device(engine_args.device)
     dtype = resolve_dtype(engine_args.dtype, device)
     reads_gguf = not engine_args.gguf_dequantize and dtype == torch.float32 and device.type == "cpu"
-    prepare_model_dir(engine_args.model, weights=not (reads_gguf and gguf_source(engine_args.model) is not None))
+    return prepare_model_dir(engine_args.model, weights=not (reads_gguf and gguf_source(engine_args.model) is not None))
