@@ -16,16 +16,13 @@ Each engine starts tp worker processes (gloo on loopback, one thread each): engi
 from __future__ import annotations
 
 import random
-import socket
-from datetime import timedelta
 
 import pytest
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.attention import cpu_op
+from tests.distributed.rank_order_reduce import ROW_COUNTS, free_port, reduce_rank
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 pytestmark = [pytest.mark.slow,  # tensor-parallel ranks in worker processes
@@ -142,39 +139,6 @@ def test_refuses_a_model_without_invariant_kernels(tmp_path):
 
 # --- the collective alone ------------------------------------------------------------------------
 
-ROW_COUNTS = (1, 2, 3, 5, 17, 64)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _reduce_rank(rank: int, world_size: int, port: int, results) -> None:
-    from pagedllm.distributed import parallel_state as ps
-
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
-    ps.init_tensor_parallel(rank, world_size, store, timeout_s=60)
-    try:
-        # Partials of widely different magnitudes: most orders of three or more sums round differently.
-        partials = torch.randn(64, 576, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-3, 3, 576)
-        first_rows = {}
-        for name, reduce in (("ring", ps.tp_all_reduce), ("rank order", ps.tp_all_reduce_in_rank_order)):
-            first_rows[name] = [reduce(partials[:rows].clone())[0] for rows in ROW_COUNTS]
-        if rank == 0:
-            everyone = [torch.randn(64, 576, generator=torch.Generator().manual_seed(r)) * torch.logspace(-3, 3, 576)
-                        for r in range(world_size)]
-            expected = everyone[0][0].clone()
-            for other in everyone[1:]:
-                expected += other[0]
-            results.put({name: [bool(torch.equal(row, expected)) for row in rows]
-                         for name, rows in first_rows.items()})
-    finally:
-        ps.destroy_tensor_parallel()
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_rank_order_all_reduce_is_the_same_sum_at_any_row_count(world_size):
     """Row 0's sum over the ranks, with 1-64 rows in the tensor: in rank order it is always
@@ -182,8 +146,8 @@ def test_the_rank_order_all_reduce_is_the_same_sum_at_any_row_count(world_size):
     at 3, where the segment an element falls in (its order) moves with the tensor's size."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_reduce_rank, args=(rank, world_size, port, results)) for rank in range(world_size)]
+    port = free_port()
+    procs = [ctx.Process(target=reduce_rank, args=(rank, world_size, port, results)) for rank in range(world_size)]
     for proc in procs:
         proc.start()
     try:

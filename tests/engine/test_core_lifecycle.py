@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow  # engine cores in their own processes, killed and
 
 
 class SlowSteps:
-    """A KV cache manager factory (picklable) whose every step takes `delay_s`: a busy core, whatever the CPU."""
+    """A KV cache manager factory (picklable) whose every step after the first takes `delay_s`: a busy core,
+    whatever the CPU. The first step (the prefill, which yields the first token) runs at full speed, so the
+    front end sees the core stepping without first sitting out a whole `delay_s` (30 s in the hung case)."""
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
@@ -35,12 +37,15 @@ class SlowSteps:
 class _SlowKV:
     def __init__(self, inner, delay_s: float) -> None:
         self._inner, self._delay_s = inner, delay_s
+        self._num_calls = 0
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     def allocate_slots(self, *args, **kwargs):
-        time.sleep(self._delay_s)
+        self._num_calls += 1
+        if self._num_calls > 1:
+            time.sleep(self._delay_s)
         return self._inner.allocate_slots(*args, **kwargs)
 
 

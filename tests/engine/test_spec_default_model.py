@@ -35,11 +35,25 @@ def _run(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
+NGRAM4 = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+# Engines shared by the module (a default-model engine costs seconds to build). Their prefix caches are
+# warm after the first test: these tests compare greedy tokens (and stop points), which a prefix hit leaves
+# unchanged, and speculation acts in the decode steps, which run whatever the prefill found cached.
+@pytest.fixture(scope="module")
+def plain_llm():
+    return LLM(max_model_len=512)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _run(LLM(max_model_len=512), GREEDY)
+def ngram4_llm():
+    return LLM(max_model_len=512, speculative_config=NGRAM4)
+
+
+@pytest.fixture(scope="module")
+def reference(plain_llm):
+    return _run(plain_llm, GREEDY)
 
 
 @pytest.mark.parametrize("k,config", [
@@ -56,19 +70,17 @@ def test_default_model_greedy_identical(reference, k, config):
         assert stats.num_preemptions > 0
 
 
-def test_default_model_parallel_samples(reference):
+def test_default_model_parallel_samples(reference, ngram4_llm):
     params = SamplingParams(n=2, temperature=0, max_tokens=40)
-    llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert _run(llm, params) == [seqs * 2 for seqs in reference]
+    assert _run(ngram4_llm, params) == [seqs * 2 for seqs in reference]
 
 
-def test_default_model_stop_strings_end_where_they_would_without():
+def test_default_model_stop_strings_end_where_they_would_without(plain_llm, ngram4_llm):
     """Several tokens arrive per step with speculation; a stop string still ends text and token ids at
     the token that completes it."""
     params = SamplingParams(temperature=0, max_tokens=40, stop=[" lazy", " blocks", "Paris"])
     results = []
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
-        llm = LLM(max_model_len=512, speculative_config=spec)
+    for llm in (plain_llm, ngram4_llm):
         outputs = llm.generate([{"prompt_token_ids": _chat(llm, p)} for p in PROMPTS], params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
                         for o in outputs])

@@ -254,6 +254,12 @@ def test_cached_tokens_are_hidden_without_keys(open_server):
     assert "prompt_tokens_details" not in usage and usage["prompt_tokens"] > 0
 
 
+def test_the_dashboard_is_off_by_default(open_server):
+    """No --enable-dashboard: neither the page nor its event stream exists (test_dashboard.py covers it on)."""
+    assert httpx.get(f"{open_server.url}/dashboard", timeout=10).status_code == 404
+    assert httpx.get(f"{open_server.url}/dashboard/events", timeout=10).status_code == 404
+
+
 def test_waiting_requests_are_bounded_with_429(open_server, model_dir):
     """max_num_seqs 1 and a bound of 2 waiting: one runs, two wait, the next is told to retry."""
     url = open_server.url
