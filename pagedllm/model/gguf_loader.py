@@ -276,8 +276,8 @@ class _WeightsReader(GGUFReader):
 
 
 def open_for_weights(path: str | os.PathLike) -> GGUFReader:
-    """The reader of ``path`` to load weights with: its tensors and every metadata field but the tokenizer's
-    arrays (``_WeightsReader``)."""
+    """The reader of ``path`` for its weights and config: its tensors and every metadata field but the tokenizer's
+    arrays (``_WeightsReader``), which only transformers' tokenizer converter reads."""
     try:
         return _WeightsReader(path)
     except Exception as e:  # as _open
@@ -307,7 +307,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     if needed). Without ``weights`` the directory holds what a load that reads its weights from the
     GGUF itself needs: a 1 B model's float32 weights are 4 GB of disk and, while converting, of memory."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = _open(gguf_path)
+    reader = open_for_weights(gguf_path)  # the tokenizer's arrays are read by transformers' converter below
     config = gguf_to_hf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
     if weights:
