@@ -111,12 +111,19 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: st
     quantized weights stay quantized unless ``gguf_dequantize`` (or not CPU float32); float
     weights are kept as ``quantization`` says (``quantized.WEIGHT_FORMATS``); ``quant_activations``
     int8 runs the quantized linears with int8 activations (``quantized.ACTIVATION_FORMATS``)."""
-    gguf_path = None
-    if not gguf_dequantize and dtype == torch.float32 and torch.device(device).type == "cpu":
-        gguf_path = gguf_source(model)
+    gguf_path = gguf_weights_source(model, dtype, device, gguf_dequantize)
     hf_dir = resolve_hf_dir(model, weights=gguf_path is None)
     return load_hf_dir(hf_dir, dtype, device, gguf_path=gguf_path, quantization=quantization,
                        quant_activations=quant_activations)
+
+
+def gguf_weights_source(model: str | None, dtype: torch.dtype, device: str | torch.device,
+                        gguf_dequantize: bool) -> Path | None:
+    """The GGUF whose quantized blocks a load of ``model`` runs from (CPU float32, not ``gguf_dequantize``), or
+    None: the model's converted directory then holds float32 weights."""
+    if gguf_dequantize or dtype != torch.float32 or torch.device(device).type != "cpu":
+        return None
+    return gguf_source(model)
 
 
 def gguf_source(model: str | None) -> Path | None:

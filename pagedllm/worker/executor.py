@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from pagedllm.config import EngineArgs, ParallelConfig
-from pagedllm.model.loader import gguf_source, prepare_model_dir
+from pagedllm.model.loader import gguf_weights_source, prepare_model_dir
 from pagedllm.worker.gpu import resolve_device, resolve_dtype
 from pagedllm.worker.interface import Executor
 from pagedllm.worker.kv_cache import resolve_kv_cache_dtype
@@ -46,5 +44,5 @@ def prepare_model_files(engine_args: EngineArgs) -> Path:
     run) and its config resolved, here: ``loader.prepare_model_dir``."""
     device = resolve_device(engine_args.device)
     dtype = resolve_dtype(engine_args.dtype, device)
-    reads_gguf = not engine_args.gguf_dequantize and dtype == torch.float32 and device.type == "cpu"
-    return prepare_model_dir(engine_args.model, weights=not (reads_gguf and gguf_source(engine_args.model) is not None))
+    gguf = gguf_weights_source(engine_args.model, dtype, device, engine_args.gguf_dequantize)
+    return prepare_model_dir(engine_args.model, weights=gguf is None)

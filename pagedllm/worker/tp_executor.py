@@ -29,7 +29,7 @@ import zmq
 from pagedllm.config import DISTRIBUTED_SECRET_ENV, CacheConfig, EngineArgs, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
-from pagedllm.model.loader import gguf_source, load_model_info
+from pagedllm.model.loader import gguf_weights_source, load_model_info
 from pagedllm.worker import tp_protocol as proto
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks
@@ -72,7 +72,7 @@ class MultiprocTPExecutor(Executor):
 
     def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
         # The weights live in the workers: this process reads only the config and tokenizer.
-        gguf = None if engine_args.gguf_dequantize or dtype != torch.float32 else gguf_source(engine_args.model)
+        gguf = gguf_weights_source(engine_args.model, dtype, "cpu", engine_args.gguf_dequantize)
         # the ranks read a GGUF's weights from the file itself: its directory needs no float32 copy
         self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model, weights=gguf is None))
         self.gguf_path = None if gguf is None else str(gguf.resolve())
