@@ -68,6 +68,11 @@ class EngineArgs:
                                           "(docs/benchmarks.md, session 12); none keeps float32 activations.",
                                   choices=("none", "int8"))
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
+    generation_config: str = flag("auto", "Where the sampling defaults of a request that leaves them unset come from "
+                                          "(temperature, top_p, top_k, min_p, repetition_penalty): auto = the model's "
+                                          "generation_config.json (the embedded model: its card's temperature 0.2, "
+                                          "top_p 0.9); vllm or none = no model defaults; or a directory holding a "
+                                          "generation_config.json.")
     block_size: int = setting(CacheConfig, "block_size")
     kv_cache_dtype: str = flag("auto", "Element type of the KV cache; auto = the model's dtype. float16 or bfloat16 "
                                        "on a float32 model halves the K/V that attention reads and doubles the "

@@ -27,7 +27,7 @@ from pagedllm.config import EngineArgs, LoRAConfig, RequestLimits
 from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.dp_client import ReplicaLostMsg
 from pagedllm.engine.frontend import FrontendCore
-from pagedllm.engine.generation_defaults import read_generation_defaults
+from pagedllm.engine.generation_defaults import log_generation_defaults, resolve_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import (
     EngineStatsMsg,
@@ -140,12 +140,13 @@ class AsyncLLM:
 
     def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None,
                  num_threads: int = 4, limits: RequestLimits | None = None, scheduling_policy: str = "fcfs",
-                 lora_config: LoRAConfig | None = None) -> None:
+                 lora_config: LoRAConfig | None = None,
+                 generation_defaults: dict[str, float | int] | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_path = ready.model_path
-        self.generation_defaults = read_generation_defaults(ready.model_path)
-        """Sampling fields of the model's generation_config.json: what a request that leaves them out gets."""
+        self.generation_defaults = generation_defaults or {}
+        """The model's sampling defaults (generation_defaults.py): what a request that leaves them out gets."""
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
@@ -183,12 +184,15 @@ class AsyncLLM:
         try:
             ready = await client.wait_ready(ready_timeout_s)
             tokenizer = await tokenizer_loaded
+            generation_defaults, source = resolve_generation_defaults(engine_args.generation_config,
+                                                                      engine_args.model, ready.model_path)
         except BaseException:
             tokenizer_loaded.cancel()
             client.shutdown()
             raise
+        log_generation_defaults(generation_defaults, source)
         return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits(),
-                   engine_args.scheduling_policy, engine_args.lora_config())
+                   engine_args.scheduling_policy, engine_args.lora_config(), generation_defaults)
 
     @property
     def input_processor(self) -> InputProcessor:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.frontend import FrontendCore
-from pagedllm.engine.generation_defaults import read_generation_defaults
+from pagedllm.engine.generation_defaults import log_generation_defaults, resolve_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineStatsMsg
 from pagedllm.lora.request import LoRARequest
@@ -40,8 +40,10 @@ class LLMEngine:
                                      limits=self.engine_args.request_limits(),
                                      scheduling_policy=self.engine_args.scheduling_policy,
                                      lora_config=self.engine_args.lora_config())
-        self.generation_defaults = read_generation_defaults(loaded.model_path)
-        """Sampling fields of the model's generation_config.json: the defaults of a request given no params."""
+        self.generation_defaults, source = resolve_generation_defaults(
+            self.engine_args.generation_config, self.engine_args.model, loaded.model_path)
+        """The model's sampling defaults (generation_defaults.py): what a request given no params runs with."""
+        log_generation_defaults(self.generation_defaults, source)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the model's generation-config sampling fields over

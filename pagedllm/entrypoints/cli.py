@@ -11,15 +11,19 @@ from pagedllm.errors import PagedLLMError
 from pagedllm.sampling_params import SamplingParams
 
 
+_MODEL_DEFAULT = "default: the model's (--generation-config)"
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
+    group = parser.add_argument_group("sampling", "A field left unset gets the model's default (--generation-config); "
+                                                  "a model without defaults decodes greedily.")
     group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=None)
-    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--temperature", type=float, default=None, help=f"0 = greedy; {_MODEL_DEFAULT}, else 0")
+    group.add_argument("--top-p", type=float, default=None, help=f"{_MODEL_DEFAULT}, else 1")
+    group.add_argument("--top-k", type=int, default=None, help=f"{_MODEL_DEFAULT}, else off")
+    group.add_argument("--min-p", type=float, default=None, help=f"{_MODEL_DEFAULT}, else 0")
     group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (--seed seeds the engine)")
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--repetition-penalty", type=float, default=None, help=f"{_MODEL_DEFAULT}, else 1")
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -27,12 +31,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-n", type=int, default=1, help="sequences per prompt")
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def _sampling_params(args: argparse.Namespace, model_defaults: dict[str, float | int]) -> SamplingParams:
+    """The flags given, over the model's sampling defaults, over greedy decoding (the CLI's own default)."""
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+             if getattr(args, name) is not None}
+    fields = {"temperature": 0.0, **model_defaults, **given}
     return SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos,
+        n=args.n, max_tokens=args.max_tokens, seed=args.sampling_seed, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos, **fields,
     )
 
 
@@ -78,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
-    params = _sampling_params(args)
+    params = _sampling_params(args, llm.engine.generation_defaults)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
     else:
@@ -95,7 +101,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     engine = llm.engine
-    params = _sampling_params(args)
+    params = _sampling_params(args, llm.engine.generation_defaults)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
     turn = 0

@@ -34,8 +34,8 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """The SamplingParams a call without any gets: the model's generation_config.json sampling fields
-        (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' own defaults."""
+        """The SamplingParams a call without any gets: the model's sampling defaults (temperature, top_p, top_k,
+        min_p, repetition_penalty; see ``generation_config``) over SamplingParams' own defaults."""
         return self.engine.default_sampling_params()
 
     def kv_cache_snapshot(self):
@@ -67,7 +67,7 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:  # the model's generation_config.json sampling fields, else SamplingParams'
+        if sampling_params is None:  # the model's sampling defaults (generation_config), else SamplingParams'
             sampling_params = self.engine.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)

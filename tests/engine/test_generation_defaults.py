@@ -1,5 +1,5 @@
-"""A model directory's generation_config.json sampling values reach requests that omit them; a
-request's own value wins."""
+"""A model's sampling defaults (its generation_config.json, or the embedded model's card values) reach requests
+that omit them; a request's own value wins; ``generation_config="vllm"`` turns them off."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import json
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.generation_defaults import read_generation_defaults
+from pagedllm.config import EngineArgs
+from pagedllm.engine.generation_defaults import (
+    EMBEDDED_MODEL_DEFAULTS,
+    read_generation_defaults,
+    resolve_generation_defaults,
+)
 from tests.engine.tiny_llama_dir import build_tiny_llama_dir
 
 
@@ -77,3 +82,56 @@ def test_server_bodies_take_the_models_defaults_for_what_they_leave_out():
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, None)
     beams = parse_model(CompletionRequest, {"prompt": "x", "use_beam_search": True, "n": 2, "best_of": 2})
     assert beams.to_sampling_params(defaults).temperature == 0.0  # beam search stays greedy
+
+
+def test_where_the_defaults_come_from(tmp_path):
+    write_generation_config(tmp_path, temperature=0.6, top_p=0.95)
+    assert resolve_generation_defaults("auto", str(tmp_path), tmp_path)[0] == {"temperature": 0.6, "top_p": 0.95}
+    for off in ("vllm", "none", "VLLM"):
+        assert resolve_generation_defaults(off, str(tmp_path), tmp_path)[0] == {}
+    # the embedded model (model None): its converted directory has no sampling values, its card's apply
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    write_generation_config(converted)
+    assert resolve_generation_defaults("auto", None, converted) == (
+        {"temperature": 0.2, "top_p": 0.9}, "the embedded model's card (SmolLM2-135M-Instruct)")
+    assert EMBEDDED_MODEL_DEFAULTS == {"temperature": 0.2, "top_p": 0.9}
+    assert resolve_generation_defaults("vllm", None, converted)[0] == {}
+    # a directory of its own, whatever the model ships
+    assert resolve_generation_defaults(str(tmp_path), None, converted)[0] == {"temperature": 0.6, "top_p": 0.95}
+    with pytest.raises(ValueError, match="generation_config must be auto, vllm, none or a directory"):
+        resolve_generation_defaults(str(tmp_path / "missing"), None, converted)
+
+
+def test_generation_config_vllm_turns_the_defaults_off(greedy_by_default_llm, tmp_path_factory):
+    model_dir = greedy_by_default_llm.engine.engine_args.model
+    off = LLM(model_dir, num_kv_blocks=16, generation_config="vllm")
+    assert off.engine.generation_defaults == {}
+    assert off.get_default_sampling_params().temperature == 1.0  # SamplingParams' own
+
+
+def test_a_request_without_sampling_fields_reaches_the_engine_with_the_models_values(greedy_by_default_llm):
+    """What the engine core received, not the text: the Request's SamplingParams."""
+    engine = greedy_by_default_llm.engine
+    engine.add_request("no-params", "Once upon a time")
+    received = engine.core.scheduler.requests["no-params"].sampling_params  # the core's copy
+    assert (received.temperature, received.repetition_penalty, received.top_p) == (0.0, 1.3, 1.0)
+    engine.abort_request("no-params")
+    engine.add_request("explicit", "Once upon a time", SamplingParams(temperature=0.7))
+    assert engine.core.scheduler.requests["explicit"].sampling_params.temperature == 0.7
+    assert engine.core.scheduler.requests["explicit"].sampling_params.repetition_penalty == 1.0
+    engine.abort_request("explicit")
+
+
+def test_cli_flags_over_the_models_defaults_over_greedy():
+    from pagedllm.entrypoints.cli import _sampling_params, build_parser
+
+    unset = build_parser().parse_args(["generate", "hi"])
+    assert (_sampling_params(unset, {}).temperature, _sampling_params(unset, {}).top_p) == (0.0, 1.0)
+    params = _sampling_params(unset, EMBEDDED_MODEL_DEFAULTS)
+    assert (params.temperature, params.top_p) == (0.2, 0.9)
+    given = build_parser().parse_args(["generate", "hi", "--temperature", "0.7", "--top-k", "5"])
+    params = _sampling_params(given, EMBEDDED_MODEL_DEFAULTS)
+    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.9, 5)
+    engine_args = EngineArgs.from_cli_args(build_parser().parse_args(["generate", "hi", "--generation-config", "vllm"]))
+    assert engine_args.generation_config == "vllm"

@@ -98,10 +98,11 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
 
     @app.get("/v1/models")
     async def models():
-        # "root" is the served name, never the local path the model was loaded from
+        # "root" is the served name, never the local path the model was loaded from; "sampling_defaults" is what a
+        # request that leaves those fields unset runs with (--generation-config)
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": name,
-             "max_model_len": engine.max_model_len}
+             "max_model_len": engine.max_model_len, "sampling_defaults": engine.generation_defaults}
             for name in ctx.served_model_names
         ] + [  # LoRA adapters: "parent" is the base model
             {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": name,
