@@ -3,7 +3,7 @@ sets (`engine_args.py`, whose fields copy the configs' defaults), and the flags 
 (`flags.py`). Environment variables live in `pagedllm.envs`."""
 
 from pagedllm.config.engine_args import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineArgs, setting
-from pagedllm.config.flags import add_flags, check_choices, field_docs, flag, parse_memory_size
+from pagedllm.config.flags import add_flags, check_choices, field_docs, flag, parse_memory_size, parse_token_count
 from pagedllm.config.runtime import (
     DEFAULT_MAX_MODEL_LEN_CAP,
     DISTRIBUTED_SECRET_ENV,
@@ -27,5 +27,5 @@ __all__ = [
     "KV_CACHE_DTYPES", "MIN_SECRET_CHARS", "PREEMPTION_MODES", "ROUTINGS", "SCHEDULING_POLICIES",
     "SPECULATIVE_METHODS", "CacheConfig", "EngineArgs", "LoRAConfig", "ParallelConfig", "RequestLimits", "SchedulerConfig",
     "SpeculativeConfig", "add_flags", "check_choices", "field_docs", "flag", "parse_memory_size",
-    "parse_speculative_config", "setting",
+    "parse_speculative_config", "parse_token_count", "setting",
 ]

@@ -32,6 +32,28 @@ def parse_memory_size(value: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_token_count(value: str | int) -> int:
+    """A token count as vLLM's --max-model-len reads it: '32k' -> 32000, '25.6k' -> 25600, '1K' -> 1024, '2048'."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgKMG]?)\s*", value)
+    if not match:
+        raise ValueError(f"cannot read a token count from {value!r}; use e.g. 4096, 32k (32000) or 32K (32768)")
+    number, suffix = match.groups()
+    if suffix in _BINARY_SUFFIXES:
+        if "." in number:
+            raise ValueError(f"{value!r}: a binary suffix ({suffix}) takes a whole number; did you mean "
+                             f"{number}{suffix.lower()}?")
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    if "." in number and not suffix:
+        raise ValueError(f"a token count is a whole number, got {value!r}")
+    return int(round(float(number) * _DECIMAL_SUFFIXES.get(suffix, 1)))
+
+
 def _parse_bool(value: str | bool) -> bool:
     """'true'/'1'/'yes' or 'false'/'0'/'no' (so every engine flag can be passed as --flag VALUE)."""
     if isinstance(value, bool):

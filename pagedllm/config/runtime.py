@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from pagedllm.config.flags import check_choices, flag, parse_memory_size
+from pagedllm.config.flags import check_choices, flag, parse_memory_size, parse_token_count
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -55,8 +55,9 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step; longer prompts are prefilled in chunks."""
-    max_model_len: int | None = None
-    """Longest sequence (prompt + output) served; default: the model's context length, capped at 4096."""
+    max_model_len: int | None = flag(None, parse=parse_token_count)
+    """Longest sequence (prompt + output) served, e.g. 8192, 32k (32000) or 32K (32768); default: the model's context
+    length, capped at 4096."""
     scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES)
     """Order of admission: fcfs (first come, first served) or priority (a request's priority, lower first, then
     arrival; a waiting request may preempt a running one it outranks when blocks run out)."""

@@ -44,7 +44,7 @@ from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.tools import ToolPlan
-from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes, parse_lora_module
+from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes
 from pagedllm.errors import EngineDeadError, PagedLLMError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
@@ -106,7 +106,7 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
             for name in ctx.served_model_names
         ] + [  # LoRA adapters: "parent" is the base model
             {"id": name, "object": "model", "created": now_s(), "owned_by": "pagedllm", "root": name,
-             "parent": ctx.model_name, "max_model_len": engine.max_model_len}
+             "parent": ctx.loras.parents[name], "max_model_len": engine.max_model_len}
             for name in (ctx.loras.adapters if ctx.loras is not None else ())
         ]}
 
@@ -196,9 +196,17 @@ def lora_registry(engine_args: EngineArgs, config: ServerConfig, engine: AsyncLL
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         return None
     registry = LoRARegistry(engine.input_processor.check_lora)
-    for spec in config.lora_modules:
-        registry.add(*parse_lora_module(spec), names)
+    for module in config.lora_modules:
+        registry.add(module.name, module.path, names, module.base_model_name)
     return registry
+
+
+def set_chat_template(tokenizer, template: str) -> None:
+    """--chat-template: the template every chat request (and /tokenize) renders with, instead of the model's."""
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a model with a tokenizer")
+    tokenizer.chat_template = template
+    logger.info("chat template from --chat-template (%d characters) replaces the model's", len(template))
 
 
 def _ignore_signal(signum, frame) -> None:
@@ -225,6 +233,8 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_man
         if not config.api_keys:
             logger.warning("no API key set: /v1/*, /tokenize and /detokenize are open to anyone who can reach %s",
                            config.host)
+        if config.chat_template is not None:
+            set_chat_template(engine.tokenizer, config.chat_template)
         lifecycle = Lifecycle()
         loras = lora_registry(engine_args, config, engine, names)
         app = build_app(ServingContext(engine, names, config, metrics, loras), config, metrics, lifecycle)

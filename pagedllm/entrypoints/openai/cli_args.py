@@ -4,14 +4,74 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import NamedTuple, Optional
 
 from pagedllm import envs
 from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 
 
 _TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+
+
+class LoRAModule(NamedTuple):
+    """One adapter of --lora-modules: `name=path`, or vLLM's JSON object."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+    """The served model it adapts (vLLM's field; /v1/models reports it as the parent); None = the first name."""
+
+
+def parse_lora_module(spec: str) -> LoRAModule:
+    """vLLM's two forms: ``name=path`` or ``{"name": ..., "path": ..., "base_model_name": ...}``; ValueError naming
+    the mistake."""
+    if spec.lstrip().startswith("{"):
+        try:
+            fields = json.loads(spec)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules: cannot read {spec!r} as JSON: {e}") from None
+        unknown = set(fields) - set(LoRAModule._fields) if isinstance(fields, dict) else set()
+        if not isinstance(fields, dict) or unknown or not all(isinstance(fields.get(k), str) and fields[k].strip()
+                                                               for k in ("name", "path")):
+            raise ValueError(f"--lora-modules: a JSON adapter needs string fields name and path (and optionally "
+                             f"base_model_name), got {spec!r}")
+        return LoRAModule(fields["name"].strip(), fields["path"].strip(), fields.get("base_model_name"))
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules takes name=path or a JSON object, got {spec!r}")
+    return LoRAModule(name.strip(), path.strip())
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's text, else (when it holds a brace or a newline) the template itself,
+    with backslash escapes such as \\n decoded; ValueError for what looks like a path that cannot be read."""
+    try:
+        return Path(value).expanduser().read_text()
+    except (OSError, ValueError):
+        pass
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be read")
+    return value.encode("utf-8").decode("unicode_escape") if "\\" in value else value
+
+
+def _json_list_or_text(values: list[str]) -> list[str]:
+    """vLLM writes some list flags as JSON (--allowed-origins '["https://a"]'); read those, keep plain text."""
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"cannot read {value!r} as a JSON list: {e}") from None
+            if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+                raise ValueError(f"expected a JSON list of strings, got {value!r}")
+            out.extend(items)
+        else:
+            out.append(value)
+    return out
 _REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
@@ -73,8 +133,10 @@ class ServerConfig:
     """Allow tool_choice "auto" (the model decides whether to call a tool, parsed from its text)."""
     reasoning_parser: Optional[str] = flag(None, choices=_REASONING_PARSERS, group="tools")
     """Split <think>...</think> reasoning into message.reasoning_content."""
-    lora_modules: tuple[str, ...] = ()
-    """LoRA adapters served as models, name=path each (flag: --lora-modules, repeatable; needs --enable-lora)."""
+    lora_modules: tuple[LoRAModule, ...] = ()
+    """LoRA adapters served as models (flag: --lora-modules name=path or JSON, several; needs --enable-lora)."""
+    chat_template: Optional[str] = dataclasses.field(default=None, metadata={"cli": False})
+    """A chat template replacing the model's (flag: --chat-template, a file or the template inline)."""
     allow_runtime_lora_updating: bool = flag(False, group="LoRA adapters")
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key when keys are set)."""
     log_level: str = dataclasses.field(default="INFO", metadata={"cli": False})
@@ -111,15 +173,21 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                        help="HF model directory or .gguf file (same as --model)")
     add_flags(serve, ServerConfig)
-    serve.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                       help="accept this bearer token on /v1/* (repeatable; default $PAGEDLLM_API_KEY, else no auth)")
-    serve.add_argument("--allowed-origins", dest="allowed_origins", action="append", default=None,
-                       help="an origin browsers may call the API from, e.g. https://app.example (CORS; "
-                            "repeatable or comma-separated; default none)")
-    serve.add_argument("--served-model-name", dest="served_model_names", action="append", default=None,
-                       help="a name clients use for the model (repeatable; the first is reported)")
-    serve.add_argument("--lora-modules", dest="lora_modules", action="append", default=None, metavar="NAME=PATH",
-                       help="a PEFT LoRA adapter served as the model NAME (repeatable; needs --enable-lora)")
+    # vLLM's forms: several values after one flag, or the flag repeated (both add up)
+    serve.add_argument("--api-key", dest="api_keys", action="extend", nargs="+", default=None, metavar="KEY",
+                       help="accept these bearer tokens on /v1/* (several, or repeat the flag; default "
+                            "$PAGEDLLM_API_KEY, else no auth)")
+    serve.add_argument("--allowed-origins", dest="allowed_origins", action="extend", nargs="+", default=None,
+                       help="origins browsers may call the API from, e.g. https://app.example (CORS; several, "
+                            "comma-separated or a JSON list; default none)")
+    serve.add_argument("--served-model-name", dest="served_model_names", action="extend", nargs="+", default=None,
+                       metavar="NAME", help="names clients may use for the model (several; the first is reported)")
+    serve.add_argument("--lora-modules", dest="lora_modules", action="extend", nargs="+", default=None,
+                       metavar="NAME=PATH", help="PEFT LoRA adapters served as models: name=path, or JSON "
+                                                 "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                                                 "(several; needs --enable-lora)")
+    serve.add_argument("--chat-template", dest="chat_template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template replacing the model's: a file, or the template itself inline")
     EngineArgs.add_cli_args(serve)
 
 
@@ -133,9 +201,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         env_key = envs.PAGEDLLM_API_KEY
         api_keys = [env_key] if env_key else []
     flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     server_config = ServerConfig(**{**flagged, "api_keys": tuple(api_keys),
                                     "served_model_names": tuple(args.served_model_names or ()),
-                                    "lora_modules": tuple(args.lora_modules or ()),
-                                    "allowed_origins": tuple(o.strip() for arg in (args.allowed_origins or ())
+                                    "lora_modules": tuple(map(parse_lora_module, args.lora_modules or ())),
+                                    "chat_template": chat_template,
+                                    "allowed_origins": tuple(o.strip() for arg in
+                                                             _json_list_or_text(args.allowed_origins or ())
                                                              for o in arg.split(","))})
     return EngineArgs.from_cli_args(args), server_config

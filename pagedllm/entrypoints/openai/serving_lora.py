@@ -1,4 +1,4 @@
-"""LoRA adapters over HTTP: the served adapter names (``--lora-modules name=path``), and, with
+"""LoRA adapters over HTTP: the served adapter names (``--lora-modules name=path`` or vLLM's JSON form), and, with
 ``--allow-runtime-lora-updating``, vLLM's ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
 (under /v1/, so behind the API key when keys are set).
 
@@ -20,14 +20,6 @@ from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.lora.request import LoRAError, LoRARequest
 
 
-def parse_lora_module(spec: str) -> tuple[str, str]:
-    """``name=path`` -> (name, path); ValueError naming the mistake."""
-    name, sep, path = spec.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise ValueError(f"--lora-modules takes name=path, got {spec!r}")
-    return name.strip(), path.strip()
-
-
 class LoRARegistry:
     """The adapters this server serves, by name; each gets an id of its own (never reused)."""
 
@@ -35,18 +27,26 @@ class LoRARegistry:
         self._check = check  # InputProcessor.check_lora: LoRAError naming why an adapter cannot be served
         self._ids = itertools.count(1)
         self.adapters: dict[str, LoRARequest] = {}
+        self.parents: dict[str, str] = {}
+        """The served base-model name each adapter reports as its parent (--lora-modules' base_model_name)."""
 
-    def add(self, name: str, path: str, base_names: list[str]) -> LoRARequest:
-        """Register an adapter; LoRAError if the name is taken or the adapter cannot be served."""
+    def add(self, name: str, path: str, base_names: list[str], parent: str | None = None) -> LoRARequest:
+        """Register an adapter; LoRAError if the name is taken, `parent` is no served name, or the adapter cannot
+        be served."""
         if name in self.adapters or name in base_names:
             raise LoRAError(f"the name {name!r} is already in use; unload it first or choose another")
+        if parent is not None and parent not in base_names:
+            raise LoRAError(f"the adapter {name!r} names base_model_name {parent!r}, which this server does not "
+                            f"serve (it serves {', '.join(map(repr, base_names))})")
         request = LoRARequest(name, next(self._ids), path)
         self._check(request)
         self.adapters[name] = request
+        self.parents[name] = parent or base_names[0]
         return request
 
     def remove(self, name: str) -> LoRARequest:
         request = self.adapters.pop(name, None)
+        self.parents.pop(name, None)
         if request is None:
             raise APIError(404, f"the LoRA adapter {name!r} is not loaded", param="lora_name", code="model_not_found")
         return request
