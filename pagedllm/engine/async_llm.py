@@ -27,6 +27,7 @@ from pagedllm.config import EngineArgs, LoRAConfig, RequestLimits
 from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.dp_client import ReplicaLostMsg
 from pagedllm.engine.frontend import FrontendCore
+from pagedllm.engine.frontend_files import load_tokenizer, prepare_model_files_in_child
 from pagedllm.engine.generation_defaults import log_generation_defaults, resolve_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import (
@@ -54,17 +55,6 @@ class RequestTimeoutError(RequestFailedError):
 
 class EngineStoppingError(RequestFailedError):
     """The server is shutting down and ended this request before it finished."""
-
-
-def load_tokenizer(model_path: str):
-    """The tokenizer of a Hugging Face directory, or None when it has none."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError):
-        logger.warning("no tokenizer in %s: only token-id prompts can be served", model_path)
-        return None
 
 
 class RequestStream:
@@ -169,11 +159,9 @@ class AsyncLLM:
                     kv_cache_manager_factory=None, num_threads: int = 4) -> AsyncLLM:
         """Spawn the engine core (or data-parallel replicas: DPCoreClient), and load the tokenizer here while its
         model loads."""
-        # A GGUF's first conversion, and its config resolved with transformers, happen here, where the tokenizer
-        # imports transformers anyway: the engine core then loads without them (~130 MB of its memory).
-        from pagedllm.worker.executor import prepare_model_files  # torch: not at the API server's import
-
-        model_dir = await asyncio.to_thread(prepare_model_files, engine_args)
+        # A GGUF's first conversion, and its config resolved with transformers, happen before the core starts, so
+        # that it loads without transformers' config classes; in a child, so that this process never imports torch.
+        model_dir = await asyncio.to_thread(prepare_model_files_in_child, engine_args, log_level)
         if engine_args.parallel_config().uses_dp_client:
             from pagedllm.engine.dp_client import DPCoreClient
 

@@ -42,16 +42,17 @@ def pid_alive(pid: int) -> bool:
 
 
 class RemoteServer:
-    """`python -m pagedllm.entrypoints.cli serve MODEL ...` as a subprocess."""
+    """`python -m pagedllm.entrypoints.cli serve [MODEL] ...` as a subprocess."""
 
-    def __init__(self, model_dir: Path, extra_args: list[str], log_path: Path, env: dict | None = None,
+    def __init__(self, model_dir: Path | None, extra_args: list[str], log_path: Path, env: dict | None = None,
                  startup_timeout_s: float = 180.0) -> None:
         self.port = free_port()
         self.scheme = "https" if "--ssl-certfile" in extra_args else "http"
         self.url = f"{self.scheme}://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "serve", str(model_dir),
+        model = [str(model_dir)] if model_dir is not None else []  # None: the embedded default model
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "serve", *model,
                "--port", str(self.port), *extra_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
