@@ -22,6 +22,7 @@ from pagedllm.config.runtime import (
     RequestLimits,
     SchedulerConfig,
     SpeculativeConfig,
+    parse_kv_cache_memory,
     parse_speculative_config,
 )
 
@@ -79,7 +80,7 @@ class EngineArgs:
                                        "blocks that fit in the same memory (lossy: K/V are rounded on write, "
                                        "attention still computes in float32). CPU only when it differs from "
                                        "--dtype.", choices=KV_CACHE_DTYPES)
-    kv_cache_memory: int | str = setting(CacheConfig, "kv_cache_memory")
+    kv_cache_memory: int | str | None = setting(CacheConfig, "kv_cache_memory")
     num_kv_blocks: int | None = setting(CacheConfig, "num_kv_blocks")
     enable_prefix_caching: bool = setting(CacheConfig, "enable_prefix_caching", negative="--no-prefix-caching")
     preemption_mode: str = setting(CacheConfig, "preemption_mode")
@@ -178,13 +179,13 @@ class EngineArgs:
         return config_cls(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(config_cls)}, **resolved})
 
     def cache_config(self) -> CacheConfig:
-        return self._config(CacheConfig, kv_cache_memory=self._bytes("kv_cache_memory"),
+        return self._config(CacheConfig, kv_cache_memory=self._bytes("kv_cache_memory", parse_kv_cache_memory),
                             swap_space=self._bytes("swap_space"))
 
-    def _bytes(self, name: str) -> int:
+    def _bytes(self, name: str, parse=parse_memory_size) -> int | None:
         """A memory-size field ("2GiB" or a byte count) in bytes; a ValueError names the field."""
         try:
-            return parse_memory_size(getattr(self, name))
+            return parse(getattr(self, name))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 

@@ -22,12 +22,21 @@ DEFAULT_MAX_MODEL_LEN_CAP = 4096
 """max_model_len when none is given: the model's context length, capped at this."""
 
 
+def parse_kv_cache_memory(value: str | int | None) -> int | None:
+    """A memory size ('2GiB', a byte count), or 'auto' / None for the default rule (config/kv_budget.py)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_memory_size(value)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory: int = flag(1 << 30, parse=parse_memory_size)
-    """Bytes for the KV cache of all layers, e.g. 2GiB (ignored when num_kv_blocks is set)."""
+    kv_cache_memory: int | None = flag(None, parse=parse_kv_cache_memory)
+    """Bytes for the KV cache of all layers, e.g. 2GiB (ignored when num_kv_blocks is set); default (auto): room for
+    16 requests of 2048 tokens, at most 4x the model's weight files (at least 256MiB) and a quarter of the available
+    memory, at least one max_model_len request (config/kv_budget.py)."""
     num_kv_blocks: int | None = None
     """An explicit KV block count, overriding kv_cache_memory."""
     enable_prefix_caching: bool = True
@@ -43,7 +52,7 @@ class CacheConfig:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -86,6 +86,7 @@ def num_kv_blocks(spec: KVCacheSpec, cache_config: CacheConfig, profiled: int | 
     bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
     num_blocks = cache_config.num_kv_blocks or profiled
     if num_blocks is None:
+        assert cache_config.kv_cache_memory is not None, "size an unset kv_cache_memory first (with_default_kv_memory)"
         num_blocks = cache_config.kv_cache_memory // bytes_per_block
     if num_blocks < 1:
         raise ValueError(

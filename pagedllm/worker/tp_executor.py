@@ -33,7 +33,7 @@ from pagedllm.model.loader import gguf_weights_source, load_model_info
 from pagedllm.worker import tp_protocol as proto
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks
-from pagedllm.worker.kv_cache_sizing import kv_cache_info
+from pagedllm.worker.kv_cache_sizing import kv_cache_info, with_default_kv_memory
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class MultiprocTPExecutor(Executor):
         self.batch_invariant = engine_args.batch_invariant
         self.parallel_config = parallel_config
         self.seed = engine_args.seed
+        self.model_name = engine_args.model
         self.dtype = dtype
         self.tp_size = parallel_config.tensor_parallel_size
         self.timeout_s = parallel_config.distributed_timeout
@@ -99,6 +100,8 @@ class MultiprocTPExecutor(Executor):
     def initialize_kv_cache(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> KVCacheInfo:
         self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size,
                                                     self.dtype, self.tp_size)
+        cache_config = with_default_kv_memory(cache_config, spec.bytes_per_block, scheduler_config.max_model_len,
+                                              self.model_name, num_ranks=self.tp_size)
         num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config)
         logger.info("tensor parallel: %d ranks, %d KV heads each", self.tp_size, spec.num_kv_heads)
         window = self._launch(spec, num_blocks, num_host_blocks)

@@ -11,7 +11,12 @@ from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 from pagedllm.worker.kv_cache import KVCacheSpec, num_kv_blocks, resolve_kv_cache_dtype
-from pagedllm.worker.kv_cache_sizing import kv_cache_info, profile_num_kv_blocks, shared_sliding_window
+from pagedllm.worker.kv_cache_sizing import (
+    kv_cache_info,
+    profile_num_kv_blocks,
+    shared_sliding_window,
+    with_default_kv_memory,
+)
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -64,6 +69,9 @@ class UniprocExecutor(Executor):
                 model, bytes_per_block, scheduler_config.max_num_batched_tokens,
                 scheduler_config.max_num_seqs, self.engine_args.gpu_memory_utilization, self.device,
             )
+        if profiled is None:
+            cache_config = with_default_kv_memory(cache_config, bytes_per_block, scheduler_config.max_model_len,
+                                                  self.engine_args.model)
         num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config, profiled, draft_spec)
         args = self.engine_args
         draft = None
