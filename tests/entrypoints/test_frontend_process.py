@@ -44,4 +44,6 @@ def test_models_lists_every_name_with_the_cards_sampling_defaults(server):
         reply = httpx.post(f"{server.url}/v1/completions", timeout=60,
                            json={"model": name, "prompt": "Paris is", "max_tokens": 2})
         assert reply.status_code == status, reply.text
+        if status == 200:
+            assert reply.json()["model"] == "first"  # any served name is answered as the first, as vLLM does
     assert reply.json()["error"]["param"] == "model"

@@ -41,9 +41,10 @@ class ServingContext:
         return c.enable_prompt_tokens_details or (bool(c.api_keys) and not c.share_prefix_cache_across_keys)
 
     def check_model(self, requested: str | None) -> str:
-        """The model name to answer with; 404 for a model this server does not serve."""
+        """The model name to answer with (the first served name for any of them, as vLLM); 404 for a model this
+        server does not serve."""
         if requested is None or requested in self.served_model_names:
-            return requested or self.model_name
+            return self.model_name
         if self.loras is not None and requested in self.loras.adapters:
             return requested
         served = [*self.served_model_names, *(self.loras.adapters if self.loras is not None else ())]
