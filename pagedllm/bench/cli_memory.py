@@ -73,7 +73,10 @@ def bench_memory(args, engine_args: dict) -> dict:
     else:
         from pagedllm.config import parse_memory_size
 
-        num_blocks = parse_memory_size(engine_args["kv_cache_memory"]) // (DEFAULT_KV_BYTES_PER_TOKEN * block_size)
+        # no budget given: the 1 GiB the engine defaulted to before its rule (config/kv_budget.py), so that
+        # simulated runs stay comparable with the earlier reports
+        budget = engine_args.get("kv_cache_memory") or "1GiB"
+        num_blocks = parse_memory_size(budget) // (DEFAULT_KV_BYTES_PER_TOKEN * block_size)
     result["num_kv_blocks"] = num_blocks
     sched_kwargs = dict(block_size=block_size, max_model_len=max_len, max_num_seqs=engine_args["max_num_seqs"],
                         max_num_batched_tokens=engine_args["max_num_batched_tokens"], allocator=args.allocator)
