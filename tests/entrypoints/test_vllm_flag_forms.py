@@ -32,6 +32,7 @@ def test_lora_modules_several_after_one_flag_and_json(monkeypatch):
     ('{"name": "a1"', "cannot read"),
     ('{"name": "a1"}', "needs string fields name and path"),
     ('{"name": "a1", "path": "/x", "rank": 8}', "needs string fields name and path"),
+    ('{"name": "a1", "path": "/x", "base_model_name": 3}', "needs string fields name and path"),
 ])
 def test_bad_lora_modules_are_named(spec, needle):
     with pytest.raises(ValueError, match=needle):

@@ -14,6 +14,7 @@ from pagedllm.config import EngineArgs, add_flags, flag, parse_memory_size
 
 
 _TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+_REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 class LoRAModule(NamedTuple):
@@ -34,8 +35,9 @@ def parse_lora_module(spec: str) -> LoRAModule:
         except ValueError as e:
             raise ValueError(f"--lora-modules: cannot read {spec!r} as JSON: {e}") from None
         unknown = set(fields) - set(LoRAModule._fields) if isinstance(fields, dict) else set()
-        if not isinstance(fields, dict) or unknown or not all(isinstance(fields.get(k), str) and fields[k].strip()
-                                                               for k in ("name", "path")):
+        if (not isinstance(fields, dict) or unknown
+                or not all(isinstance(fields.get(k), str) and fields[k].strip() for k in ("name", "path"))
+                or not isinstance(fields.get("base_model_name", ""), str)):
             raise ValueError(f"--lora-modules: a JSON adapter needs string fields name and path (and optionally "
                              f"base_model_name), got {spec!r}")
         return LoRAModule(fields["name"].strip(), fields["path"].strip(), fields.get("base_model_name"))
@@ -72,7 +74,6 @@ def _json_list_or_text(values: list[str]) -> list[str]:
         else:
             out.append(value)
     return out
-_REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
