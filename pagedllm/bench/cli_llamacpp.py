@@ -4,15 +4,23 @@
     pagedllm bench llamacpp --rounds 5 --concurrency 64                       (the embedded SmolLM2 Q4_1)
     pagedllm bench llamacpp --random-shape llama-3.2-1b --random-qtype Q4_0   (a random 1 B GGUF, see random_gguf.py)
 
-Both servers are started here as processes (`pagedllm serve`, `llama-server`) with the same thread
-count and talked to with the same client (bench/llamacpp.py says what is measured and how). Also
-measured, in this process and before the servers start: torch's float32 time for one pass of the
-model's weight matmuls at batch 1 (every 2-D weight of the file, the LM head once, as float32 with
-the file's shapes) -- the step time a float32 engine cannot go below, so 1 / that time is a bound on
-its single-user tok/s that the report divides pagedllm's rate by.
+Both servers are started here as processes (`pagedllm serve` at its defaults, `llama-server`) with the
+same thread count and talked to with the same client (bench/llamacpp.py says what is measured and how).
+llama-server runs at its best settings for each case, one configuration at a time:
+
+    one user, time to first token   `--parallel 1` (one slot: many slots make one user much slower)
+    N at once                       `--parallel N` over a unified KV cache (a slot per request)
+
+pagedllm's one server serves every phase. Also measured, in this process and before the servers start:
+the machine's memory read bandwidth (`read_bandwidth`: a sum over 1 GiB, best of several, the same
+threads) and the bytes of weights a decode step reads (every 2-D weight of the file but the embedding
+table, the LM head once), so bandwidth / bytes is the one-user rate no engine can pass on this machine;
+and, unless `--no-weights-held`, the bytes pagedllm holds for the weights once loaded at its defaults.
 
 KV caches are sized for every request at once: `--concurrency x (prompt + output + 16)` tokens, in
 float32 for pagedllm (its default) and f16 for llama.cpp (its default); the table gives both sizes.
+Random K-quant files (`--random-qtype Q4_K_M`, ...) are made as users make them: a random Q8_0 file
+requantized by llama.cpp's `llama-quantize --allow-requantize` (built beside llama-server).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pathlib import Path
 from pagedllm.bench.common import bench_subparser, format_table, machine_info, write_result
 
 SLACK_TOKENS = 16  # a KV block of slack per request
+LLAMA_QUANTIZE_TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M")
 
 
 def add_parser(subparsers) -> None:
@@ -36,20 +45,28 @@ def add_parser(subparsers) -> None:
     p.add_argument("--random-shape", default=None,
                    help="instead of --model: write (once, cached) a random-weight GGUF of this shape "
                         "(llama-3.2-1b, smollm2-135m, tiny)")
-    p.add_argument("--random-qtype", default="Q4_0", choices=("Q4_0", "Q8_0"))
+    p.add_argument("--random-qtype", default="Q4_0", choices=("Q4_0", "Q8_0", *LLAMA_QUANTIZE_TYPES),
+                   help="the random file's type; K-quant mixes are requantized from Q8_0 by llama-quantize")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each server")
     p.add_argument("--rounds", type=int, default=5, help="alternating single-user rounds")
-    p.add_argument("--concurrency", type=int, default=64, help="requests sent at once (0: skip)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="requests sent at once (0: skip); llama-server gets as many slots")
+    p.add_argument("--ttft-prompt-len", type=int, default=1024,
+                   help="prompt tokens of the time-to-first-token rounds (0: skip)")
     p.add_argument("--concurrent-rounds", type=int, default=1, help="alternating rounds of the concurrent batch")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--llama-server", default=None, help="the llama-server binary (default: the cached build)")
+    p.add_argument("--llama-quantize", default=None,
+                   help="llama.cpp's llama-quantize (default: beside the cached llama-server)")
     p.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="pagedllm's KV cache dtype (llama.cpp keeps its f16 default)")
     p.add_argument("--pagedllm-args", default="", help="extra `pagedllm serve` flags, one shell-quoted string")
     p.add_argument("--llama-args", default="", help="extra llama-server flags, one shell-quoted string")
     p.add_argument("--no-matmul-bound", dest="matmul_bound", action="store_false",
                    help="skip timing torch's float32 matmuls (they need the model's size in float32)")
+    p.add_argument("--no-weights-held", dest="weights_held", action="store_false",
+                   help="skip loading the model here to count the bytes its weights are held in")
 
 
 def gguf_shapes(path: str | Path) -> dict:
@@ -67,12 +84,54 @@ def gguf_shapes(path: str | Path) -> dict:
     head_dim = field("attention.key_length") or hidden // heads
     kv_heads = field("attention.head_count_kv") or heads
     weights = {t.name: (int(t.shape[1]), int(t.shape[0])) for t in reader.tensors if len(t.shape) == 2}
+    nbytes = {t.name: int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2}
     if "output.weight" not in weights:  # tied: the LM head is the embedding
         weights["output.weight"] = weights["token_embd.weight"]
+        nbytes["output.weight"] = nbytes["token_embd.weight"]
     weights.pop("token_embd.weight")  # a lookup, not a matmul
+    nbytes.pop("token_embd.weight")
     layers = field("block_count")
     return {"weights": weights, "layers": layers, "vocab_size": weights["output.weight"][0],
-            "kv_elements_per_token": layers * 2 * kv_heads * head_dim}
+            "kv_elements_per_token": layers * 2 * kv_heads * head_dim,
+            "weight_bytes_per_token": sum(nbytes.values())}
+
+
+def read_bandwidth(threads: int, nbytes: int = 2**30, repeats: int = 7) -> dict:
+    """The machine's memory read bandwidth in GB/s: a float32 sum over ``nbytes`` (far past any cache) with
+    ``threads`` threads, best of ``repeats``. A sum reads each byte once and computes next to nothing, as a
+    batch-1 decode step reads its weights."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return {"gb_s": nbytes / best / 1e9, "bytes": nbytes, "threads": threads}
+
+
+def weights_held_bytes(model: str) -> dict:
+    """Bytes pagedllm holds for ``model``'s weights once loaded at its defaults (float parameters and
+    quantized panels), beside the file's size."""
+    from pagedllm import LLM
+
+    llm = LLM(model, num_kv_blocks=16, max_model_len=64)
+    seen: set[int] = set()  # a tied LM head shares the embedding's tensors: count them once
+    total = 0
+    for module in llm.engine.core.executor.runner.model.modules():
+        held = [*module.parameters(recurse=False), getattr(module, "quant_weight", None)]
+        for item in held:
+            if item is not None and id(item) not in seen:
+                seen.add(id(item))
+                total += item.nbytes if hasattr(item, "packed") else item.numel() * item.element_size()
+        if hasattr(module, "quantized_nbytes"):  # MoE experts
+            total += module.quantized_nbytes()
+    del llm
+    return {"bytes": total, "file_bytes": Path(model).stat().st_size}
 
 
 def float32_matmul_step_s(weights: dict[str, tuple[int, int]], layers: int, threads: int,
@@ -114,17 +173,47 @@ def resolve_model(args) -> str:
             raise SystemExit("--model and --random-shape: pass one")
         from pagedllm.bench.random_gguf import write_random_gguf
 
-        path = cache_root() / "random-gguf" / f"{args.random_shape}-{args.random_qtype}.gguf"
-        if not path.exists():
+        root = cache_root() / "random-gguf"
+        path = root / f"{args.random_shape}-{args.random_qtype}.gguf"
+        if path.exists():
+            return str(path)
+        if args.random_qtype in LLAMA_QUANTIZE_TYPES:
+            source = root / f"{args.random_shape}-Q8_0.gguf"
+            if not source.exists():
+                print(f"writing {source} (random weights, once)")
+                write_random_gguf(source, args.random_shape, "Q8_0")
+            requantize(source, path, args.random_qtype, Path(args.llama_quantize) if args.llama_quantize else None)
+        else:
             print(f"writing {path} (random weights, once)")
             write_random_gguf(path, args.random_shape, args.random_qtype)
         return str(path)
     return str(Path(args.model).expanduser()) if args.model else str(default_gguf_path())
 
 
+def requantize(source: Path, target: Path, qtype: str, binary: Path | None = None) -> None:
+    """``source`` requantized to ``qtype`` by llama.cpp's llama-quantize (what users run to make K-quant files)."""
+    import subprocess
+
+    from pagedllm.bench.llamacpp import llama_server_binary
+
+    binary = binary or llama_server_binary().with_name("llama-quantize")
+    if not binary.is_file():
+        raise SystemExit(f"llama-quantize is not built: {binary} is missing (scripts/build_llama_server.sh builds it "
+                         "beside llama-server), or pass --llama-quantize PATH")
+    partial = target.with_name(target.name + ".partial")
+    print(f"writing {target} (llama-quantize {qtype} of {source.name}, once)")
+    subprocess.run([str(binary), "--allow-requantize", str(source), str(partial), qtype], check=True,
+                   stdout=subprocess.DEVNULL)
+    partial.replace(target)
+
+
 def _median_best(rounds: list[dict]) -> tuple[float, float]:
     rates = [r["output_tok_s"] for r in rounds]
     return statistics.median(rates), max(rates)
+
+
+def _ttft_median(rounds: list[dict]) -> float:
+    return statistics.median(r["latency_s_mean"] for r in rounds)
 
 
 def bench_llamacpp(args, engine_args: dict) -> dict:
@@ -143,50 +232,75 @@ def bench_llamacpp(args, engine_args: dict) -> dict:
     result = {"model": model, "file_mib": Path(model).stat().st_size / 2**20, "threads": args.threads,
               "prompt_len": args.prompt_len, "output_len": args.output_len, "rounds": args.rounds,
               "concurrency": args.concurrency, "concurrent_rounds": args.concurrent_rounds,
-              "llama_server": str(binary), "machine_at_start": machine_info()}
+              "ttft_prompt_len": args.ttft_prompt_len, "llama_server": str(binary),
+              "machine_at_start": machine_info(), "weight_bytes_per_token": shapes["weight_bytes_per_token"]}
+    result["read_bandwidth"] = read_bandwidth(args.threads)
+    print(f"memory read bandwidth: {result['read_bandwidth']['gb_s']:.1f} GB/s ({args.threads} threads)")
     if args.matmul_bound:
         result["float32_matmuls"] = float32_matmul_step_s(shapes["weights"], shapes["layers"], args.threads)
         print(f"torch float32 matmuls at batch 1: {1e3 * result['float32_matmuls']['step_s']:.1f} ms a step")
+    if args.weights_held:
+        result["weights_held"] = weights_held_bytes(model)
+        print(f"weights held by pagedllm: {result['weights_held']['bytes'] / 2**20:.0f} MiB "
+              f"(file {result['file_mib']:.0f} MiB)")
 
     slots = max(args.concurrency, 1)
-    kv_tokens = slots * (args.prompt_len + args.output_len + SLACK_TOKENS)
+    one_user_tokens = max(args.prompt_len + args.output_len, args.ttft_prompt_len + 8) + SLACK_TOKENS
+    kv_tokens = max(slots * (args.prompt_len + args.output_len + SLACK_TOKENS), one_user_tokens)
     kv_dtype_bytes = 4 if args.kv_cache_dtype == "float32" else 2
     result["pagedllm_kv_mib"] = kv_tokens * shapes["kv_elements_per_token"] * kv_dtype_bytes / 2**20
     result["llama_kv_mib"] = kv_tokens * shapes["kv_elements_per_token"] * 2 / 2**20
-    servers = []
+    vocab = shapes["vocab_size"]
+    extra_llama = shlex.split(args.llama_args)
+
+    def progress(name, r, res):
+        if args.progress:
+            print(f"  {name:9s} round {r}: {res['output_tok_s']:.1f} output tok/s ({res['wall_s']:.1f} s)", flush=True)
+
+    pagedllm = start_pagedllm(model, args.threads, int(result["pagedllm_kv_mib"] * 2**20), out,
+                              ["--kv-cache-dtype", args.kv_cache_dtype, "--max-model-len", str(one_user_tokens),
+                               *shlex.split(args.pagedllm_args)])
+    llama = None
     try:
-        servers.append(start_pagedllm(model, args.threads, int(result["pagedllm_kv_mib"] * 2**20), out,
-                                      ["--kv-cache-dtype", args.kv_cache_dtype, "--max-model-len",
-                                       str(args.prompt_len + args.output_len + SLACK_TOKENS),
-                                       *shlex.split(args.pagedllm_args)]))
-        servers.append(start_llama_server(binary, model, args.threads, kv_tokens, slots, out,
-                                          shlex.split(args.llama_args)))
-        vocab = shapes["vocab_size"]
+        # One user: llama-server with one slot.
+        llama = start_llama_server(binary, model, args.threads, one_user_tokens, 1, out, extra_llama)
+        servers = [pagedllm, llama]
         result["memory_after_load"] = {s.name: s.memory() for s in servers}
-
-        def progress(name, r, res):
-            if args.progress:
-                print(f"  {name:9s} round {r}: {res['output_tok_s']:.1f} output tok/s ({res['wall_s']:.1f} s)",
-                      flush=True)
-
+        result["llama_slots"] = {"one_user": 1, "at_once": slots}
         # Warm-up: one short request each (first-call costs are not what either server is like).
         alternate(servers, 1, lambda r: random_prompts(1, args.prompt_len, vocab, seed=10**6), 8)
-        print(f"single user: {args.rounds} alternating rounds, {args.prompt_len}-token prompt, "
-              f"{args.output_len} output tokens")
+        print(f"single user (llama-server --parallel 1): {args.rounds} alternating rounds, {args.prompt_len}-token "
+              f"prompt, {args.output_len} output tokens")
         result["single"] = alternate(servers, args.rounds,
                                      lambda r: random_prompts(1, args.prompt_len, vocab, seed=r),
                                      args.output_len, progress)
+        if args.ttft_prompt_len > 0:
+            print(f"time to first token: {args.rounds} alternating rounds, {args.ttft_prompt_len}-token prompt")
+            result["ttft"] = alternate(servers, args.rounds,
+                                       lambda r: random_prompts(1, args.ttft_prompt_len, vocab, seed=500 + r), 1)
+        llama_one = llama.memory()
+        llama.stop()
+        llama = None
         write_result(out, "llamacpp-partial", result)  # the concurrent phase can take long on a busy machine
+        llama_batch = None
         if args.concurrency > 0:
-            print(f"{args.concurrency} at once: {args.concurrent_rounds} alternating rounds")
+            llama = start_llama_server(binary, model, args.threads, kv_tokens, slots, out, extra_llama)
+            servers = [pagedllm, llama]
+            alternate(servers, 1, lambda r: random_prompts(1, args.prompt_len, vocab, seed=10**6 + 1), 8)
+            print(f"{args.concurrency} at once (llama-server --parallel {slots}): {args.concurrent_rounds} "
+                  "alternating rounds")
             result["concurrent"] = alternate(
                 servers, args.concurrent_rounds,
                 lambda r: random_prompts(args.concurrency, args.prompt_len, vocab, seed=1000 + r),
                 args.output_len, progress)
-        result["memory"] = {s.name: s.memory() for s in servers}
+            llama_batch = llama.memory()
+        result["memory"] = {"pagedllm": pagedllm.memory(),
+                            "llama.cpp": max((m for m in (llama_one, llama_batch) if m),
+                                             key=lambda m: m["peak_mib_total"])}
     finally:
-        for s in servers:
-            s.stop()
+        for s in (pagedllm, llama):
+            if s is not None:
+                s.stop()
     result["load_avg_1m"] = [load_before, os.getloadavg()[0]]
     write_result(out, "llamacpp", result)
     table = llamacpp_table(result)
@@ -207,6 +321,9 @@ def llamacpp_table(result: dict) -> str:
     single = [_median_best(result["single"][n]) for n in names]
     row(f"single user, output tok/s (median of {result['rounds']} rounds)", [s[0] for s in single])
     row("single user, output tok/s (best round)", [s[1] for s in single])
+    if "ttft" in result:
+        row(f"time to first token, {result['ttft_prompt_len']}-token prompt, s (median)",
+            [_ttft_median(result["ttft"][n]) for n in names], fmt="{:.2f}")
     if "concurrent" in result:
         conc = [_median_best(result["concurrent"][n]) for n in names]
         row(f"{result['concurrency']} at once, output tok/s (median of {result['concurrent_rounds']})",
@@ -224,6 +341,20 @@ def llamacpp_table(result: dict) -> str:
                  f"output {result['output_len']} tokens. pagedllm's engine process peak / (file + its KV cache): "
                  f"{engine_peak / (file_mib + result['pagedllm_kv_mib']):.2f}x; all its processes: "
                  f"{mem['pagedllm']['peak_mib_total'] / (file_mib + result['pagedllm_kv_mib']):.2f}x.")
+    slots = result.get("llama_slots")
+    if slots:
+        lines.append(f"llama-server ran with --parallel {slots['one_user']} for one user and the time to first "
+                     f"token, --parallel {slots['at_once']} for {result['concurrency']} at once.")
+    if "weights_held" in result:
+        held = result["weights_held"]
+        lines.append(f"Weights held by pagedllm: {held['bytes'] / 2**20:.0f} MiB, {held['bytes'] / held['file_bytes']:.2f}x "
+                     "the file.")
+    if "read_bandwidth" in result and result.get("weight_bytes_per_token"):
+        bw = result["read_bandwidth"]["gb_s"]
+        bound = bw * 1e9 / result["weight_bytes_per_token"]
+        lines.append(f"Memory read bandwidth {bw:.1f} GB/s; {result['weight_bytes_per_token'] / 2**20:.0f} MiB of weights "
+                     f"read per token: a one-user bound of {bound:.1f} tok/s; pagedllm reaches {single[0][0] / bound:.2f} "
+                     f"of it, llama.cpp {single[1][0] / bound:.2f}.")
     if "float32_matmuls" in result:
         mm = result["float32_matmuls"]
         lines.append(f"torch float32 weight matmuls at batch 1: {1e3 * mm['step_s']:.1f} ms a step, a bound of "

@@ -88,7 +88,13 @@ def test_the_table_gives_each_measure_and_the_ratio():
               "prompt_len": 128, "output_len": 256, "pagedllm_kv_mib": 150.0, "llama_kv_mib": 75.0,
               "single": {"pagedllm": rounds(30, 50, 40), "llama.cpp": rounds(20, 21, 19)},
               "concurrent": {"pagedllm": rounds(300), "llama.cpp": rounds(200)}, "memory": mem,
-              "float32_matmuls": {"step_s": 0.025, "bound_tok_s": 40.0}}
+              "float32_matmuls": {"step_s": 0.025, "bound_tok_s": 40.0},
+              "ttft_prompt_len": 1024, "ttft": {"pagedllm": [{"latency_s_mean": 2.0}, {"latency_s_mean": 3.0},
+                                                             {"latency_s_mean": 4.0}],
+                                                "llama.cpp": [{"latency_s_mean": 6.0}] * 3},
+              "llama_slots": {"one_user": 1, "at_once": 64},
+              "weights_held": {"bytes": 105 * 2**20, "file_bytes": 100 * 2**20},
+              "read_bandwidth": {"gb_s": 10.0}, "weight_bytes_per_token": 250_000_000}
     table = llamacpp_table(result)
     assert "| single user, output tok/s (median of 3 rounds) | 40.0 | 20.0 | 2.00x |" in table
     assert "| single user, output tok/s (best round) | 50.0 | 21.0 | 2.38x |" in table
@@ -96,4 +102,8 @@ def test_the_table_gives_each_measure_and_the_ratio():
     assert "| peak resident MiB, largest process (pagedllm: its engine core) | 500 | 250 | 2.00x |" in table
     assert "(file + its KV cache): 2.00x; all its processes: 3.60x" in table
     assert "/ that bound: 1.00x" in table
+    assert "| time to first token, 1024-token prompt, s (median) | 3.00 | 6.00 | 0.50x |" in table
+    assert "--parallel 1 for one user and the time to first token, --parallel 64 for 64 at once" in table
+    assert "Weights held by pagedllm: 105 MiB, 1.05x the file." in table
+    assert "a one-user bound of 40.0 tok/s; pagedllm reaches 1.00 of it, llama.cpp 0.50." in table
     assert not np.isnan(result["float32_matmuls"]["bound_tok_s"])
