@@ -69,7 +69,9 @@ def add_bench_parser(sub) -> None:
                    help="requests of the long ShareGPT-like run to completion (0 skips it; the longest benchmark)")
     p.add_argument("--hf-time-cap", dest="hf_time_cap_s", type=float, default=120.0,
                    help="seconds HF continuous batching runs on the ShareGPT-like traces (tokens counted by then)")
-    p.add_argument("--report", default=None, help="also write the markdown report here (docs/benchmarks.md)")
+    p.add_argument("--report", default=None,
+                   help="also write the generated results page here (make bench: docs/bench/results.md); an "
+                        "existing file is replaced only if this command generated it")
 
 
 def benchmark_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -116,7 +118,10 @@ def bench_all(args, engine_args: dict) -> dict:
     from pagedllm.bench.cli_fast_path import bench_attention, bench_profile, bench_roofline
     from pagedllm.bench.cli_memory import bench_memory, bench_preemption, bench_prefix, bench_sharing
     from pagedllm.bench.cli_throughput import bench_serving, bench_throughput
+    from pagedllm.bench.report import check_writable
 
+    if args.report:
+        check_writable(Path(args.report))  # before the hours of measuring, not after
     parsers = benchmark_parsers()
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
 
