@@ -18,7 +18,8 @@
     pagedllm bench accuracy   (quantized kernels vs float32 and float64 per layer shape; perplexity per weight path)
     pagedllm bench moe --batch-sizes 1,16,64   (MoE decode: grouped experts vs all experts dense vs the ideal)
     pagedllm bench llamacpp --rounds 5 --concurrency 64   (beside llama.cpp's server on the same GGUF)
-    pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
+    pagedllm bench serve-memory --burst 16   (resident memory of each server process: ready, 1 request, a burst)
+    pagedllm bench all --out docs/bench --report docs/bench/results.md   (what `make bench` runs)
 
 Each module in BENCHMARK_MODULES has `add_parser(subparsers)`, which declares its subcommands' arguments on
 `common.bench_subparser(...)` and names the function that runs each. `bench all` runs them at the sizes below,
@@ -52,6 +53,7 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.accuracy",
     "pagedllm.bench.moe",
     "pagedllm.bench.cli_llamacpp",  # llamacpp (not in `bench all`)
+    "pagedllm.bench.serve_memory",  # serve-memory (not in `bench all`)
 )
 """Modules light enough to import when the CLI starts (no torch at import); each declares its subcommands."""
 
