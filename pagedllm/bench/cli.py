@@ -65,7 +65,7 @@ def add_bench_parser(sub) -> None:
     for name in BENCHMARK_MODULES:
         importlib.import_module(name).add_parser(bsub)
 
-    p = bench_subparser(bsub, "all", bench_all, help="every benchmark at the sizes docs/benchmarks.md reports")
+    p = bench_subparser(bsub, "all", bench_all, help="every benchmark at the sizes docs/bench/results.md reports")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a smoke test of the whole pipeline)")
     p.add_argument("--long-trace-requests", type=int, default=200,
                    help="requests of the long ShareGPT-like run to completion (0 skips it; the longest benchmark)")
@@ -84,7 +84,7 @@ def benchmark_parsers() -> dict[str, argparse.ArgumentParser]:
     return dict(bsub.choices)
 
 
-# The sizes `bench all` runs (docs/benchmarks.md). Chosen so the whole run fits ~30 minutes on a
+# The sizes `bench all` runs (docs/bench/results.md). Chosen so the whole run fits ~30 minutes on a
 # 2-core CPU once the engine reaches its targets (the long ShareGPT-like run is the biggest part:
 # --long-trace-requests sizes it); the smoke sizes run the same pipeline in seconds with a tiny model.
 # "HF_CAP" and "LONG" are filled in from `bench all`'s --hf-time-cap and --long-trace-requests.
