@@ -46,8 +46,9 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
+# Writes only generated files: docs/bench/*.json, *.png and results.md (never the hand-written docs/benchmarks.md).
 bench: setup
-	$(VENV)/bin/pagedllm --log-level WARNING bench all --out docs/bench --report docs/benchmarks.md
+	$(VENV)/bin/pagedllm --log-level WARNING bench all --out docs/bench --report docs/bench/results.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

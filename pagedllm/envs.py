@@ -75,7 +75,7 @@ def _prefetch(text: str) -> tuple[int, ...]:
 
 class Variable(NamedTuple):
     doc: str
-    """What it does, in one line (the README tells when to use it)."""
+    """What it does, in one line (docs/configuration.md lists it; the topic pages tell when to use it)."""
     parse: Callable[[str], object]
     """Its text to its value; raises ValueError saying what it takes."""
     default: object = None

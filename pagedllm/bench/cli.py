@@ -18,7 +18,8 @@
     pagedllm bench accuracy   (quantized kernels vs float32 and float64 per layer shape; perplexity per weight path)
     pagedllm bench moe --batch-sizes 1,16,64   (MoE decode: grouped experts vs all experts dense vs the ideal)
     pagedllm bench llamacpp --rounds 5 --concurrency 64   (beside llama.cpp's server on the same GGUF)
-    pagedllm bench all --out docs/bench      (what docs/benchmarks.md is made from)
+    pagedllm bench serve-memory --burst 16   (resident memory of each server process: ready, 1 request, a burst)
+    pagedllm bench all --out docs/bench --report docs/bench/results.md   (what `make bench` runs)
 
 Each module in BENCHMARK_MODULES has `add_parser(subparsers)`, which declares its subcommands' arguments on
 `common.bench_subparser(...)` and names the function that runs each. `bench all` runs them at the sizes below,
@@ -52,6 +53,7 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.accuracy",
     "pagedllm.bench.moe",
     "pagedllm.bench.cli_llamacpp",  # llamacpp (not in `bench all`)
+    "pagedllm.bench.serve_memory",  # serve-memory (not in `bench all`)
 )
 """Modules light enough to import when the CLI starts (no torch at import); each declares its subcommands."""
 
@@ -63,13 +65,15 @@ def add_bench_parser(sub) -> None:
     for name in BENCHMARK_MODULES:
         importlib.import_module(name).add_parser(bsub)
 
-    p = bench_subparser(bsub, "all", bench_all, help="every benchmark at the sizes docs/benchmarks.md reports")
+    p = bench_subparser(bsub, "all", bench_all, help="every benchmark at the sizes docs/bench/results.md reports")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a smoke test of the whole pipeline)")
     p.add_argument("--long-trace-requests", type=int, default=200,
                    help="requests of the long ShareGPT-like run to completion (0 skips it; the longest benchmark)")
     p.add_argument("--hf-time-cap", dest="hf_time_cap_s", type=float, default=120.0,
                    help="seconds HF continuous batching runs on the ShareGPT-like traces (tokens counted by then)")
-    p.add_argument("--report", default=None, help="also write the markdown report here (docs/benchmarks.md)")
+    p.add_argument("--report", default=None,
+                   help="also write the generated results page here (make bench: docs/bench/results.md); an "
+                        "existing file is replaced only if this command generated it")
 
 
 def benchmark_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -80,7 +84,7 @@ def benchmark_parsers() -> dict[str, argparse.ArgumentParser]:
     return dict(bsub.choices)
 
 
-# The sizes `bench all` runs (docs/benchmarks.md). Chosen so the whole run fits ~30 minutes on a
+# The sizes `bench all` runs (docs/bench/results.md). Chosen so the whole run fits ~30 minutes on a
 # 2-core CPU once the engine reaches its targets (the long ShareGPT-like run is the biggest part:
 # --long-trace-requests sizes it); the smoke sizes run the same pipeline in seconds with a tiny model.
 # "HF_CAP" and "LONG" are filled in from `bench all`'s --hf-time-cap and --long-trace-requests.
@@ -116,7 +120,10 @@ def bench_all(args, engine_args: dict) -> dict:
     from pagedllm.bench.cli_fast_path import bench_attention, bench_profile, bench_roofline
     from pagedllm.bench.cli_memory import bench_memory, bench_preemption, bench_prefix, bench_sharing
     from pagedllm.bench.cli_throughput import bench_serving, bench_throughput
+    from pagedllm.bench.report import check_writable
 
+    if args.report:
+        check_writable(Path(args.report))  # before the hours of measuring, not after
     parsers = benchmark_parsers()
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import statistics
 import tempfile
 import time
@@ -30,6 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedllm.bench.common import bench_subparser, format_table, write_result
+from pagedllm.bench.subprocess_server import process_tree
+
+# Routing decisions are counted per reason (affinity_hit, ...); the other metrics are summed over labels.
+ROUTING_BY_REASON = {"pagedllm_routing_decisions_total": "reason"}
 
 
 def add_parser(subparsers) -> None:
@@ -64,40 +67,15 @@ def make_prompts(groups: int, per_group: int, prefix_len: int, suffix_len: int, 
     return warmups, rest
 
 
-def _metric_totals(url: str) -> dict[str, float]:
-    import httpx
-
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", line)
-        if match:
-            name = match.group(1)
-            reason = re.search(r'reason="([^"]*)"', match.group(2) or "")
-            if reason and name == "pagedllm_routing_decisions_total":
-                name = f"{name}:{reason.group(1)}"
-            values[name] = values.get(name, 0.0) + float(match.group(3))
-    return values
-
-
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _process_tree(pid: int) -> list[int]:
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children.extend(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return [pid] + [p for c in children for p in _process_tree(c)]
-
-
 def _cpu_by_role(server_pid: int) -> dict[str, float]:
     """CPU seconds of the API-server process and of its engine cores (with their children)."""
     result = {"api_server_cpu_s": 0.0, "engine_cores_cpu_s": 0.0}
-    for pid in _process_tree(server_pid):
+    for pid in process_tree(server_pid):
         try:
             cpu = _cpu_seconds(pid)
         except OSError:
@@ -124,14 +102,14 @@ def run_config(serve_args: list[str], warmups: list[list[int]], rest: list[list[
 
         for prompt in warmups:
             send(prompt)
-        before = _metric_totals(server.url)
+        before = server.metrics(ROUTING_BY_REASON)
         cpu_before = _cpu_by_role(server.proc.pid)
         start = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             num_tokens = sum(pool.map(send, rest))
         wall_s = time.perf_counter() - start
         cpu_after = _cpu_by_role(server.proc.pid)
-        after = _metric_totals(server.url)
+        after = server.metrics(ROUTING_BY_REASON)
     finally:
         server.stop()
 

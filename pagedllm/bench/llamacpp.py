@@ -23,16 +23,13 @@ Every round uses fresh random prompts, so neither server's prompt/prefix cache s
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from pagedllm import envs
+from pagedllm.bench.subprocess_server import SubprocessServer, free_port, process_tree
 
 DEFAULT_VERSION = "0.3.36"
 
@@ -46,23 +43,6 @@ def llama_server_binary(version: str = DEFAULT_VERSION) -> Path:
 def missing_binary_message(path: Path) -> str:
     return (f"llama-server is not built: {path} is missing. Build it once (10-25 minutes on 2 cores; "
             f"cached afterwards) with: scripts/build_llama_server.sh, or pass --llama-server PATH")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (through /proc/<pid>/task/*/children)."""
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children.extend(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return [pid] + [p for c in children for p in process_tree(c)]
 
 
 def memory_kib(pid: int) -> dict[str, int]:
@@ -85,38 +65,17 @@ def _command_line(pid: int, limit: int = 120) -> str:
         return ""
 
 
-class Server:
-    """A server process on a free loopback port, healthy (GET /health answers 200) once constructed."""
+class Server(SubprocessServer):
+    """A server process on a free loopback port, healthy (GET /health answers 200) once constructed, whose
+    processes' peak memory it samples."""
 
     def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, startup_timeout_s: float = 900,
                  env: dict | None = None) -> None:
-        import httpx
-
-        self.name = name
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or dict(os.environ),
-                                     start_new_session=True)
         self._peaks: dict[int, int] = {}
         self._names: dict[int, str] = {}
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode}; log {log_path}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.sample_memory()
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{name} was not healthy within {startup_timeout_s} s; log {log_path}")
-
-    def log_tail(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-3000:]
+        super().__init__(cmd, port, log_path, name=name, env=env, startup_timeout_s=startup_timeout_s,
+                         poll_interval_s=0.5, own_process_group=True)
+        self.sample_memory()
 
     def sample_memory(self) -> None:
         """Record each process's VmHWM now (an engine core that exits would take its peak with it)."""
@@ -142,19 +101,9 @@ class Server:
             "peak_mib_by_process": {f"{pid} {self._names.get(pid, '')}": v / 1024 for pid, v in self._peaks.items()},
         }
 
-    def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
 
 def start_pagedllm(model: str, threads: int, kv_cache_bytes: int, log_dir: Path, extra: list[str]) -> Server:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model, "--port", str(port),
            "--num-threads", str(threads), "--kv-cache-memory", str(kv_cache_bytes), *extra]
     return Server("pagedllm", cmd, port, log_dir / "pagedllm-serve.log")
@@ -164,7 +113,7 @@ def start_llama_server(binary: Path, model: str, threads: int, ctx_tokens: int, 
                        extra: list[str]) -> Server:
     """llama-server with ``slots`` parallel sequences over one unified KV cache of ``ctx_tokens`` (f16),
     its prompt cache off (-cram 0) and no web UI."""
-    port = _free_port()
+    port = free_port()
     cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-c", str(ctx_tokens), "-np", str(slots), "--kv-unified", "-cram", "0",
            "--no-webui", *extra]

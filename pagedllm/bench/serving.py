@@ -23,15 +23,13 @@ import asyncio
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.bench.subprocess_server import SubprocessServer, free_port
 from pagedllm.bench.workloads import BenchRequest
 
 
@@ -151,53 +149,15 @@ def run_client(url: str, requests: list[BenchRequest], rates: list[float], model
 # --- a server per policy ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
+class ServerProcess(SubprocessServer):
     """`pagedllm serve` (bench/baseline_server.py) in a subprocess on a free loopback port; stop() ends it
     (and its engine core)."""
 
     def __init__(self, serve_args: list[str], log_path: str, startup_timeout_s: float = 300) -> None:
-        import httpx
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.log_path = log_path
+        port = free_port()
         cmd = [sys.executable, "-m", "pagedllm.bench.baseline_server", "--log-level", "WARNING",
-               "--port", str(self.port), *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; log: {log_path}\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy within {startup_timeout_s} s; log: {log_path}")
-
-    def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-3000:]
-
-    def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+               "--port", str(port), *serve_args]
+        super().__init__(cmd, port, log_path, name="the server", startup_timeout_s=startup_timeout_s)
 
 
 def run_sweep(requests: list[BenchRequest], rates: list[float], policies: list[str], serve_args: list[str],

@@ -66,7 +66,7 @@ class EngineArgs:
                                           "block of a row to int8 (one float32 scale each, as Q8_0) and multiplies "
                                           "by Q8_0 / Q4_0 / Q4_1 weights with integer dot products (AVX-512 VNNI, "
                                           "else AVX2): faster prefill and batches, a small accuracy cost "
-                                          "(docs/benchmarks.md, session 12); none keeps float32 activations.",
+                                          "(docs/quantization.md); none keeps float32 activations.",
                                   choices=("none", "int8"))
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
     generation_config: str = flag("auto", "Where the sampling defaults of a request that leaves them unset come from "

@@ -92,7 +92,7 @@ class SlotArena:
     """One zeroed buffer that the slots of many linears are cut from, in the order they are taken: on 2 MB
     transparent huge pages where the platform gives them (``huge_pages.zeros``; a plain buffer elsewhere).
     At 4 KB pages each slot read is a TLB miss and a cut hardware-prefetch stream every 4 KB; the kernel alone
-    over a decode step's 120 linears took 0.82-0.90x the time on huge pages (docs/benchmarks.md, session 13)."""
+    over a decode step's 120 linears took 0.82-0.90x the time on huge pages (docs/benchmarks.md, "Kernel choices behind the defaults")."""
 
     ALIGN = 64
 

@@ -36,7 +36,7 @@ It chooses, per kernel, a call whose per-row reduction order is fixed:
   scores equal those of plain decoding. A draft model keeps its default kernels: its proposals only
   change how many are accepted, never what the target computes.
 
-Until session 10 the mode padded 1-4-row calls to 5 rows (3 for the quantized kernel), whose
+An earlier version of the mode padded 1-4-row calls to 5 rows (3 for the quantized kernel), whose
 blocks keep one accumulator set, and turned the fused decoder step off: 0.69-0.81x the default's
 batch-1 decode rate (docs/benchmarks.md).
 

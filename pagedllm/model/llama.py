@@ -192,9 +192,9 @@ class LlamaMLP(_DirectChildren):
 MLP_WORKSPACE_BYTES = 16 << 20
 """Most bytes of the MLP's gate/up output at once: a longer step runs its MLP in row slices. A 1B model's
 2048-token step otherwise holds 128 MiB of gate/up and 64 MiB of activation per layer (slices of 256 rows:
-16 + 8 MiB; no slower than 512 on the Q4_0 1B, docs/benchmarks.md "Session 16"). A row's result may differ only in
+16 + 8 MiB; no slower than 512 on the Q4_0 1B, docs/benchmarks.md "Memory at the 1B shape"). A row's result may differ only in
 summation order where a kernel blocks by the number of rows
-(bit-equal on the 1B Q4_0 one; docs/benchmarks.md "Session 13")."""
+(bit-equal on the 1B Q4_0 one; docs/benchmarks.md "Memory at the 1B shape")."""
 
 
 class LlamaDecoderLayer(_DirectChildren):

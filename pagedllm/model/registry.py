@@ -1,7 +1,7 @@
 """Architecture name (``config.architectures[0]``) -> model class, and how each was verified.
 
 Every entry here is checked token for token against Hugging Face transformers on tiny random
-weights through the engine; ``VERIFIED_BY`` says how, for ``pagedllm models`` and the README
+weights through the engine; ``VERIFIED_BY`` says how, for ``pagedllm models`` and docs/models.md
 (tests/model/test_models_vs_hf.py fails if an architecture lacks its line).
 """
 

@@ -7,7 +7,7 @@ MLP's largest two (a 2048-token step of a 1B model: hidden states, residual, q/k
 projection outputs, 16-24 MiB each) comes from the heap. Freed in another order than they were taken and
 mixed with small long-lived allocations, they leave holes the heap cannot give back: the step's peak
 grew with every layer (+200 MiB of free heap pages still resident at its end, docs/benchmarks.md
-"Session 13"), and a smaller MLP buffer only added to the heap instead of the mappings.
+"Memory at the 1B shape"), and a smaller MLP buffer only added to the heap instead of the mappings.
 
 A fixed threshold (``MMAP_THRESHOLD``, which also stops it moving) keeps every buffer from that size up
 out of the heap, so the resident set follows what is live. Decode-sized buffers stay below it (a 1B

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from pagedllm.bench.report import GENERATED_MARKER
 from pagedllm.bench.workloads import TRACE_STATS, WorkloadSpec, make_workload, trace_stats
 from pagedllm.entrypoints.cli import main
 
@@ -37,7 +38,7 @@ def smoke_results(tiny_engine_args, tmp_path_factory):
     argv = ["--log-level", "WARNING", "bench", "all", "--smoke", "--no-progress", "--out", str(out),
             "--model", tiny_engine_args["model"], "--num-kv-blocks", str(tiny_engine_args["num_kv_blocks"]),
             "--max-model-len", str(tiny_engine_args["max_model_len"]), "--max-num-seqs", "16",
-            "--report", str(out / "benchmarks.md")]
+            "--report", str(out / "results.md")]
     assert main(argv) == 0
     return out
 
@@ -96,7 +97,8 @@ def test_roofline_and_attention_smoke(smoke_results):
 
 
 def test_the_report_has_every_section(smoke_results):
-    text = (smoke_results / "benchmarks.md").read_text()
+    text = (smoke_results / "results.md").read_text()
+    assert text.splitlines()[0] == GENERATED_MARKER
     for heading in ("## Throughput", "## KV memory efficiency", "## Serving", "## Roofline", "## Attention overhead",
                     "## Prefix caching", "## Preemption recovery", "## Trace efficiency", "## A decode step",
                     "## Targets"):

@@ -1,4 +1,4 @@
-"""Shared fixtures for model tests: the embedded default model, converted once per session."""
+"""Shared fixtures for model tests: the embedded default model, converted once per test run."""
 
 import os
 
@@ -9,7 +9,7 @@ from pagedllm.model import gguf_loader, load_model
 
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory):
-    """``(loaded, cache_dir, num_conversions)`` for load_model(None) into a fresh session cache."""
+    """``(loaded, cache_dir, num_conversions)`` for load_model(None) into a fresh cache for the test run."""
     cache = tmp_path_factory.mktemp("pagedllm-cache")
     calls = []
     real_convert = gguf_loader.convert_gguf_to_hf_dir

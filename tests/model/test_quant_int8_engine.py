@@ -55,7 +55,7 @@ def test_default_model_with_int8_activations_scores_close_to_float():
     agree = sum(a[1] == b[1] for a, b in zip(base, int8)) / len(base)
     ppl_base = math.exp(-sum(a[0] for a in base) / len(base))
     ppl_int8 = math.exp(-sum(b[0] for b in int8) / len(int8))
-    # Measured (session 12, AVX-512 VNNI): mean |d logprob| 0.128, the greedy token at each position of the
+    # Measured (AVX-512 VNNI; docs/quantization.md): mean |d logprob| 0.128, the greedy token at each position of the
     # text the same at 95.7% of them, perplexity 9.088 -> 8.982. The float kernel on the same int8-rounded
     # activations (a fake-quantized x) differs from the float path by as much (0.127): the cost is the
     # rounding of the activations (SmolLM2's outlier channels), not the kernel.

@@ -8,8 +8,8 @@ At tp_size=1 both are the plain lookup and matmul.
 
 The table stays ``[vocab, hidden]`` row-major (a lookup reads whole rows). On the CPU, in float32,
 ``LMHead.process_weights_after_loading()`` adds an MKL-packed copy of its slice for the logits GEMM
-(packed once, so no call repacks 49152 x 576 floats): 1.25-2.2x F.linear at 8-128 rows, 1 thread,
-scripts/gemm_layouts.py; within noise at 1 row, 0.84x at 512, rare here. It costs about twice the
+(packed once, so no call repacks 49152 x 576 floats): 1.25-2.2x F.linear at 8-128 rows, 1 thread;
+within noise at 1 row, 0.84x at 512, rare here. It costs about twice the
 slice's size, kept even when the head is tied to the embedding, whose table it then leaves as it is.
 Where the compiled GEMM is on (``pagedllm.model.layers.cpu_gemm``), the head packs for it instead
 (one copy the size of the slice, no MKL copy) and uses it for 1-256 rows, as the linears do.
