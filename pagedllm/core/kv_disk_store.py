@@ -42,6 +42,8 @@ from pagedllm.core.block_hash import BlockHash
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PKV1"
+MAX_PENDING_BYTES = 256 << 20
+"""Blocks queued for the disk, at most: past it an evicted block is dropped rather than held in memory."""
 _HEADER = struct.Struct("<4sQI32s")
 SUFFIX = ".kv"
 
@@ -83,6 +85,9 @@ class KVDiskStore:
         self.disabled_reason: str | None = None
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file bytes, least recent first
+        self._pending: dict[BlockHash, tuple[tuple[int, ...], bytes]] = {}
+        """Blocks queued and not yet written: a lookup finds them here (the disk may lag the evictions)."""
+        self._pending_bytes = 0
         self.num_bytes = 0
         self.dir = Path(root).expanduser() / fingerprint({**facts, "payload_bytes": payload_bytes})
         try:
@@ -92,7 +97,7 @@ class KVDiskStore:
             self._scan()
         except OSError as e:
             self.disable(f"cannot use {self.dir}: {e}")
-        self._queue: queue.Queue = queue.Queue(maxsize=1024)
+        self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
         logger.info("KV disk tier: %s, %d blocks (%.1f MiB) found, limit %.1f MiB", self.dir, len(self._index),
@@ -101,7 +106,7 @@ class KVDiskStore:
     # --- lookups (the scheduler's thread) ------------------------------------------------------
 
     def __contains__(self, block_hash: BlockHash) -> bool:
-        return self.enabled and block_hash in self._index
+        return self.enabled and (block_hash in self._pending or block_hash in self._index)
 
     @property
     def num_blocks(self) -> int:
@@ -113,6 +118,11 @@ class KVDiskStore:
             self.stats.miss_blocks += 1
             return None
         start = time.perf_counter()
+        pending = self._pending.get(block_hash)
+        if pending is not None and pending[0] == token_ids:
+            self.stats.hit_blocks += 1
+            self.stats.load_seconds += time.perf_counter() - start
+            return pending[1]
         path = self._path(block_hash)
         payload = None
         try:
@@ -150,14 +160,16 @@ class KVDiskStore:
     def store(self, block_hash: BlockHash, token_ids: tuple[int, ...], payload: bytes, wait: bool = False) -> None:
         """Queue a block for writing; dropped when the tier is off, the block is there, or (unless ``wait``)
         the queue is full."""
-        if not self.enabled or block_hash in self._index:
+        if not self.enabled or block_hash in self:
             return
         if len(payload) != self.payload_bytes:
             raise ValueError(f"a KV block payload of {len(payload)} bytes, expected {self.payload_bytes}")
-        try:
-            self._queue.put((block_hash, token_ids, payload), block=wait)
-        except queue.Full:
-            pass  # the disk is slower than the evictions: this block is recomputed if asked for again
+        if not wait and self._pending_bytes + len(payload) > MAX_PENDING_BYTES:
+            return  # the disk is slower than the evictions: this block is recomputed if asked for again
+        with self._lock:
+            self._pending[block_hash] = (token_ids, payload)
+            self._pending_bytes += len(payload)
+        self._queue.put((block_hash, token_ids, payload))
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued block is written (tests, shutdown)."""
@@ -184,6 +196,10 @@ class KVDiskStore:
             except Exception as e:  # noqa: BLE001 - the writer must outlive any block's failure
                 self.disable(f"a write failed: {e!r}")
             finally:
+                if item is not None:
+                    with self._lock:
+                        if self._pending.pop(item[0], None) is not None:
+                            self._pending_bytes -= len(item[2])
                 self._queue.task_done()
 
     def _write(self, block_hash: BlockHash, token_ids: tuple[int, ...], payload: bytes) -> None:
