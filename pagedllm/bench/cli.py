@@ -19,6 +19,7 @@
     pagedllm bench moe --batch-sizes 1,16,64   (MoE decode: grouped experts vs all experts dense vs the ideal)
     pagedllm bench llamacpp --rounds 5 --concurrency 64   (beside llama.cpp's server on the same GGUF)
     pagedllm bench serve-memory --burst 16   (resident memory of each server process: ready, 1 request, a burst)
+    pagedllm bench kv-disk --prefix-len 8000   (the KV disk tier: time to first token after eviction and restart)
     pagedllm bench all --out docs/bench --report docs/bench/results.md   (what `make bench` runs)
 
 Each module in BENCHMARK_MODULES has `add_parser(subparsers)`, which declares its subcommands' arguments on
@@ -54,6 +55,7 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.moe",
     "pagedllm.bench.cli_llamacpp",  # llamacpp (not in `bench all`)
     "pagedllm.bench.serve_memory",  # serve-memory (not in `bench all`)
+    "pagedllm.bench.kv_disk",  # kv-disk (not in `bench all`)
 )
 """Modules light enough to import when the CLI starts (no torch at import); each declares its subcommands."""
 

@@ -85,6 +85,8 @@ class EngineArgs:
     enable_prefix_caching: bool = setting(CacheConfig, "enable_prefix_caching", negative="--no-prefix-caching")
     preemption_mode: str = setting(CacheConfig, "preemption_mode")
     swap_space: int | str = setting(CacheConfig, "swap_space")
+    kv_disk_cache: str | None = setting(CacheConfig, "kv_disk_cache")
+    kv_disk_cache_size: int | str = setting(CacheConfig, "kv_disk_cache_size")
     max_num_seqs: int = setting(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int = setting(SchedulerConfig, "max_num_batched_tokens")
     max_model_len: int | None = setting(SchedulerConfig, "max_model_len")
@@ -180,7 +182,7 @@ class EngineArgs:
 
     def cache_config(self) -> CacheConfig:
         return self._config(CacheConfig, kv_cache_memory=self._bytes("kv_cache_memory", parse_kv_cache_memory),
-                            swap_space=self._bytes("swap_space"))
+                            swap_space=self._bytes("swap_space"), kv_disk_cache_size=self._bytes("kv_disk_cache_size"))
 
     def _bytes(self, name: str, parse=parse_memory_size) -> int | None:
         """A memory-size field ("2GiB" or a byte count) in bytes; a ValueError names the field."""

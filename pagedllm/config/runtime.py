@@ -45,6 +45,11 @@ class CacheConfig:
     """How a preempted request gets its KV back: recompute it, or swap it out to host memory."""
     swap_space: int = flag(1 << 30, parse=parse_memory_size)
     """Host memory for swapped-out KV blocks (with preemption_mode swap), e.g. 1GiB."""
+    kv_disk_cache: str | None = None
+    """A folder where cached KV blocks evicted from memory are kept and read back on a later prefix miss, also
+    after a restart (off by default: it writes to disk on every eviction; docs/kv-disk-cache.md)."""
+    kv_disk_cache_size: int = flag(16 << 30, parse=parse_memory_size)
+    """The most bytes the KV disk cache keeps (least recently used blocks go first), e.g. 16GiB."""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -56,6 +61,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_disk_cache_size <= 0:
+            raise ValueError(f"kv_disk_cache_size must be > 0 bytes, got {self.kv_disk_cache_size}")
+        if self.kv_disk_cache is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_disk_cache keeps prefix-cache blocks: it needs prefix caching on")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ gauges costs nothing, however large the pool):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedllm.core.block_hash import BlockHash
@@ -97,6 +97,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.evict_listener: Callable[[KVBlock], None] | None = None
+        """Told of each cached block about to lose its content (the disk tier spills it: core/kv_disk_tier.py)."""
         # Gauges kept as blocks change state (see the module docstring); a scan must agree (tests).
         self.num_cached_free_blocks = 0
         """Free blocks still holding a cached prefix: reclaimable, reused by a hit."""
@@ -188,6 +190,8 @@ class BlockPool:
         if block.block_hash is None:
             return
         self.num_cached_free_blocks -= 1  # only free blocks are evicted
+        if self.evict_listener is not None:
+            self.evict_listener(block)
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from pagedllm.core.block_hash import extend_block_hashes, prefix_extra_keys
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.kv_disk_tier import DiskTier
 from pagedllm.core.kv_stats import KVCacheStats
 from pagedllm.core.request import Request
 
@@ -68,6 +69,8 @@ class KVCacheManager:
         self.num_host_blocks = num_host_blocks
         self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.disk_tier: DiskTier | None = None
+        """Where evicted cached blocks go and prefix misses look next (core/kv_disk_tier.py); None: memory only."""
         self.num_refs_by_priority: dict[int, int] = {}
         """Block-table entries by request priority, kept as tables grow and shrink (see kv_stats)."""
 
@@ -122,6 +125,10 @@ class KVCacheManager:
                 run_start = i + 1  # a window past this block may still hit
             elif run_start <= self._num_dead_blocks((i + 1) * self.block_size):
                 num_hits = i + 1  # every block the next query's window reads is cached
+        if self.disk_tier is not None and self.sliding_window is None:
+            found = found[:num_hits]
+            found += self.disk_tier.load_prefix(request, num_hits, max_hit_blocks, found)
+            num_hits = len(found)
         num_dead = self._num_dead_blocks(num_hits * self.block_size)
         hits = [self.null_block] * num_dead + found[num_dead:num_hits]
         self.prefix_cache_queries += request.num_tokens

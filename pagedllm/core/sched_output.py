@@ -73,6 +73,10 @@ class SchedulerOutput:
     """(device block, host block) copies, made first: the device blocks may be reused this step."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block, device block) copies, made after swap_out and before the forward pass."""
+    kv_spill: list[int] = field(default_factory=list)
+    """Blocks whose K/V the runner copies out first (evicted this step, kept by the disk tier)."""
+    kv_load: list[tuple[int, bytes]] = field(default_factory=list)
+    """(block, K/V bytes read from disk) written after swap_out and before swap_in (core/kv_disk_tier.py)."""
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> speculative proposals, scheduled after the request's last token and counted in
     num_scheduled_tokens (1 + len(proposals)). The runner scores every position and returns the
@@ -140,6 +144,8 @@ class ModelRunnerOutput:
     """req_id -> error message, for requests that failed alone; the others carry on."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> the proposals the draft model made for SchedulerOutput.num_draft_tokens (what was scored)."""
+    kv_spilled: list[bytes] = field(default_factory=list)
+    """The K/V bytes of SchedulerOutput.kv_spill's blocks, in its order."""
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
@@ -20,6 +21,7 @@ from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManag
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.kv_disk_setup import attach_disk_tier, finish_disk_tier
 from pagedllm.engine.protocol import EngineCoreRequest, EngineStatsMsg, KVMapMsg, KVMapRequest
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 
@@ -57,6 +59,12 @@ class EngineCore:
         except BaseException:
             executor.shutdown()  # tensor-parallel workers may already be running
             raise
+        self.disk_tier = None
+        if self.cache_config.kv_disk_cache is not None:
+            self.disk_tier = attach_disk_tier(self.kv_cache_manager, self.cache_config, engine_args, self.model_info,
+                                              self.kv_info)
+            # An offline LLM is rarely shut down: its cached prefixes still reach the disk at exit.
+            weakref.finalize(self, finish_disk_tier, self.disk_tier, executor)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode,
                                    speculative_config=engine_args.speculative(),
                                    max_loras=lora.max_loras if (lora := engine_args.lora_config()) else None)
@@ -105,7 +113,11 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         sched_output = self.scheduler.schedule()
+        if self.disk_tier is not None:
+            sched_output.kv_spill, sched_output.kv_load = self.disk_tier.take_step_io()
         runner_output = self.executor.execute_model(sched_output)
+        if self.disk_tier is not None:
+            self.disk_tier.complete(runner_output.kv_spilled)
         self.num_steps += 1
         self.num_scheduled_tokens += sched_output.total_num_scheduled_tokens
         for listener in self.step_listeners:
@@ -126,7 +138,10 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+        """Stop the tensor-parallel workers, if any, and finish the disk tier's writes (idempotent)."""
+        if self.disk_tier is not None:
+            tier, self.disk_tier = self.disk_tier, None
+            finish_disk_tier(tier, self.executor)
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -145,6 +160,7 @@ class EngineCore:
             kv_cache_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_swap_outs=self.scheduler.num_swap_outs,
+            **self._disk_tier_stats(),
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_evictions=kv.num_evictions,
@@ -158,6 +174,15 @@ class EngineCore:
             **self._kv_occupancy_stats(),
             **self._spec_decode_stats(),
         )
+
+    def _disk_tier_stats(self) -> dict:
+        if self.disk_tier is None:
+            return {}
+        store, counts = self.disk_tier.store, self.disk_tier.store.stats
+        return dict(kv_disk_hit_tokens=self.disk_tier.hit_tokens, kv_disk_miss_blocks=counts.miss_blocks,
+                    kv_disk_stored_blocks=counts.stored_blocks, kv_disk_corrupt_blocks=counts.corrupt_blocks,
+                    kv_disk_load_seconds=counts.load_seconds, kv_disk_store_seconds=counts.store_seconds,
+                    kv_disk_blocks=store.num_blocks, kv_disk_bytes=store.num_bytes)
 
     def _kv_occupancy_stats(self) -> dict:
         """KVCacheStats for EngineStatsMsg (counters the manager keeps: no scan)."""

@@ -114,6 +114,17 @@ class EngineStatsMsg(msgspec.Struct):
     """Problems found by the last idle leak check (0 = every block free or cached)."""
     num_swap_outs: int = 0
     """Preemptions that swapped the request's KV out to host memory (the rest recompute)."""
+    kv_disk_hit_tokens: int = 0
+    """Prompt tokens read back from the KV disk tier instead of recomputed (also in prefix_cache_hits)."""
+    kv_disk_miss_blocks: int = 0
+    """Lookups on disk after a memory miss that found nothing usable (absent or failing their check)."""
+    kv_disk_stored_blocks: int = 0
+    kv_disk_corrupt_blocks: int = 0
+    kv_disk_load_seconds: float = 0.0
+    kv_disk_store_seconds: float = 0.0
+    kv_disk_blocks: int = 0
+    """Blocks on disk now (gauge)."""
+    kv_disk_bytes: int = 0
     num_beam_groups: int = 0
     """Beam-search requests live in the core."""
     num_beams_running: int = 0

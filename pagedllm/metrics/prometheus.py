@@ -65,6 +65,18 @@ class ServerMetrics:
         self.engine_healthy = gauge("pagedllm_engine_healthy", "1 while the engine core is alive, 0 once it died")
         self.prefix_queries = counter("pagedllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("pagedllm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.kv_disk_hits = counter("pagedllm_kv_disk_cache_hit_tokens",
+                                    "Prompt tokens read back from the KV disk tier (also counted in prefix cache hits)")
+        self.kv_disk_misses = counter("pagedllm_kv_disk_cache_miss_blocks",
+                                      "Disk lookups after a memory miss that found no usable block")
+        self.kv_disk_stored = counter("pagedllm_kv_disk_cache_stored_blocks", "Evicted KV blocks written to disk")
+        self.kv_disk_corrupt = counter("pagedllm_kv_disk_cache_corrupt_blocks",
+                                       "Block files that failed their check (deleted; the tokens recomputed)")
+        self.kv_disk_load_s = counter("pagedllm_kv_disk_cache_load_seconds", "Time spent reading blocks from disk")
+        self.kv_disk_store_s = counter("pagedllm_kv_disk_cache_store_seconds",
+                                       "Time spent writing blocks to disk (off the step)")
+        self.kv_disk_blocks = gauge("pagedllm_kv_disk_cache_blocks", "KV blocks on disk")
+        self.kv_disk_bytes = gauge("pagedllm_kv_disk_cache_bytes", "Bytes of KV blocks on disk")
         self.preemptions = counter("pagedllm_num_preemptions", "Requests preempted for lack of KV blocks")
         self.prompt_tokens = counter("pagedllm_prompt_tokens", "Prompt tokens of accepted requests")
         self.generation_tokens = counter("pagedllm_generation_tokens", "Tokens generated")
@@ -138,6 +150,8 @@ class ServerMetrics:
         self.beam_kv_blocks.set(stats.num_beam_kv_blocks)
         self.beam_kv_blocks_saved.set(stats.num_beam_kv_blocks_saved)
         self._record_kv_occupancy(stats)
+        self.kv_disk_blocks.set(stats.kv_disk_blocks)
+        self.kv_disk_bytes.set(stats.kv_disk_bytes)
         if stats.kv_map is not None:  # one engine (with data parallelism the replicas' come one by one)
             self.kv_map_stats["0"] = stats
         last = self._last_stats
@@ -145,6 +159,11 @@ class ServerMetrics:
                               (self.swap_outs, "num_swap_outs"),
                               (self.scheduled_tokens, "num_scheduled_tokens"),
                               (self.prefix_hits, "prefix_cache_hits"),
+                              (self.kv_disk_hits, "kv_disk_hit_tokens"), (self.kv_disk_misses, "kv_disk_miss_blocks"),
+                              (self.kv_disk_stored, "kv_disk_stored_blocks"),
+                              (self.kv_disk_corrupt, "kv_disk_corrupt_blocks"),
+                              (self.kv_disk_load_s, "kv_disk_load_seconds"),
+                              (self.kv_disk_store_s, "kv_disk_store_seconds"),
                               (self.preemptions, "num_preemptions"),
                               (self.beam_group_preemptions, "num_beam_group_preemptions")):
             delta = getattr(stats, name) - (getattr(last, name) if last is not None else 0)

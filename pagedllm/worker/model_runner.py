@@ -29,7 +29,7 @@ from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
 from pagedllm.model.sampling.metadata import RequestTensors, SamplingMetadata, SamplingRow, plain_greedy
 from pagedllm.model.sampling.sampler import Sampler, SamplerOutput, argmax_rows
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker import spec_verify
+from pagedllm.worker import kv_block_io, spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 from pagedllm.worker.request_tensors import RequestTensorCache
 
@@ -201,13 +201,19 @@ class ModelRunner:
         for kv_cache in self._block_caches:
             kv_cache[:, dst] = kv_cache[:, src]
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Blocks' K/V as bytes, outside a step (the disk tier keeps the cached prefixes at shutdown)."""
+        return kv_block_io.read_blocks(self._block_caches, block_ids)
+
     # --- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
-        # Order matters: blocks swapped out may be the very blocks swapped in or copied into now.
+        # Order matters: blocks spilled or swapped out may be the very blocks loaded, swapped in or copied into now.
+        spilled = kv_block_io.read_blocks(self._block_caches, sched.kv_spill)
         self._swap_blocks(sched.swap_out, self._block_caches, self._host_block_caches)
+        kv_block_io.write_blocks(self._block_caches, sched.kv_load)
         self._swap_blocks(sched.swap_in, self._host_block_caches, self._block_caches)
         self._apply_block_copies(sched.block_copies)
         self._spec_tokens = sched.scheduled_spec_tokens
@@ -217,7 +223,7 @@ class ModelRunner:
                 self._spec_tokens = self.draft.propose(self.requests, sched, self.prepare_inputs)
         spec_verify.attach_proposals(self.requests, self._spec_tokens)
         if sched.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, kv_spilled=spilled)
 
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
@@ -232,6 +238,7 @@ class ModelRunner:
         output.failed.update(lora_failed)
         if sched.num_draft_tokens:  # the scheduler counts acceptance against what was scored
             output.spec_token_ids = {r: self._spec_tokens[r] for r in sched.num_draft_tokens}
+        output.kv_spilled = spilled
         return output
 
     def _execute_isolating_failures(self, states: list[RunnerRequestState], num_scheduled: list[int]) -> ModelRunnerOutput:

@@ -90,3 +90,7 @@ class UniprocExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
         return self.runner.execute_model(sched)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Blocks' K/V as bytes (the KV disk tier; one rank only)."""
+        return [] if self.runner is None else self.runner.read_kv_blocks(block_ids)

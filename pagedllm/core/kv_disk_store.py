@@ -1,0 +1,280 @@
+"""The prefix cache's disk tier: KV blocks evicted from memory kept in files, read back on a later miss.
+
+A block's file is named by its prefix hash (core/block_hash.py: the SHA-256 chain over every token
+before it, with the request's cache salt and LoRA adapter), so the same request finds it after an
+eviction or a restart, and a tenant never finds another's. The files live under a folder named by a
+fingerprint of everything the K/V depend on (model files, dtypes, block layout, engine version):
+a store written by another model or configuration is never opened.
+
+    DIR/
+      <fingerprint>/               0700, one per model + configuration
+        fingerprint.json           what the fingerprint covers, for a person reading the folder
+        ab/abcdef....kv            0600, one block: header | token ids | payload
+
+    header: magic "PKV1" | payload bytes (u64) | tokens (u32) | sha256(token ids | payload) (32 bytes)
+
+A file is written to a temporary name and renamed (a reader never sees half a block); a read checks
+the length, the checksum and the token ids before a byte reaches the cache, and a file that fails is
+deleted and reported as a miss (the tokens are recomputed). Writes happen on a thread of their own,
+off the step. Any OSError while writing (disk full, a read-only folder) switches the tier off with
+one log line; the engine keeps serving from memory. Nothing a request sends becomes a path: names
+are hex digests.
+
+Pure Python (no torch): the payload is the bytes the worker copied out of a block (worker/kv_block_io.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedllm.core.block_hash import BlockHash
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PKV1"
+MAX_PENDING_BYTES = 256 << 20
+"""Blocks queued for the disk, at most: past it an evicted block is dropped rather than held in memory."""
+_HEADER = struct.Struct("<4sQI32s")
+SUFFIX = ".kv"
+
+
+@dataclass(slots=True)
+class DiskTierStats:
+    """Counters of the disk tier since start (the gauges are read from the store)."""
+
+    hit_blocks: int = 0
+    """Blocks read back into the cache instead of recomputed."""
+    miss_blocks: int = 0
+    """Blocks looked up after a memory miss and not found (or found corrupt) on disk."""
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+    """Files removed to keep the size limit."""
+    corrupt_blocks: int = 0
+    """Files that failed the length, checksum or token check (deleted, recomputed)."""
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+
+def fingerprint(facts: dict) -> str:
+    """A short stable digest of what the K/V depend on (``facts``: JSON-able)."""
+    text = json.dumps(facts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class KVDiskStore:
+    """Block files under ``root/<fingerprint>``, at most ``max_bytes`` of them (least recently used go first)."""
+
+    def __init__(self, root: str | Path, facts: dict, max_bytes: int, payload_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"kv_disk_cache_size must be > 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.payload_bytes = payload_bytes
+        self.stats = DiskTierStats()
+        self.enabled = True
+        self.closed = False
+        self.disabled_reason: str | None = None
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file bytes, least recent first
+        self._pending: dict[BlockHash, tuple[tuple[int, ...], bytes]] = {}
+        """Blocks queued and not yet written: a lookup finds them here (the disk may lag the evictions)."""
+        self._pending_bytes = 0
+        self.num_bytes = 0
+        self.dir = Path(root).expanduser() / fingerprint({**facts, "payload_bytes": payload_bytes})
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.dir, 0o700)
+            (self.dir / "fingerprint.json").write_text(json.dumps(facts, sort_keys=True, indent=1, default=str))
+            self._scan()
+        except OSError as e:
+            self.disable(f"cannot use {self.dir}: {e}")
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+        logger.info("KV disk tier: %s, %d blocks (%.1f MiB) found, limit %.1f MiB", self.dir, len(self._index),
+                    self.num_bytes / 2**20, max_bytes / 2**20)
+
+    # --- lookups (the scheduler's thread) ------------------------------------------------------
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return self.enabled and (block_hash in self._pending or block_hash in self._index)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    def read(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bytes | None:
+        """The block's payload, checked; None (counted as a miss) when absent or damaged."""
+        if block_hash not in self:
+            self.stats.miss_blocks += 1
+            return None
+        start = time.perf_counter()
+        pending = self._pending.get(block_hash)
+        if pending is not None and pending[0] == token_ids:
+            self.stats.hit_blocks += 1
+            self.stats.load_seconds += time.perf_counter() - start
+            return pending[1]
+        path = self._path(block_hash)
+        payload = None
+        try:
+            data = path.read_bytes()
+            payload = self._check(data, token_ids)
+        except OSError:
+            pass
+        if payload is None:
+            self.stats.corrupt_blocks += 1
+            self.stats.miss_blocks += 1
+            self._forget(block_hash, delete=True)
+            logger.warning("KV disk tier: %s failed its check; the block is recomputed", path.name)
+            return None
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+        self.stats.hit_blocks += 1
+        self.stats.load_seconds += time.perf_counter() - start
+        return payload
+
+    def _check(self, data: bytes, token_ids: tuple[int, ...]) -> bytes | None:
+        if len(data) < _HEADER.size:
+            return None
+        magic, num_payload, num_tokens, digest = _HEADER.unpack_from(data)
+        tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+        body = data[_HEADER.size:]
+        if (magic != MAGIC or num_payload != self.payload_bytes or num_tokens != len(token_ids)
+                or len(body) != len(tokens) + num_payload or body[: len(tokens)] != tokens
+                or hashlib.sha256(body).digest() != digest):
+            return None
+        return body[len(tokens):]
+
+    # --- stores (queued; written off the step) ----------------------------------------------------
+
+    def store(self, block_hash: BlockHash, token_ids: tuple[int, ...], payload: bytes, wait: bool = False) -> None:
+        """Queue a block for writing; dropped when the tier is off, the block is there, or (unless ``wait``)
+        the queue is full."""
+        if not self.enabled or block_hash in self:
+            return
+        if len(payload) != self.payload_bytes:
+            raise ValueError(f"a KV block payload of {len(payload)} bytes, expected {self.payload_bytes}")
+        if not wait and self._pending_bytes + len(payload) > MAX_PENDING_BYTES:
+            return  # the disk is slower than the evictions: this block is recomputed if asked for again
+        with self._lock:
+            self._pending[block_hash] = (token_ids, payload)
+            self._pending_bytes += len(payload)
+        self._queue.put((block_hash, token_ids, payload))
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued block is written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.flush()
+        self._queue.put(None)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.enabled:
+                    self._write(*item)
+            except Exception as e:  # noqa: BLE001 - the writer must outlive any block's failure
+                self.disable(f"a write failed: {e!r}")
+            finally:
+                if item is not None:
+                    with self._lock:
+                        if self._pending.pop(item[0], None) is not None:
+                            self._pending_bytes -= len(item[2])
+                self._queue.task_done()
+
+    def _write(self, block_hash: BlockHash, token_ids: tuple[int, ...], payload: bytes) -> None:
+        start = time.perf_counter()
+        tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+        digest = hashlib.sha256(tokens + payload).digest()
+        data = _HEADER.pack(MAGIC, len(payload), len(token_ids), digest) + tokens + payload
+        path = self._path(block_hash)
+        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic: a reader sees the old name's absence or the whole block
+        except OSError as e:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self.disable(f"writing {path.name} failed: {e}")
+            return
+        with self._lock:
+            self._index[block_hash] = len(data)
+            self.num_bytes += len(data)
+        self.stats.stored_blocks += 1
+        self.stats.store_seconds += time.perf_counter() - start
+        self._evict_to_limit()
+
+    # --- the folder ----------------------------------------------------------------------------
+
+    def _path(self, block_hash: BlockHash) -> Path:
+        name = block_hash.hex()
+        return self.dir / name[:2] / (name + SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the files a previous run left, oldest first; stray temporaries are removed."""
+        found = []
+        for path in self.dir.glob("*/*"):
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            stem = path.name.removesuffix(SUFFIX)
+            if not path.name.endswith(SUFFIX) or len(stem) != 64:
+                continue
+            try:
+                stat = path.stat()
+                found.append((stat.st_mtime_ns, bytes.fromhex(stem), stat.st_size))
+            except (OSError, ValueError):
+                continue
+        for _, block_hash, size in sorted(found):
+            self._index[block_hash] = size
+            self.num_bytes += size
+        self._evict_to_limit()
+
+    def _evict_to_limit(self) -> None:
+        while self.num_bytes > self.max_bytes and self._index:
+            with self._lock:
+                block_hash = next(iter(self._index))
+            self._forget(block_hash, delete=True)
+            self.stats.evicted_blocks += 1
+
+    def _forget(self, block_hash: BlockHash, delete: bool) -> None:
+        with self._lock:
+            size = self._index.pop(block_hash, None)
+            if size is not None:
+                self.num_bytes -= size
+        if delete:
+            try:
+                self._path(block_hash).unlink(missing_ok=True)
+            except OSError:
+                pass
+
+    def disable(self, reason: str) -> None:
+        if self.enabled:
+            logger.warning("KV disk tier switched off (%s); serving goes on from memory", reason)
+        self.enabled = False
+        self.disabled_reason = reason
