@@ -19,7 +19,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
@@ -48,6 +47,7 @@ from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_rout
 from pagedllm.errors import EngineDeadError, PagedLLMError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
+from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
               lifecycle: Lifecycle | None = None) -> FastAPI:
     """The FastAPI app: routes, OpenAI-style error bodies, auth, CORS, request ids, draining."""
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None,
+    app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     engine = ctx.engine
 
@@ -125,7 +125,7 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
 
     @app.get("/version")
     async def version():
-        return {"version": pagedllm.__version__}
+        return {"version": __version__}
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
