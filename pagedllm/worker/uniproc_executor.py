@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.model import batch_invariant
 from pagedllm.model.layers.rotary import limit_rotary_positions
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
@@ -33,9 +34,11 @@ class UniprocExecutor(Executor):
         self.dtype = dtype
         if engine_args.num_threads is not None:  # before loading: weight conversion runs on these threads
             torch.set_num_threads(engine_args.num_threads)
-        self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device),
-                                 gguf_dequantize=engine_args.gguf_dequantize, quantization=engine_args.quantization,
-                                 quant_activations=engine_args.quant_activations)
+        with batch_invariant.building(engine_args.batch_invariant):  # the layers choose their kernels when built
+            self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device),
+                                     gguf_dequantize=engine_args.gguf_dequantize,
+                                     quantization=engine_args.quantization,
+                                     quant_activations=engine_args.quant_activations)
         self.model_info = ModelInfo.from_loaded(self.loaded)
         self.lora = make_lora_manager(self.loaded.model, engine_args.lora_config())
         """The LoRA adapters' slots, made before CUDA profiling so the KV cache leaves room for them."""
