@@ -204,15 +204,13 @@ def _ignore_signal(signum, frame) -> None:
     logger.info("received signal %d; shutting down", signum)
 
 
-async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_manager_factory=None) -> int:
+async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     """Start the engine core, serve HTTP until SIGINT/SIGTERM (draining first), then stop both.
 
-    Returns the exit code: 0, or 1 when the engine core died (unless config.keep_alive_on_engine_death).
-    `kv_cache_manager_factory`: see EngineCore (the serving benchmark's allocation baselines)."""
+    Returns the exit code: 0, or 1 when the engine core died (unless config.keep_alive_on_engine_death)."""
     names = list(config.served_model_names) or [default_served_model_name(engine_args)]
     metrics = ServerMetrics(names[0])
     engine = await AsyncLLM.start(engine_args, metrics, log_level=config.log_level,
-                                  kv_cache_manager_factory=kv_cache_manager_factory,
                                   num_threads=config.num_frontend_threads)
     try:
         scheme = "https" if config.ssl_certfile else "http"
