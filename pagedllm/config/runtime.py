@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from pagedllm.config.flags import check_choices, flag, parse_memory_size
+from pagedllm.request_limits import RequestLimits  # noqa: F401 (a config like the others; declared below them)
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -255,36 +256,3 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """How much one request may ask for; the front end refuses more with an InvalidRequestError naming
-    the limit (HTTP 400). They bound what one request can cost its neighbours per step."""
-
-    max_stop_token_ids: int = 256
-    """Most stop_token_ids one request may carry."""
-    max_logit_bias: int = 300
-    """Most logit_bias entries one request may carry (OpenAI's limit)."""
-    max_stop_strings: int = 16
-    """Most stop strings one request may carry (at most 64)."""
-    max_stop_string_chars: int = 1024
-    """Longest stop string, in characters."""
-    max_logprobs: int = 20
-    """Most top logprobs per generated or prompt token a request may ask for (at most 20)."""
-    max_sequences_per_request: int = 256
-    """Most sequences one request may generate: prompts x max(n, best_of)."""
-    max_prompt_logprobs_positions: int = 2048
-    """Longest prompt whose prompt_logprobs may be asked for (one entry per position)."""
-
-    def __post_init__(self) -> None:
-        from pagedllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
-
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
-        if self.max_sequences_per_request < 1:
-            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
-        if self.max_stop_strings > MAX_STOP_STRINGS:
-            raise ValueError(f"max_stop_strings must be <= {MAX_STOP_STRINGS}, got {self.max_stop_strings}")
-        if self.max_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be <= {MAX_LOGPROBS}, got {self.max_logprobs}")
