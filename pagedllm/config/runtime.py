@@ -24,6 +24,42 @@ DEFAULT_MAX_MODEL_LEN_CAP = 4096
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """What the executor loads and how it keeps the weights: the `EngineArgs` fields of these names, frozen once
+    the arguments are checked (their defaults, choices and help are declared there, as flags)."""
+
+    model: str | None
+    """A Hugging Face directory or a .gguf file; None = the embedded default model."""
+    dtype: str
+    """Weight and activation dtype, as given ('auto' is resolved against the device by the executor)."""
+    gguf_dequantize: bool
+    """Dequantize a GGUF's quantized weights at load."""
+    quantization: str
+    """How an unquantized checkpoint's weights are kept on the CPU."""
+    quant_activations: str
+    """int8: the quantized linears quantize their inputs too."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how the executor runs a step: the `EngineArgs` fields of these names, frozen once the arguments
+    are checked (declared there, as flags)."""
+
+    device: str
+    """'auto', 'cpu', 'cuda' or 'cuda:N', as given."""
+    attention_backend: str
+    kv_cache_dtype: str
+    batch_invariant: bool
+    """Kernels with a fixed per-row sum order (model/batch_invariant.py)."""
+    num_threads: int | None
+    """CPU intra-op threads of the process that runs the model; None = torch's default."""
+    enforce_eager: bool
+    gpu_memory_utilization: float
+    seed: int
+    """The engine's shared random generator's seed."""
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
