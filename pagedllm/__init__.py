@@ -13,8 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-
-__version__ = "0.1.0"
+from pagedllm.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
            "__version__"]

@@ -9,10 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-MAX_STOP_STRINGS = 64
-"""The most stop strings any request may carry (RequestLimits.max_stop_strings may only lower it)."""
-MAX_LOGPROBS = 20
-"""The most top logprobs a request may ask for, per token (beam search is bound by it too)."""
+from pagedllm.request_limits import MAX_LOGPROBS, MAX_STOP_STRINGS
+
 MAX_TEMPERATURE = 100.0
 """Beyond this the distribution is uniform to float32 precision: a larger value is a mistake."""
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
@@ -27,7 +25,7 @@ class StructuredOutputsParams:
     """Constrain a request's output to a grammar: set exactly one field.
 
     Plain data (it crosses the process boundary inside SamplingParams); the grammar itself is
-    built and compiled on the worker (pagedllm.worker.structured_output), and validated by the
+    built (pagedllm.structured.grammar) and compiled on the worker, and validated by the
     front end before the request is queued.
     """
 

@@ -14,6 +14,7 @@ import logging
 import sys
 
 from pagedllm.bench.contiguous_allocator import CONTIGUOUS_ALLOCATORS, KV_ALLOCATION_POLICIES, kv_cache_manager_factory
+from pagedllm.core.kv_cache_interface import plugged_kv_cache_manager
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_args, config = configs_from_args(args)
     factory = kv_cache_manager_factory(args.kv_allocation_policy, args.kv_allocator)
-    asyncio.run(run_server(engine_args, config, kv_cache_manager_factory=factory))
+    with plugged_kv_cache_manager(factory):  # the engine-core process spawned by the server inherits it
+        asyncio.run(run_server(engine_args, config))
     return 0
 
 

@@ -111,7 +111,7 @@ def mask_cost(tokenizer, vocab_size: int, token_ids: list[list[int]]) -> dict:
     import torch
 
     from pagedllm.model.sampling.logits_processors import apply_token_bitmask
-    from pagedllm.worker.structured_output import StructuredOutputManager
+    from pagedllm.structured.grammar import StructuredOutputManager
 
     names = sorted(SCHEMAS)
     eos = [tokenizer.eos_token_id]
@@ -142,7 +142,7 @@ def compile_times(tokenizer, vocab_size: int, repeats: int) -> dict:
     """Per schema: median ms to build the grammar and to compile it for this vocabulary."""
     import xgrammar as xgr
 
-    from pagedllm.worker.structured_output import build_grammar
+    from pagedllm.structured.grammar import build_grammar
 
     with timer() as elapsed:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)

@@ -14,7 +14,9 @@ from pagedllm.config.runtime import (
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     CacheConfig,
+    DeviceConfig,
     LoRAConfig,
+    ModelConfig,
     ParallelConfig,
     RequestLimits,
     SchedulerConfig,
@@ -25,7 +27,7 @@ from pagedllm.config.runtime import (
 __all__ = [
     "ATTENTION_BACKENDS", "DEFAULT_MAX_MODEL_LEN_CAP", "DISTRIBUTED_SECRET_ENV", "DTYPES", "EXECUTOR_BACKENDS",
     "KV_CACHE_DTYPES", "MIN_SECRET_CHARS", "PREEMPTION_MODES", "ROUTINGS", "SCHEDULING_POLICIES",
-    "SPECULATIVE_METHODS", "CacheConfig", "EngineArgs", "LoRAConfig", "ParallelConfig", "RequestLimits", "SchedulerConfig",
-    "SpeculativeConfig", "add_flags", "check_choices", "field_docs", "flag", "parse_memory_size",
-    "parse_speculative_config", "parse_token_count", "setting",
+    "SPECULATIVE_METHODS", "CacheConfig", "DeviceConfig", "EngineArgs", "LoRAConfig", "ModelConfig", "ParallelConfig",
+    "RequestLimits", "SchedulerConfig", "SpeculativeConfig", "add_flags", "check_choices", "field_docs", "flag",
+    "parse_memory_size", "parse_speculative_config", "parse_token_count", "setting",
 ]

@@ -17,7 +17,9 @@ from pagedllm import envs
 from pagedllm.config.flags import add_flags, check_choices, flag, parse_memory_size
 from pagedllm.config.runtime import (
     CacheConfig,
+    DeviceConfig,
     LoRAConfig,
+    ModelConfig,
     ParallelConfig,
     RequestLimits,
     SchedulerConfig,
@@ -202,6 +204,12 @@ class EngineArgs:
 
     def request_limits(self) -> RequestLimits:
         return self._config(RequestLimits)
+
+    def model_config(self) -> ModelConfig:
+        return self._config(ModelConfig)
+
+    def device_config(self) -> DeviceConfig:
+        return self._config(DeviceConfig)
 
     def lora_config(self) -> LoRAConfig | None:
         """The validated LoRA config; None when enable_lora is off."""

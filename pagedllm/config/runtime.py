@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from pagedllm.config.flags import check_choices, flag, parse_memory_size, parse_token_count
+from pagedllm.request_limits import RequestLimits  # noqa: F401 (a config like the others; declared below them)
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -27,6 +28,42 @@ def parse_kv_cache_memory(value: str | int | None) -> int | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
     return parse_memory_size(value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the executor loads and how it keeps the weights: the `EngineArgs` fields of these names, frozen once
+    the arguments are checked (their defaults, choices and help are declared there, as flags)."""
+
+    model: str | None
+    """A Hugging Face directory or a .gguf file; None = the embedded default model."""
+    dtype: str
+    """Weight and activation dtype, as given ('auto' is resolved against the device by the executor)."""
+    gguf_dequantize: bool
+    """Dequantize a GGUF's quantized weights at load."""
+    quantization: str
+    """How an unquantized checkpoint's weights are kept on the CPU."""
+    quant_activations: str
+    """int8: the quantized linears quantize their inputs too."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how the executor runs a step: the `EngineArgs` fields of these names, frozen once the arguments
+    are checked (declared there, as flags)."""
+
+    device: str
+    """'auto', 'cpu', 'cuda' or 'cuda:N', as given."""
+    attention_backend: str
+    kv_cache_dtype: str
+    batch_invariant: bool
+    """Kernels with a fixed per-row sum order (model/batch_invariant.py)."""
+    num_threads: int | None
+    """CPU intra-op threads of the process that runs the model; None = torch's default."""
+    enforce_eager: bool
+    gpu_memory_utilization: float
+    seed: int
+    """The engine's shared random generator's seed."""
 
 
 @dataclass(frozen=True)
@@ -274,36 +311,3 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """How much one request may ask for; the front end refuses more with an InvalidRequestError naming
-    the limit (HTTP 400). They bound what one request can cost its neighbours per step."""
-
-    max_stop_token_ids: int = 256
-    """Most stop_token_ids one request may carry."""
-    max_logit_bias: int = 300
-    """Most logit_bias entries one request may carry (OpenAI's limit)."""
-    max_stop_strings: int = 16
-    """Most stop strings one request may carry (at most 64)."""
-    max_stop_string_chars: int = 1024
-    """Longest stop string, in characters."""
-    max_logprobs: int = 20
-    """Most top logprobs per generated or prompt token a request may ask for (at most 20)."""
-    max_sequences_per_request: int = 256
-    """Most sequences one request may generate: prompts x max(n, best_of)."""
-    max_prompt_logprobs_positions: int = 2048
-    """Longest prompt whose prompt_logprobs may be asked for (one entry per position)."""
-
-    def __post_init__(self) -> None:
-        from pagedllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
-
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
-        if self.max_sequences_per_request < 1:
-            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
-        if self.max_stop_strings > MAX_STOP_STRINGS:
-            raise ValueError(f"max_stop_strings must be <= {MAX_STOP_STRINGS}, got {self.max_stop_strings}")
-        if self.max_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be <= {MAX_LOGPROBS}, got {self.max_logprobs}")

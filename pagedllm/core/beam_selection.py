@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from pagedllm.core.request import EngineCoreRequest, Request
 from pagedllm.core.sched_output import EngineCoreOutput, TokenLogprobs
 from pagedllm.errors import InvalidRequestError
-from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.request_limits import MAX_LOGPROBS
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

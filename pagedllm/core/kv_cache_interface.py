@@ -1,9 +1,11 @@
 """What the scheduler, its collaborators and the engine core need of a KV cache manager, and how one is made.
 
 `KVCacheManager` (paged blocks) is the product's; benchmarks plug in other allocation policies
-(contiguous reservations, bench/contiguous_allocator.py) by passing their own factory to
-`EngineCore(..., kv_cache_manager_factory=...)`. Block ids in a returned table index the same
-KV tensors whichever manager handed them out, so the model runner never knows.
+(contiguous reservations, bench/contiguous_allocator.py) here, and only here: inside
+`with plugged_kv_cache_manager(factory):`, every engine core made (in this process, or in an engine-core
+process spawned from it) builds its manager with `factory`. No other product file carries the factory.
+Block ids in a returned table index the same KV tensors whichever manager handed them out, so the model
+runner never knows.
 
 The protocol lists every method anything in core/ calls on a manager: nothing reaches past it (into a
 block pool, say). A manager that cannot do one of them (share blocks, swap) raises
@@ -12,7 +14,8 @@ block pool, say). A manager that cannot do one of them (share blocks, swap) rais
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -119,3 +122,23 @@ def paged_kv_cache_manager(num_blocks: int, num_host_blocks: int, cache_config: 
     `sliding_window` every layer shares, blocks behind it are freed (the engine core passes the executor's)."""
     return KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                           num_host_blocks=num_host_blocks, sliding_window=sliding_window)
+
+
+_plugged: KVCacheManagerFactory | None = None
+
+
+@contextmanager
+def plugged_kv_cache_manager(factory: KVCacheManagerFactory | None) -> Iterator[None]:
+    """Engine cores made inside this block build their KV cache manager with ``factory`` (picklable: it crosses
+    into spawned engine-core processes) instead of the paged one; None = the paged one."""
+    global _plugged
+    previous, _plugged = _plugged, factory
+    try:
+        yield
+    finally:
+        _plugged = previous
+
+
+def plugged_factory() -> KVCacheManagerFactory | None:
+    """The factory plugged in by ``plugged_kv_cache_manager``, or None (the product's paged manager)."""
+    return _plugged

@@ -156,7 +156,7 @@ class AsyncLLM:
     @classmethod
     async def start(cls, engine_args: EngineArgs, metrics: ServerMetrics | None = None,
                     log_level: str = "INFO", ready_timeout_s: float = 900.0,
-                    kv_cache_manager_factory=None, num_threads: int = 4) -> AsyncLLM:
+                    num_threads: int = 4) -> AsyncLLM:
         """Spawn the engine core (or data-parallel replicas: DPCoreClient), and load the tokenizer here while its
         model loads."""
         # A GGUF's first conversion, and its config resolved with transformers, happen before the core starts, so
@@ -165,9 +165,9 @@ class AsyncLLM:
         if engine_args.parallel_config().uses_dp_client:
             from pagedllm.engine.dp_client import DPCoreClient
 
-            client = DPCoreClient(engine_args, log_level, kv_cache_manager_factory, metrics)
+            client = DPCoreClient(engine_args, log_level, metrics)
         else:
-            client = MPCoreClient(engine_args, log_level, kv_cache_manager_factory)
+            client = MPCoreClient(engine_args, log_level)
         tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, str(model_dir)))
         try:
             ready = await client.wait_ready(ready_timeout_s)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedllm.core.beam_registry import BeamGroups
 from pagedllm.core.forking import kv_block_usage
-from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, KVCacheManagerProtocol, paged_kv_cache_manager
+from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol, paged_kv_cache_manager, plugged_factory
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -31,13 +31,12 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Scheduler + executor, stepped by the caller (in-process) or a busy loop (its own process).
 
-    `executor`: one already built (tests); by default the one `engine_args` call for.
-    `kv_cache_manager_factory`: how the KV cache manager is made over the executor's blocks
-    (default: paged); benchmarks pass their allocation-policy baselines here.
+    `executor`: one already built (tests); by default the one `engine_args` call for. The KV cache manager
+    over the executor's blocks is the paged one, unless a benchmark plugged in its allocation baseline
+    (core/kv_cache_interface.py's `plugged_kv_cache_manager`).
     """
 
-    def __init__(self, engine_args: EngineArgs, *, executor: Executor | None = None,
-                 kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
+    def __init__(self, engine_args: EngineArgs, *, executor: Executor | None = None) -> None:
         self.cache_config: CacheConfig = engine_args.cache_config()
         if executor is None:
             from pagedllm.worker.executor import create_executor  # torch and the model load behind this line
@@ -49,12 +48,13 @@ class EngineCore:
             self.scheduler_config: SchedulerConfig = engine_args.scheduler_config(
                 self.model_info.max_position_embeddings)
             self.kv_info: KVCacheInfo = executor.initialize_kv_cache(self.cache_config, self.scheduler_config)
-            if kv_cache_manager_factory is None:  # the product's: frees blocks behind a window all layers share
+            factory = plugged_factory()
+            if factory is None:  # the product's: frees blocks behind a window all layers share
                 self.kv_cache_manager: KVCacheManagerProtocol = paged_kv_cache_manager(
                     self.kv_info.num_blocks, self.kv_info.num_host_blocks, self.cache_config, self.scheduler_config,
                     sliding_window=self.kv_info.sliding_window)
             else:
-                self.kv_cache_manager = kv_cache_manager_factory(
+                self.kv_cache_manager = factory(
                     self.kv_info.num_blocks, self.kv_info.num_host_blocks, self.cache_config, self.scheduler_config)
         except BaseException:
             executor.shutdown()  # tensor-parallel workers may already be running

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.kv_cache_interface import KVCacheManagerFactory
+from pagedllm.core.kv_cache_interface import plugged_factory
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.ipc_dirs import make_ipc_dir, remove_ipc_dir, remove_stale_ipc_dirs, set_owners
@@ -47,8 +47,7 @@ class MPCoreClient:
     raises EngineDeadError once the core has died (a dead signal, or the process vanished).
     """
 
-    def __init__(self, engine_args: EngineArgs, log_level: str = "INFO",
-                 kv_cache_manager_factory: KVCacheManagerFactory | None = None, tcp_host: str | None = None) -> None:
+    def __init__(self, engine_args: EngineArgs, log_level: str = "INFO", tcp_host: str | None = None) -> None:
         """tcp_host: bind the two sockets on tcp://tcp_host:<free port> instead of ipc (a core on another
         machine can reach them: Ray replicas); the ipc directory is then not made."""
         self._ipc_dir: str | None = None
@@ -75,17 +74,17 @@ class MPCoreClient:
         self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self._closed = False
-        self._start_core(engine_args, log_level, kv_cache_manager_factory)
+        self._start_core(engine_args, log_level)
 
-    def _start_core(self, engine_args: EngineArgs, log_level: str,
-                    kv_cache_manager_factory: KVCacheManagerFactory | None) -> None:
-        """Start the core that connects to input_address/output_address (here: a spawned child)."""
+    def _start_core(self, engine_args: EngineArgs, log_level: str) -> None:
+        """Start the core that connects to input_address/output_address (here: a spawned child, which inherits
+        a KV cache manager plugged in here: core/kv_cache_interface.py)."""
         from pagedllm.engine.core_proc import run_engine_core
 
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(
             target=run_engine_core, name="pagedllm-engine-core",
-            args=(engine_args, self.input_address, self.output_address, log_level, kv_cache_manager_factory),
+            args=(engine_args, self.input_address, self.output_address, log_level, plugged_factory()),
         )
         self.process.start()
         if self._ipc_dir is not None:

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.kv_cache_interface import KVCacheManagerFactory
+from pagedllm.core.kv_cache_interface import KVCacheManagerFactory, plugged_kv_cache_manager
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.ipc_dirs import ipc_dir_of, remove_ipc_dir
 from pagedllm.engine.protocol import (
@@ -66,8 +66,7 @@ KV_MAP_LEASE_S = 10.0
 class EngineCoreProc:
     """Owns an EngineCore and the core side of the sockets. The constructor returns; run_busy_loop() loops."""
 
-    def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str,
-                 kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
+    def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str) -> None:
         self._ctx = zmq.Context()
         self.output_socket = self._ctx.socket(zmq.PUSH)
         self.output_socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
@@ -88,13 +87,12 @@ class EngineCoreProc:
         self._kv_map_last = 0.0
         self.core: EngineCore | None = None
         self._engine_args = engine_args
-        self._kv_cache_manager_factory = kv_cache_manager_factory
 
     # --- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
         """Load the model and announce readiness (an EngineDeadMsg if loading fails)."""
-        self.core = EngineCore(self._engine_args, kv_cache_manager_factory=self._kv_cache_manager_factory)
+        self.core = EngineCore(self._engine_args)
         info = self.core.model_info
         self._send(ReadyMsg(
             model_path=info.model_path,
@@ -231,19 +229,21 @@ def _raise_system_exit(signum, frame) -> None:
 
 
 def run_engine_core(engine_args: EngineArgs, input_address: str, output_address: str,
-                    log_level: str = "INFO", kv_cache_manager_factory: KVCacheManagerFactory | None = None) -> None:
+                    log_level: str = "INFO", plugged: KVCacheManagerFactory | None = None) -> None:
     """Process entry point: load, announce readiness, loop; a fatal error becomes an EngineDeadMsg.
 
-    `kv_cache_manager_factory` must be picklable (it crosses into the spawned process)."""
+    `plugged`: the KV cache manager factory plugged in where this process was spawned
+    (core/kv_cache_interface.py), plugged in here too."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s [core]: %(message)s")
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
     configure_malloc()  # before loading: the weights' repacking temporaries are the first to leave the heap
-    proc = EngineCoreProc(engine_args, input_address, output_address, kv_cache_manager_factory)
+    proc = EngineCoreProc(engine_args, input_address, output_address)
     proc.start_parent_watchdog()  # also while the model loads
     exit_code = 0
     try:
-        proc.start()
+        with plugged_kv_cache_manager(plugged):
+            proc.start()
         proc.run_busy_loop()
     except SystemExit:
         logger.info("engine core stopping on a signal")

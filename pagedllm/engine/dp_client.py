@@ -125,8 +125,8 @@ class _InFlight:
 class DPCoreClient:
     """Several cores behind one client. Construct, `await wait_ready()`, then use like MPCoreClient."""
 
-    def __init__(self, engine_args: EngineArgs, log_level: str = "INFO", kv_cache_manager_factory=None,
-                 metrics=None, replicas: list | None = None) -> None:
+    def __init__(self, engine_args: EngineArgs, log_level: str = "INFO", metrics=None,
+                 replicas: list | None = None) -> None:
         """replicas: clients already made (tests); default: start data_parallel_size of them."""
         config = engine_args.parallel_config()
         self.num_replicas = config.data_parallel_size
@@ -154,8 +154,7 @@ class DPCoreClient:
 
             self.replicas = start_ray_replicas(engine_args, config, log_level)
         else:
-            self.replicas = [MPCoreClient(engine_args, log_level, kv_cache_manager_factory)
-                             for _ in range(self.num_replicas)]
+            self.replicas = [MPCoreClient(engine_args, log_level) for _ in range(self.num_replicas)]
         for i in range(self.num_replicas):
             self._set_metric_up(i, False)
 

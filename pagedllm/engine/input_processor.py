@@ -186,7 +186,7 @@ class InputProcessor:
         if self.tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer; this model has none")
         if self._grammars is None:
-            from pagedllm.worker.structured_output import GrammarCache, build_grammar  # xgrammar only when used
+            from pagedllm.structured.grammar import GrammarCache, build_grammar  # xgrammar only when used
 
             self._grammars = GrammarCache(build_grammar)
         try:

@@ -26,11 +26,9 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The synchronous front end: FrontendCore over an EngineCore in this process."""
 
-    def __init__(self, engine_args: EngineArgs | None = None, core: EngineCore | None = None,
-                 kv_cache_manager_factory=None) -> None:
+    def __init__(self, engine_args: EngineArgs | None = None, core: EngineCore | None = None) -> None:
         self.engine_args = engine_args or EngineArgs()
-        self.core = core if core is not None else EngineCore(self.engine_args,
-                                                             kv_cache_manager_factory=kv_cache_manager_factory)
+        self.core = core if core is not None else EngineCore(self.engine_args)
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config

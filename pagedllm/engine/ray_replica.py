@@ -79,10 +79,10 @@ class RayCoreClient(MPCoreClient):
         self._max_restarts = max_restarts
         self._num_deaths = 0
         self._alive = True
-        super().__init__(engine_args, log_level, None, tcp_host=host)
+        super().__init__(engine_args, log_level, tcp_host=host)
         self._monitor = asyncio.get_running_loop().create_task(self._watch_actor())
 
-    def _start_core(self, engine_args: EngineArgs, log_level: str, kv_cache_manager_factory) -> None:
+    def _start_core(self, engine_args: EngineArgs, log_level: str) -> None:
         self.actor = self._actor_cls.options(**self._actor_options).remote(
             engine_args, self.input_address, self.output_address, log_level)
 

@@ -25,9 +25,8 @@ class LLM:
         print(outputs[0].outputs[0].text)
     """
 
-    def __init__(self, model: str | None = None, *, kv_cache_manager_factory=None, **engine_args) -> None:
-        # kv_cache_manager_factory: see EngineCore (benchmarks plug in their allocation baselines)
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args), kv_cache_manager_factory=kv_cache_manager_factory)
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.model.forward_context import get_lora_segments, set_lora_segments
+
 
 @dataclass(slots=True)
 class LoRAStep:
@@ -40,23 +42,16 @@ class LoRAStep:
     """``[begin, end, slot, begin, end, slot, ...]`` over the batch's rows; rows in none are the base model's."""
 
 
-_step: LoRAStep | None = None
-
-
 @contextmanager
 def lora_step(step: LoRAStep | None) -> Iterator[None]:
-    """Make `step` the rows every patched linear adapts during this block (the forward pass); None: none."""
-    global _step
-    previous, _step = _step, step
-    try:
+    """Make `step` the rows every patched linear adapts during this block (the forward pass); None: none. The
+    segments travel in the model's forward context, where the layers read them."""
+    with set_lora_segments([] if step is None else step.segments):
         yield
-    finally:
-        _step = previous
 
 
-def current_segments() -> list[int]:
-    """The segments of the step in progress ([] outside ``lora_step`` or for a step without adapters)."""
-    return [] if _step is None else _step.segments
+current_segments = get_lora_segments
+"""The segments of the step in progress ([] outside ``lora_step`` or for a step without adapters)."""
 
 
 def compiled_op():
@@ -185,13 +180,12 @@ class LoRASlots:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (this linear's output for ``x [T, in]``) plus the step's adapter deltas, in place."""
-        step = _step
-        if step is None or not step.segments:
+        segments = get_lora_segments()
+        if not segments:
             return y
         if self._op is not None and x.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1:
-            self._op(x, y, self.a, self.b, self.ranks, self.part_sizes, step.segments, 0)
+            self._op(x, y, self.a, self.b, self.ranks, self.part_sizes, segments, 0)
             return y
-        segments = step.segments
         for i in range(0, len(segments), 3):
             begin, end, slot = segments[i:i + 3]
             columns = len(self.part_sizes) * int(self.ranks[slot])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pagedllm.engine.protocol import EngineStatsMsg, KVMapMsg
+from pagedllm.metrics.stats import EngineStatsMsg, KVMapMsg
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 

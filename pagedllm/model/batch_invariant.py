@@ -40,14 +40,18 @@ An earlier version of the mode padded 1-4-row calls to 5 rows (3 for the quantiz
 blocks keep one accumulator set, and turned the fused decoder step off: 0.69-0.81x the default's
 batch-1 decode rate (docs/benchmarks.md).
 
-Norms, rotary, softmax and log_softmax are row-wise already (the tests check it). The mode needs the
-compiled library; ``apply`` raises where it is missing rather than fall back to MKL.
+Norms, rotary, softmax and log_softmax are row-wise already (the tests check it). The mode is chosen
+when the model is built (``building``): each layer takes its kernels in its constructor, so nothing is
+patched afterwards. It needs the compiled library; a layer built in the mode raises ValueError where
+it is missing rather than fall back to MKL.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
-from torch import nn
 
 INVARIANT_KERNELS = True
 """The linears' invariant kernels; False plants the default ones (k-split order for 1-4 rows) in
@@ -56,6 +60,8 @@ ATTENTION_NUM_SPLITS = 1
 """paged_attention_cpu's num_splits: 1 = no item is split over its context."""
 ATTENTION_TILE_MIN_ROWS = 1 << 30
 """paged_attention_cpu's tile_min_rows: beyond any item, so all rows take the per-key path."""
+
+_building = False
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -70,35 +76,24 @@ def quant_gemm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tens
     return op(x, weight.packed, weight.kernel_type, weight.n, bias, weight.isa)
 
 
-def apply(model: nn.Module, attn_backend) -> None:
-    """Switch ``model``'s linears, LM head and ``attn_backend`` to their invariant calls (see the
-    module docstring); ValueError where a kernel has no invariant call here."""
-    from pagedllm.model.attention.backend import CpuAttentionBackend
-    from pagedllm.model.layers.embedding import LMHead
-    from pagedllm.model.layers.linear import LinearBase
-    from pagedllm.model.layers.moe import SparseMoE
+@contextmanager
+def building(enabled: bool) -> Iterator[None]:
+    """Layers built inside this block take the mode's kernels when ``enabled``: each reads ``chosen()`` in its
+    constructor and refuses, when its weights are processed, where it has no invariant call. The executors wrap
+    the target model's load in it; a draft model, built outside, keeps the default kernels."""
+    global _building
+    previous, _building = _building, enabled
+    try:
+        yield
+    finally:
+        _building = previous
 
-    if not isinstance(attn_backend, CpuAttentionBackend) or attn_backend._attention is None:
-        raise ValueError("batch_invariant needs the compiled CPU attention op (attention_backend 'cpu' or "
-                         f"'auto' on the CPU with the library built); got {attn_backend.name!r}")
-    from pagedllm.model.attention import cpu_op
-    from pagedllm.model.attention.layer import Attention
 
-    for name, module in model.named_modules():
-        if isinstance(module, Attention) and module.head_dim not in cpu_op.SUPPORTED_HEAD_DIMS:
-            # The op would hand these layers to the torch reference (SDPA), whose sums vary.
-            raise ValueError(f"batch_invariant: {name} has head_dim {module.head_dim}; the compiled attention "
-                             f"op takes {cpu_op.SUPPORTED_HEAD_DIMS}")
-        if isinstance(module, SparseMoE):
-            module.make_batch_invariant()
-        if isinstance(module, (LinearBase, LMHead)):
-            if module.quant_weight is None and module.gemm_weight is None:
-                raise ValueError(f"batch_invariant: {name or 'the model'} has no compiled GEMM weight (library "
-                                 "missing, PAGEDLLM_DISABLE_CPU_GEMM set, or not float32 on the CPU)")
-            module.batch_invariant = True
-            if isinstance(module, LMHead):
-                module.greedy_head = None
-    attn_backend.batch_invariant = True
-    from pagedllm.model.layers import fused_decoder
+def chosen() -> bool:
+    """Whether a layer constructed now takes the mode's kernels (inside ``building(True)``)."""
+    return _building
 
-    fused_decoder.invalidate(getattr(model, "model", model))  # built again with the mode's kernels
+
+def built_for(model) -> bool:
+    """Whether ``model`` was built in the mode (its layers that have the choice took it)."""
+    return any(getattr(m, "batch_invariant", False) is True for m in model.modules())

@@ -2,7 +2,9 @@
 
 The model runner wraps each forward pass in ``with set_forward_context(metadata, kv_caches):``;
 every ``Attention`` layer reads ``get_forward_context()`` instead of threading metadata through
-each ``forward`` signature.
+each ``forward`` signature. A step with LoRA adapters also sets its rows' segments
+(``set_lora_segments``, which ``pagedllm/lora``'s ``lora_step`` calls): the layers read them here, so
+model/ needs nothing from lora/.
 """
 
 from collections.abc import Iterator
@@ -41,3 +43,23 @@ def set_forward_context(
 def get_forward_context() -> ForwardContext | None:
     """The context set by the innermost ``set_forward_context``, or None outside of one."""
     return _current
+
+
+_lora_segments: list[int] = []
+
+
+@contextmanager
+def set_lora_segments(segments: list[int]) -> Iterator[None]:
+    """Make ``segments`` (``[begin, end, slot, ...]`` over the step's rows) the rows whose linears add an adapter's
+    delta during this block; [] = none."""
+    global _lora_segments
+    previous, _lora_segments = _lora_segments, segments
+    try:
+        yield
+    finally:
+        _lora_segments = previous
+
+
+def get_lora_segments() -> list[int]:
+    """The segments of the step in progress ([] outside ``set_lora_segments`` or for a step without adapters)."""
+    return _lora_segments

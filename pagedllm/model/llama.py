@@ -20,8 +20,8 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.distributed.shapes import check_config_tp_size, head_dim_of as _head_dim
-from pagedllm.lora.layers import current_segments as current_lora_segments
 from pagedllm.model.attention.layer import Attention
+from pagedllm.model.forward_context import get_lora_segments
 from pagedllm.model.layers import fused_decoder
 from pagedllm.model.layers.activation import gated_activation
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
@@ -181,7 +181,7 @@ class LlamaMLP(_DirectChildren):
         num_tokens = x.shape[0]
         gate_up_row_bytes = self.gate_up_proj.output_size_per_partition * x.element_size()
         rows = max(1, MLP_WORKSPACE_BYTES // gate_up_row_bytes)
-        if num_tokens <= rows or x.dim() != 2 or current_lora_segments():  # LoRA's segments index the whole step
+        if num_tokens <= rows or x.dim() != 2 or get_lora_segments():  # LoRA's segments index the whole step
             return self.down_proj(self.act(self.gate_up_proj(x)))
         out = x if x.is_contiguous() else x.new_empty(num_tokens, self.down_proj.output_size)  # [T, hidden]
         for start in range(0, num_tokens, rows):
@@ -235,6 +235,18 @@ class LlamaDecoderLayer(_DirectChildren):
             return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def fused_parts(self) -> fused_decoder.DecoderLayerParts | str:
+        """This layer for the fused decoder call: its parts, or why it is not a plain pre-norm block there (the
+        call runs exactly ``forward`` above, so a subclass, another MLP or the optional norms keep the per-op path)."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return f"{type(self).__name__} / {type(attn).__name__} / {type(mlp).__name__} layers"
+        if self.sandwich_norms or attn.qk_norm:
+            return "sandwich norms or q/k norms"
+        return fused_decoder.DecoderLayerParts(
+            self.input_layernorm, attn.qkv_proj, attn.attn, attn.o_proj, self.post_attention_layernorm,
+            mlp.gate_up_proj, mlp.act, mlp.down_proj, attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim)
 
 
 class LlamaModel(_DirectChildren):

@@ -28,15 +28,17 @@ def create_executor(engine_args: EngineArgs, parallel_config: ParallelConfig) ->
     # Refused here, before any weights load, when the device or TP setup cannot run it.
     resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype, device, parallel_config.tensor_parallel_size,
                            engine_args.attention_backend)
+    # The executors take the frozen configs, never the mutable arguments.
+    model_config, device_config = engine_args.model_config(), engine_args.device_config()
+    lora_config, speculative = engine_args.lora_config(), engine_args.speculative()
     if parallel_config.tensor_parallel_size == 1:
-        return UniprocExecutor(engine_args, device, dtype)
-    speculative = engine_args.speculative()
+        return UniprocExecutor(model_config, device_config, lora_config, speculative, device, dtype)
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError('speculative decoding with a draft model ("method": "draft_model") is not supported '
                          "with tensor_parallel_size > 1 yet; use \"ngram\" or a single rank")
     if device.type != "cpu":
         raise ValueError("tensor parallelism runs on the CPU (gloo) so far; pass device='cpu' (--device cpu)")
-    return MultiprocTPExecutor(engine_args, parallel_config, dtype)
+    return MultiprocTPExecutor(model_config, device_config, lora_config, parallel_config, dtype)
 
 
 def prepare_model_files(engine_args: EngineArgs) -> Path:

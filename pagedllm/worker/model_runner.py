@@ -22,7 +22,8 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, Token
 from pagedllm.lora.layers import lora_step
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model import batch_invariant as batch_invariant_mode
-from pagedllm.model.attention.backend import make_attention_backend, set_attention_backend
+from pagedllm.model.attention.backend import make_attention_backend
+from pagedllm.model.attention.layer import set_attention_backend
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.forward_context import set_forward_context
 from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
@@ -89,12 +90,14 @@ class ModelRunner:
         self.host_kv_caches = allocate_kv_caches(kv_spec, num_host_blocks, "cpu") if num_host_blocks else []
         if self.device.type == "cuda":  # pinned: device<->host block copies by DMA
             self.host_kv_caches = [cache.pin_memory() for cache in self.host_kv_caches]
-        self.attn_backend = make_attention_backend(attention_backend, self.device)
+        # EngineArgs.batch_invariant: kernels with a fixed per-row sum order, chosen when the model was built
+        if batch_invariant and not batch_invariant_mode.built_for(model):
+            raise ValueError("batch_invariant: the model was not built in the mode (load it inside "
+                             "model.batch_invariant.building(True))")
+        self.attn_backend = make_attention_backend(attention_backend, self.device, batch_invariant)
         set_attention_backend(model, self.attn_backend)
         self.lora = lora
         """The LoRA adapters' manager (pagedllm/lora/manager.py) when LoRA is enabled; None otherwise."""
-        if batch_invariant:  # EngineArgs.batch_invariant: kernels with a fixed per-row sum order
-            batch_invariant_mode.apply(model, self.attn_backend)
         self.draft = draft
         """The draft model's proposer (worker/draft_proposer.py) for speculative 'draft_model'; None otherwise."""
         # Block copies and swaps move the draft's KV with the target's: its cache shares the block ids.
@@ -164,7 +167,7 @@ class ModelRunner:
     def _add_structured(self, new, eos_token_ids: list[int]) -> None:
         """Start compiling the request's grammar now, off the step: its first sampling step waits for it."""
         if self.structured_output is None:
-            from pagedllm.worker.structured_output import StructuredOutputManager  # xgrammar only when used
+            from pagedllm.structured.grammar import StructuredOutputManager  # xgrammar only when used
 
             tokenizer = self.load_tokenizer()
             assert tokenizer is not None, "the front end refuses structured outputs without a tokenizer"

@@ -26,7 +26,15 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from pagedllm.config import DISTRIBUTED_SECRET_ENV, CacheConfig, EngineArgs, ParallelConfig, SchedulerConfig
+from pagedllm.config import (
+    DISTRIBUTED_SECRET_ENV,
+    CacheConfig,
+    DeviceConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
 from pagedllm.model.loader import gguf_weights_source, load_model_info
@@ -68,20 +76,20 @@ class MultiprocTPExecutor(Executor):
     lora_slots: tuple[int, int, int] | None = None
     """(max_loras, max_lora_rank, max_cpu_loras) for the ranks' LoRA managers when LoRA is on, else None."""
     batch_invariant: bool = False
-    """EngineArgs.batch_invariant, for the ranks' runners."""
+    """DeviceConfig.batch_invariant, for the ranks' runners."""
 
-    def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, model_config: ModelConfig, device_config: DeviceConfig, lora: LoRAConfig | None,
+                 parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
         # The weights live in the workers: this process reads only the config and tokenizer.
-        gguf = gguf_weights_source(engine_args.model, dtype, "cpu", engine_args.gguf_dequantize)
+        gguf = gguf_weights_source(model_config.model, dtype, "cpu", model_config.gguf_dequantize)
         # the ranks read a GGUF's weights from the file itself: its directory needs no float32 copy
-        self.model_info = ModelInfo.from_loaded(load_model_info(engine_args.model, weights=gguf is None))
+        self.model_info = ModelInfo.from_loaded(load_model_info(model_config.model, weights=gguf is None))
         self.gguf_path = None if gguf is None else str(gguf.resolve())
-        lora = engine_args.lora_config()
         self.lora_slots = None if lora is None else (lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras)
-        self.batch_invariant = engine_args.batch_invariant
+        self.batch_invariant = device_config.batch_invariant
         self.parallel_config = parallel_config
-        self.seed = engine_args.seed
-        self.model_name = engine_args.model
+        self.seed = device_config.seed
+        self.model_name = model_config.model
         self.dtype = dtype
         self.tp_size = parallel_config.tensor_parallel_size
         self.timeout_s = parallel_config.distributed_timeout

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagedllm.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.model import batch_invariant
 from pagedllm.model.layers.rotary import limit_rotary_positions
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
@@ -32,19 +33,22 @@ def make_lora_manager(model, config):
 class UniprocExecutor(Executor):
     """The whole model in this process."""
 
-    def __init__(self, engine_args: EngineArgs, device: torch.device, dtype: torch.dtype) -> None:
-        self.engine_args = engine_args
+    def __init__(self, model_config: ModelConfig, device_config: DeviceConfig, lora_config: LoRAConfig | None,
+                 speculative: SpeculativeConfig | None, device: torch.device, dtype: torch.dtype) -> None:
+        self.model_config = model_config
+        self.device_config = device_config
         self.device = device
         self.dtype = dtype
-        if engine_args.num_threads is not None:  # before loading: weight conversion runs on these threads
-            torch.set_num_threads(engine_args.num_threads)
-        self.loaded = load_model(engine_args.model, dtype=dtype, device=str(device),
-                                 gguf_dequantize=engine_args.gguf_dequantize, quantization=engine_args.quantization,
-                                 quant_activations=engine_args.quant_activations)
+        if device_config.num_threads is not None:  # before loading: weight conversion runs on these threads
+            torch.set_num_threads(device_config.num_threads)
+        with batch_invariant.building(device_config.batch_invariant):  # the layers choose their kernels when built
+            self.loaded = load_model(model_config.model, dtype=dtype, device=str(device),
+                                     gguf_dequantize=model_config.gguf_dequantize,
+                                     quantization=model_config.quantization,
+                                     quant_activations=model_config.quant_activations)
         self.model_info = ModelInfo.from_loaded(self.loaded)
-        self.lora = make_lora_manager(self.loaded.model, engine_args.lora_config())
+        self.lora = make_lora_manager(self.loaded.model, lora_config)
         """The LoRA adapters' slots, made before CUDA profiling so the KV cache leaves room for them."""
-        speculative = engine_args.speculative()
         self.draft_loaded = None
         """The draft model of speculative 'draft_model' (loaded before CUDA profiling counts the weights)."""
         if speculative is not None and speculative.method == "draft_model":
@@ -57,7 +61,7 @@ class UniprocExecutor(Executor):
         # Positions from max_model_len on never run: the rotary tables need not cover the model's whole context.
         for served in (model, *([self.draft_loaded.model] if self.draft_loaded is not None else [])):
             limit_rotary_positions(served, scheduler_config.max_model_len)
-        kv_dtype = resolve_kv_cache_dtype(self.engine_args.kv_cache_dtype, self.dtype, self.device)
+        kv_dtype = resolve_kv_cache_dtype(self.device_config.kv_cache_dtype, self.dtype, self.device)
         self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, kv_dtype)
         draft_spec = None
         if self.draft_loaded is not None:  # the draft's cache shares the block ids, so also their element type
@@ -67,13 +71,13 @@ class UniprocExecutor(Executor):
         if self.device.type == "cuda" and cache_config.num_kv_blocks is None:
             profiled = profile_num_kv_blocks(  # CUDA: what gpu_memory_utilization leaves, not kv_cache_memory
                 model, bytes_per_block, scheduler_config.max_num_batched_tokens,
-                scheduler_config.max_num_seqs, self.engine_args.gpu_memory_utilization, self.device,
+                scheduler_config.max_num_seqs, self.device_config.gpu_memory_utilization, self.device,
             )
         if profiled is None:
             cache_config = with_default_kv_memory(cache_config, bytes_per_block, scheduler_config.max_model_len,
-                                                  self.engine_args.model)
+                                                  self.model_config.model)
         num_blocks, num_host_blocks = num_kv_blocks(spec, cache_config, profiled, draft_spec)
-        args = self.engine_args
+        args = self.device_config
         draft = None
         if self.draft_loaded is not None:
             draft = DraftProposer(self.draft_loaded.model, draft_spec, num_blocks, num_host_blocks, self.device)

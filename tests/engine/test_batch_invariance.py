@@ -228,7 +228,9 @@ def test_mixture_of_experts(moe_dir):
 def test_mixture_of_experts_without_its_invariant_calls_is_caught(moe_dir, monkeypatch):
     """The experts and router on their default kernels (the dense layers still in the mode): the
     comparisons of test_mixture_of_experts fail."""
-    from pagedllm.model.layers.moe import SparseMoE
+    from types import SimpleNamespace
 
-    monkeypatch.setattr(SparseMoE, "make_batch_invariant", lambda self: None)
+    from pagedllm.model.layers import moe
+
+    monkeypatch.setattr(moe, "batch_invariant", SimpleNamespace(chosen=lambda: False))  # the MoE layers' choice
     assert not _moe_invariant(moe_dir)

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.kv_cache_interface import paged_kv_cache_manager
+from pagedllm.core.kv_cache_interface import paged_kv_cache_manager, plugged_factory, plugged_kv_cache_manager
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_client import MPCoreClient
@@ -280,7 +280,9 @@ def test_engine_core_runs_on_what_the_executor_reports_and_the_injected_kv_manag
         return paged_kv_cache_manager(num_blocks, num_host_blocks, cache_config, scheduler_config)
 
     executor = _EchoExecutor()
-    core = EngineCore(EngineArgs(block_size=4), executor=executor, kv_cache_manager_factory=factory)
+    with plugged_kv_cache_manager(factory):
+        core = EngineCore(EngineArgs(block_size=4), executor=executor)
+    assert plugged_factory() is None  # plugged for that block only
     # max_model_len defaults to the model's context length, which only the executor knew
     assert made == [(6, 0, 4, 64)] and executor.sizing_args[1].max_model_len == 64
     assert core.scheduler.kv is core.kv_cache_manager and core.kv_cache_manager.num_blocks == 6

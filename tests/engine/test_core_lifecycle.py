@@ -52,6 +52,7 @@ class _SlowKV:
 _FRONT_END = textwrap.dedent("""
     import asyncio, json, sys
     from pagedllm.config import EngineArgs
+    from pagedllm.core.kv_cache_interface import plugged_kv_cache_manager
     from pagedllm.engine.core_client import MPCoreClient
     from pagedllm.engine.protocol import EngineCoreRequest, OutputsMsg
     from pagedllm.sampling_params import SamplingParams
@@ -59,7 +60,8 @@ _FRONT_END = textwrap.dedent("""
 
     async def main():
         args = EngineArgs(model=sys.argv[1], num_kv_blocks=64, block_size=16, max_model_len=1024)
-        client = MPCoreClient(args, "WARNING", SlowSteps(float(sys.argv[2])))
+        with plugged_kv_cache_manager(SlowSteps(float(sys.argv[2]))):  # the spawned core inherits it
+            client = MPCoreClient(args, "WARNING")
         await client.wait_ready(120)
         params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
         client.add_request(EngineCoreRequest("busy", [1, 2, 3], params, [2], 900))

@@ -15,7 +15,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import BeamSearchParams
-from pagedllm.core.kv_cache_interface import paged_kv_cache_manager
+from pagedllm.core.kv_cache_interface import paged_kv_cache_manager, plugged_kv_cache_manager
 from pagedllm.core.kv_cache_manager import cdiv
 from tests.engine.test_beam_search import assert_same_beams, hf_beam_search
 from tests.hf_reference import assert_matches_reference, hf_greedy
@@ -121,7 +121,8 @@ def test_without_freeing_the_table_is_held_whole(setup):
     """The same run on a manager that frees nothing (the factory without the window) holds every block:
     what freeing saves. Outputs are the same."""
     path, prompts, references = setup
-    llm = LLM(model=path, block_size=BLOCK_SIZE, kv_cache_manager_factory=paged_kv_cache_manager)
+    with plugged_kv_cache_manager(paged_kv_cache_manager):
+        llm = LLM(model=path, block_size=BLOCK_SIZE)
     kv = llm.engine.core.kv_cache_manager
     assert kv.sliding_window is None
     held = []

@@ -8,7 +8,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagedllm.model import load_model
-from pagedllm.model.attention.backend import CpuAttentionBackend, set_attention_backend
+from pagedllm.model.attention.backend import CpuAttentionBackend
+from pagedllm.model.attention.layer import set_attention_backend
 from pagedllm.model.layers import fused_decoder
 from tests.model.conftest import require_compiled_cpu_ops
 from tests.model.gguf_writer_helpers import write_llama_gguf

@@ -83,7 +83,8 @@ def test_compiled_op_without_window_is_unchanged():
 def test_a_backend_without_windows_or_softcap_refuses_such_models():
     """set_attention_backend names the missing feature (the triton kernels have neither) and changes
     no layer."""
-    from pagedllm.model.attention.backend import TORCH_BACKEND, AttentionBackend, set_attention_backend
+    from pagedllm.model.attention.backend import TORCH_BACKEND, AttentionBackend
+    from pagedllm.model.attention.layer import set_attention_backend
     from pagedllm.model.gemma import Gemma2ForCausalLM
     from tests.model.tiny_models import tiny_config
 

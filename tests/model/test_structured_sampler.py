@@ -12,7 +12,7 @@ from pagedllm.model.sampling.logits_processors import apply_token_bitmask
 from pagedllm.model.sampling.metadata import SamplingMetadata, SamplingRow
 from pagedllm.model.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.worker.structured_output import GrammarCache, InvalidGrammarError, StructuredOutputManager, build_grammar
+from pagedllm.structured.grammar import GrammarCache, InvalidGrammarError, StructuredOutputManager, build_grammar
 
 
 def _allowed(bitmask_row: torch.Tensor, vocab: int) -> list[bool]:

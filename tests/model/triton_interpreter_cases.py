@@ -167,7 +167,8 @@ def test_prefill_matches_reference(case):
 
 def test_model_with_triton_backend_matches_torch_backend():
     """A tiny GQA Llama: prefill, chunked prefill and decode steps, triton vs torch backend."""
-    from pagedllm.model.attention.backend import TORCH_BACKEND, TritonAttentionBackend, set_attention_backend
+    from pagedllm.model.attention.backend import TORCH_BACKEND, TritonAttentionBackend
+    from pagedllm.model.attention.layer import set_attention_backend
     from pagedllm.model.llama import LlamaForCausalLM
     from tests.model.tiny_models import tiny_config
 
@@ -192,7 +193,8 @@ def test_model_with_triton_backend_matches_torch_backend():
 
 def test_padded_decode_buffers_match_eager_decode():
     """The CUDA-graph decode path (static buffers padded to a bucket; here run eagerly) changes nothing."""
-    from pagedllm.model.attention.backend import TritonAttentionBackend, set_attention_backend
+    from pagedllm.model.attention.backend import TritonAttentionBackend
+    from pagedllm.model.attention.layer import set_attention_backend
     from pagedllm.model.llama import LlamaForCausalLM
     from pagedllm.model.forward_context import set_forward_context
     from pagedllm.worker.gpu import DecodeGraphRunner, graph_batch_sizes

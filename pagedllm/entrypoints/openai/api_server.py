@@ -19,7 +19,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
@@ -48,6 +47,7 @@ from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_rout
 from pagedllm.errors import EngineDeadError, PagedLLMError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.metrics.prometheus import PROMETHEUS_CONTENT_TYPE
+from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
               lifecycle: Lifecycle | None = None) -> FastAPI:
     """The FastAPI app: routes, OpenAI-style error bodies, auth, CORS, request ids, draining."""
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None,
+    app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     engine = ctx.engine
 
@@ -126,7 +126,7 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
 
     @app.get("/version")
     async def version():
-        return {"version": pagedllm.__version__}
+        return {"version": __version__}
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
@@ -213,15 +213,13 @@ def _ignore_signal(signum, frame) -> None:
     logger.info("received signal %d; shutting down", signum)
 
 
-async def run_server(engine_args: EngineArgs, config: ServerConfig, kv_cache_manager_factory=None) -> int:
+async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     """Start the engine core, serve HTTP until SIGINT/SIGTERM (draining first), then stop both.
 
-    Returns the exit code: 0, or 1 when the engine core died (unless config.keep_alive_on_engine_death).
-    `kv_cache_manager_factory`: see EngineCore (the serving benchmark's allocation baselines)."""
+    Returns the exit code: 0, or 1 when the engine core died (unless config.keep_alive_on_engine_death)."""
     names = list(config.served_model_names) or [default_served_model_name(engine_args)]
     metrics = ServerMetrics(names[0])
     engine = await AsyncLLM.start(engine_args, metrics, log_level=config.log_level,
-                                  kv_cache_manager_factory=kv_cache_manager_factory,
                                   num_threads=config.num_frontend_threads)
     try:
         scheme = "https" if config.ssl_certfile else "http"

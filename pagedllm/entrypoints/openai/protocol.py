@@ -22,12 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pagedllm.entrypoints.openai.chat_message import ChatMessage, check_tool_history
 from pagedllm.entrypoints.openai.tools import NamedToolChoice, ToolDefinition, check_tools
 from pagedllm.errors import InvalidRequestError
+from pagedllm.request_limits import MAX_N, MAX_PROMPTS
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_N = 64
-"""Most sequences one request may ask for (n and best_of)."""
-MAX_PROMPTS = 64
-"""Most prompts in one /v1/completions request."""
 MAX_LENGTH_PENALTY = 10.0
 """Largest |length_penalty|: a beam's score divides by length ** length_penalty, which at 1e308 overflowed
 (and at -1e5 underflowed to a division by zero) inside the engine core and killed it. 10 is far past any

@@ -192,7 +192,7 @@ def prepare_tools(request, parser_name: str, enable_auto: bool, reasoning_parser
 
 def _grammar_of(spec):
     """The xgrammar Grammar of a structured-output spec (to join with calls or reasoning); 400 if invalid."""
-    from pagedllm.worker.structured_output import build_grammar  # torch and xgrammar only when used
+    from pagedllm.structured.grammar import build_grammar  # torch and xgrammar only when used
 
     try:
         return build_grammar(spec)

@@ -4,13 +4,13 @@
 All read and write the same KV layout, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 per layer, so a cache filled by one is read correctly by the other. Each ``Attention`` layer holds
 a backend (the torch reference unless the model runner sets another with
-``set_attention_backend``); triton is imported only when its backend is built, so CPU-only
+``layer.set_attention_backend``); triton is imported only when its backend is built, so CPU-only
 installs without triton never touch it.
 
 Two per-layer options reach ``attend`` from the ``Attention`` layer: ``sliding_window`` and
 ``softcap`` (paged.py defines both). The reference implements both; so does the compiled CPU op
 (``window=-1`` / ``softcap=0`` = none); the Triton kernels take
-neither, and ``set_attention_backend`` refuses a model that needs them there.
+neither, and ``layer.set_attention_backend`` refuses a model that needs them there.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import importlib.util
 import os
 
 import torch
-from torch import nn
 
+from pagedllm.model import batch_invariant as batch_invariant_mode
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.attention.paged import paged_attention, write_kv_cache
 
@@ -77,23 +77,30 @@ class CpuAttentionBackend(AttentionBackend):
     """
 
     name = "cpu"
-    batch_invariant = False
-    """Set by model/batch_invariant.apply: no context splits, every row on the per-key path."""
 
-    def __init__(self):
+    def __init__(self, batch_invariant: bool = False):
         from pagedllm.model.attention import cpu_op
 
         self._op = cpu_op
         # The ops' C++ callables, bound once (None where the library is not loaded): calling them
         # skips cpu_op's wrappers and OpOverload.__call__, two Python frames per call.
         self._kv_write = self._attention = None
-        from pagedllm.model import batch_invariant
-
-        self._invariant_args = (batch_invariant.ATTENTION_NUM_SPLITS, batch_invariant.ATTENTION_TILE_MIN_ROWS)
         if cpu_op.load():
             ns = torch.ops.pagedllm
             self._kv_write = getattr(ns.kv_write_cpu.default, "_op", ns.kv_write_cpu.default)
             self._attention = getattr(ns.paged_attention_cpu.default, "_op", ns.paged_attention_cpu.default)
+        self.batch_invariant = batch_invariant
+        """The batch-invariant mode (model/batch_invariant.py): no context splits, every row on the per-key path."""
+        if batch_invariant and self._attention is None:
+            raise ValueError(f"batch_invariant needs the compiled CPU attention op ({cpu_op.unavailable_reason()})")
+        # paged_attention_cpu's (num_splits, tile_min_rows): 0 = the op's defaults; the mode fixes both.
+        self.split_args = ((batch_invariant_mode.ATTENTION_NUM_SPLITS, batch_invariant_mode.ATTENTION_TILE_MIN_ROWS)
+                           if batch_invariant else (0, 0))
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiled op is loaded (else every call goes to the torch reference)."""
+        return self._attention is not None
 
     def attend(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, softcap=None) -> torch.Tensor:
         # Both ops' conditions (cpu_op.supports_kv_write and cpu_op.supports) checked once, with the
@@ -104,9 +111,7 @@ class CpuAttentionBackend(AttentionBackend):
                 and kv_cache.is_contiguous() and query.shape[-1] in self._op.SUPPORTED_HEAD_DIMS
                 and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1):
             self._kv_write(key, value, kv_cache, metadata.slot_mapping)
-            # 0 = the op's defaults; the batch-invariant mode fixes the split and path choices
-            # (model/batch_invariant.py).
-            splits, tile_min_rows = self._invariant_args if self.batch_invariant else (0, 0)
+            splits, tile_min_rows = self.split_args
             return self._attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
                                    metadata.query_start_loc, scale, splits, 0, tile_min_rows, 0,
                                    -1 if sliding_window is None else sliding_window,
@@ -137,7 +142,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
-    # Neither mask nor cap is in the kernels yet; set_attention_backend refuses such models here.
+    # Neither mask nor cap is in the kernels yet; layer.set_attention_backend refuses such models here.
     supports_sliding_window = False
     supports_softcap = False
 
@@ -215,29 +220,17 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     return name
 
 
-def make_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called ``name`` ('auto', 'torch', 'cpu' or 'triton') for ``device``."""
+def make_attention_backend(name: str, device: torch.device | str = "cpu",
+                           batch_invariant: bool = False) -> AttentionBackend:
+    """The backend called ``name`` ('auto', 'torch', 'cpu' or 'triton') for ``device``; ``batch_invariant``: with
+    the mode's split and path choices (the compiled CPU op only; ValueError for another)."""
     resolved = resolve_backend_name(name, device)
+    if batch_invariant and resolved != "cpu":
+        raise ValueError("batch_invariant needs the compiled CPU attention op (attention_backend 'cpu' or "
+                         f"'auto' on the CPU with the library built); got {resolved!r}")
     if resolved == "triton":
         return TritonAttentionBackend()
-    return CpuAttentionBackend() if resolved == "cpu" else TORCH_BACKEND
-
-
-def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
-    """Make every ``Attention`` layer of ``model`` use ``backend``; ValueError (and no layer changed)
-    when a layer needs a sliding window or soft-capping the backend lacks."""
-    from pagedllm.model.attention.layer import Attention
-
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    for layer in layers:
-        if layer.sliding_window is not None and not backend.supports_sliding_window:
-            raise ValueError(f"attention backend {backend.name!r} has no sliding-window attention, which layer "
-                             f"{layer.layer_idx} of this model needs; use attention_backend='torch'")
-        if layer.softcap is not None and not backend.supports_softcap:
-            raise ValueError(f"attention backend {backend.name!r} has no attention soft-capping, which layer "
-                             f"{layer.layer_idx} of this model needs; use attention_backend='torch'")
-    for layer in layers:
-        layer.backend = backend
+    return CpuAttentionBackend(batch_invariant) if resolved == "cpu" else TORCH_BACKEND
 
 
 TORCH_BACKEND = TorchAttentionBackend()

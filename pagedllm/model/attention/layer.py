@@ -1,8 +1,11 @@
-"""``Attention``: the layer a model calls; it reads metadata and its KV cache from the forward context."""
+"""``Attention``: the layer a model calls; it reads metadata and its KV cache from the forward context, and attends
+through the backend ``set_attention_backend`` gave it (backend.py owns the backends' interface and knows no layer)."""
 
 import torch
 from torch import nn
 
+from pagedllm.model import batch_invariant
+from pagedllm.model.attention import cpu_op
 from pagedllm.model.attention.backend import TORCH_BACKEND, AttentionBackend
 from pagedllm.model.attention.paged import causal_attention_no_cache
 from pagedllm.model.forward_context import get_forward_context
@@ -24,8 +27,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window  # keys a query sees, itself included; None = all (paged.py)
         self.softcap = softcap  # attention scores -> softcap * tanh(scores / softcap); None = off
-        # Set for the whole model by ``backend.set_attention_backend`` (the model runner does it).
+        # Set for the whole model by ``set_attention_backend`` (the model runner does it).
         self.backend: AttentionBackend = TORCH_BACKEND
+        self.batch_invariant = batch_invariant.chosen()  # needs a backend in the mode (set_attention_backend)
 
     def forward(
         self,
@@ -42,3 +46,25 @@ class Attention(nn.Module):
                                              self.softcap)
         return self.backend.attend(query, key, value, ctx.kv_caches[self.layer_idx], metadata, self.scale,
                                    self.sliding_window, self.softcap)
+
+
+def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
+    """Make every ``Attention`` layer of ``model`` use ``backend``; ValueError (and no layer changed)
+    when a layer needs a sliding window, soft-capping or the batch-invariant mode the backend lacks."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        if layer.sliding_window is not None and not backend.supports_sliding_window:
+            raise ValueError(f"attention backend {backend.name!r} has no sliding-window attention, which layer "
+                             f"{layer.layer_idx} of this model needs; use attention_backend='torch'")
+        if layer.softcap is not None and not backend.supports_softcap:
+            raise ValueError(f"attention backend {backend.name!r} has no attention soft-capping, which layer "
+                             f"{layer.layer_idx} of this model needs; use attention_backend='torch'")
+        if layer.batch_invariant and not getattr(backend, "batch_invariant", False):
+            raise ValueError(f"layer {layer.layer_idx} was built in the batch-invariant mode; attention backend "
+                             f"{backend.name!r} is not in it (make_attention_backend(..., batch_invariant=True))")
+        if layer.batch_invariant and layer.head_dim not in cpu_op.SUPPORTED_HEAD_DIMS:
+            # The op would hand this layer to the torch reference (SDPA), whose sums vary.
+            raise ValueError(f"batch_invariant: layer {layer.layer_idx} has head_dim {layer.head_dim}; the compiled "
+                             f"attention op takes {cpu_op.SUPPORTED_HEAD_DIMS}")
+    for layer in layers:
+        layer.backend = backend

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
+from pagedllm.model import batch_invariant
 from pagedllm.model.layers.greedy_head import GreedyHead
 from pagedllm.model.layers import quantized
-from pagedllm.model.layers.linear import invariant_matmul, pack_for_cpu, packed_linear
+from pagedllm.model.layers.linear import NO_INVARIANT_GEMM, invariant_matmul, pack_for_cpu, packed_linear
 from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
 
 
@@ -85,11 +86,19 @@ class LMHead(VocabEmbedding):
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
     greedy_head: GreedyHead | None = None  # bfloat16 copy for exact greedy tokens (greedy_head.py), or None
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(vocab_size, hidden_size, tp_size, tp_rank)
+        self.batch_invariant = batch_invariant.chosen()
+
     def process_weights_after_loading(self) -> None:
         self.quant_weight = quantized.finalize(self.weight)  # tied: the embedding's, finalized first
         if self.quant_weight is not None:
             return  # no float copies, no bfloat16 greedy head: the logits come from the kernel
         self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
+        if self.batch_invariant:  # its ids come from a bfloat16 copy, not from the mode's logits: off
+            if self.gemm_weight is None:
+                raise ValueError(NO_INVARIANT_GEMM.format("the LM head"))
+            return
         self.greedy_head = GreedyHead.build(self.weight) if self.tp_size == 1 else None
 
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -99,7 +108,7 @@ class LMHead(VocabEmbedding):
             return None
         return self.greedy_head.argmax(hidden_states, self.weight)
 
-    batch_invariant: bool = False  # set by model/batch_invariant.apply: row-count-independent sums
+    batch_invariant: bool = False  # row-count-independent sums: chosen at construction (model/batch_invariant.py)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight

@@ -35,11 +35,15 @@ A model whose layers or weights change after its first step (LoRA adapters, say)
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from pagedllm import envs
-from pagedllm.model.forward_context import get_forward_context
+from pagedllm.model import batch_invariant
+from pagedllm.model.attention.layer import Attention
+from pagedllm.model.forward_context import get_forward_context, get_lora_segments
 from pagedllm.model.layers import cpu_fused
 
 logger = logging.getLogger(__name__)
@@ -76,7 +80,8 @@ def for_step(model, input_ids: torch.Tensor) -> FusedDecoder | None:
     # again when the backend changes (a model stepped first under the torch reference, then by the runner).
     decided = model.__dict__.get(_ATTR)
     if decided is None or decided[0].backend is not decided[1]:
-        attention = model.layers[0].self_attn.attn if len(model.layers) else None
+        attention = next((m for m in model.layers[0].modules() if isinstance(m, Attention)), None) if len(
+            model.layers) else None
         if attention is None:
             return None
         decided = (attention, attention.backend, FusedDecoder.build(model))
@@ -87,26 +92,47 @@ def for_step(model, input_ids: torch.Tensor) -> FusedDecoder | None:
     return fused
 
 
+@dataclass(frozen=True, slots=True)
+class DecoderLayerParts:
+    """One decoder layer as the compiled call runs it: ``input_layernorm``, ``qkv_proj``, ``attn``, ``o_proj``,
+    then ``post_attention_layernorm``, ``gate_up_proj``, ``act``, ``down_proj``, each a residual block. A model's
+    layer hands these over (its ``fused_parts()``), or the reason it is not such a layer: this module reads
+    nothing else of a layer and imports no model."""
+
+    input_layernorm: nn.Module
+    qkv_proj: nn.Module
+    attn: nn.Module
+    """The ``Attention`` layer (model/attention/layer.py)."""
+    o_proj: nn.Module
+    post_attention_layernorm: nn.Module
+    gate_up_proj: nn.Module
+    act: nn.Module
+    down_proj: nn.Module
+    num_local_heads: int
+    """Query heads on this rank."""
+    num_local_kv_heads: int
+    head_dim: int
+
+
 class FusedDecoder:
     """The weight lists of one model for ``decoder_layers_cpu``, and the per-step conditions."""
 
     def __init__(self, model, weights: list[torch.Tensor], linear_info: list[int], norm_lanes: int,
-                 silu_block: int, embed: tuple, lora: tuple[list[torch.Tensor], list[int]] | None) -> None:
+                 silu_block: int, embed: tuple, lora: tuple[list[torch.Tensor], list[int]] | None,
+                 first: DecoderLayerParts) -> None:
         layer0 = model.layers[0]
-        attn = layer0.self_attn
+        attn = first  # the shapes and constants every layer shares (checked at build)
         # The batch-invariant mode (model/batch_invariant.py): its linear kernels and attention choices.
-        from pagedllm.model import batch_invariant
-
         invariant = bool(attn.qkv_proj.batch_invariant and batch_invariant.INVARIANT_KERNELS)
         backend = attn.attn.backend
-        num_splits, tile_min_rows = backend._invariant_args if backend.batch_invariant else (0, 0)
+        num_splits, tile_min_rows = backend.split_args
         lora_weights, lora_info = lora if lora is not None else ([], [])
         # Everything the steps share, handed to the op once (csrc/decoder_layer.cpp checks it there).
         self.plan = torch.classes.pagedllm.DecoderPlan(
             weights, linear_info, lora_weights, lora_info, model.norm._parameters["weight"],
             [attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim, norm_lanes, silu_block, num_splits,
              tile_min_rows, int(invariant)],
-            [float(attn.attn.scale), float(layer0.input_layernorm.eps), float(model.norm.eps)])
+            [float(attn.attn.scale), float(attn.input_layernorm.eps), float(model.norm.eps)])
         # Modules whose hooks the fused call would skip: checked each step (a dict's truthiness).
         self._watched = (attn.qkv_proj, attn.attn, layer0, model.embed_tokens, model.norm)
         self._embed = embed  # (quant_rows_cpu, packed, kernel type) or (None, the float32 table's owner, None)
@@ -117,9 +143,7 @@ class FusedDecoder:
         # LoRA slots: where the step's segments are read (lora/layers.py); the plan holds the slots
         self._lora_segments = None
         if lora is not None:
-            from pagedllm.lora.layers import current_segments
-
-            self._lora_segments = current_segments
+            self._lora_segments = get_lora_segments
 
     @classmethod
     def build(cls, model) -> FusedDecoder | None:
@@ -202,14 +226,13 @@ def _linear_entry(linear, bias_allowed: bool) -> tuple[torch.Tensor, torch.Tenso
 
 def _refusal(model):
     """Why ``model`` (a LlamaModel) is not covered, as a string; else (weights, linear_info, lanes, block,
-    embedding entry, LoRA lists or None)."""
+    embedding entry, LoRA lists or None, the first layer's parts)."""
     from pagedllm.distributed.parallel_state import get_tp_size
     from pagedllm.model.attention import cpu_op
     from pagedllm.model.attention.backend import CpuAttentionBackend
     from pagedllm.model.layers.activation import SiluAndMul
     from pagedllm.model.layers.linear import RowParallelLinear
     from pagedllm.model.layers.norm import RMSNorm
-    from pagedllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
     if not cpu_op.load() or not hasattr(torch.ops.pagedllm, "decoder_layers_cpu"):
         return "the compiled library is unavailable or predates decoder_layers_cpu"
@@ -234,25 +257,25 @@ def _refusal(model):
     info: list[int] = []
     lora_weights: list[torch.Tensor] = []
     lora_info: list[int] = []
-    first = model.layers[0]
+    first = None
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-            return f"{type(layer).__name__} / {type(attn).__name__} / {type(mlp).__name__} layers"
-        if layer.sandwich_norms or attn.qk_norm:
-            return "sandwich norms or q/k norms"
+        parts = layer.fused_parts() if hasattr(layer, "fused_parts") else f"{type(layer).__name__} layers"
+        if isinstance(parts, str):
+            return parts
+        first = first or parts
+        attn = mlp = parts
         if type(mlp.act) is not SiluAndMul:
             return f"the {type(mlp.act).__name__} activation"
         a = attn.attn
         if a.sliding_window is not None or a.softcap is not None:
             return "sliding-window or soft-capped attention"
-        if not isinstance(a.backend, CpuAttentionBackend) or a.backend._attention is None:
+        if not isinstance(a.backend, CpuAttentionBackend) or not a.backend.compiled:
             return f"the {a.backend.name} attention backend"
-        if a.backend is not first.self_attn.attn.backend or a.scale != first.self_attn.attn.scale:
+        if a.backend is not first.attn.backend or a.scale != first.attn.scale:
             return "layers with different attention backends or scales"
         if attn.head_dim not in cpu_op.SUPPORTED_HEAD_DIMS:
             return f"head_dim {attn.head_dim}"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        norms = (parts.input_layernorm, parts.post_attention_layernorm)
         for norm in norms:
             w = norm._parameters["weight"]
             if type(norm) is not RMSNorm or w.dtype != torch.float32 or not w.is_contiguous() or w.is_cuda:
@@ -267,7 +290,7 @@ def _refusal(model):
                 return lora
             lora_weights += lora[0]
             lora_info += lora[1]
-            if linear.batch_invariant != first.self_attn.qkv_proj.batch_invariant:
+            if linear.batch_invariant != first.qkv_proj.batch_invariant:
                 return "linears in and out of the batch-invariant mode"
             entry = _linear_entry(linear, bias_allowed)
             if isinstance(entry, str):
@@ -280,7 +303,8 @@ def _refusal(model):
                     gu_w, gu_b, d_w, d_b]
         info += qkv_i + o_i + gu_i + d_i
     has_lora = any(lora_info[i] for i in range(0, len(lora_info), 4))
-    return weights, info, ops.norm_lanes, ops.silu_block, embed, (lora_weights, lora_info) if has_lora else None
+    return (weights, info, ops.norm_lanes, ops.silu_block, embed, (lora_weights, lora_info) if has_lora else None,
+            first)
 
 
 def _lora_entry(linear) -> tuple[list[torch.Tensor], list[int]] | str:

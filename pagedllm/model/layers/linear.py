@@ -50,6 +50,10 @@ GEMM is off); others F.linear on the column-major weight (see the module docstri
 GEMM_ROWS = (1, 256)
 """Calls with a row count in this range (inclusive) use the compiled packed GEMM, when it is on."""
 
+NO_INVARIANT_GEMM = ("batch_invariant: {} has no compiled GEMM weight (library missing, PAGEDLLM_DISABLE_CPU_GEMM "
+                     "set, or not float32 on the CPU)")
+"""Why a layer built in the batch-invariant mode refuses its weights (formatted with the layer)."""
+
 
 def materialize(loaded) -> torch.Tensor:
     """The whole checkpoint tensor (``loaded`` is a tensor or a lazy slice)."""
@@ -68,6 +72,7 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.tp_size = tp_size
         self.tp_rank = tp_rank
+        self.batch_invariant = batch_invariant.chosen()
 
     def _make_params(self, out_features: int, in_features: int, bias: bool) -> None:
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -85,7 +90,7 @@ class LinearBase(nn.Module):
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
     quant_weight: QuantizedWeight | None = None  # a GGUF-quantized weight (layers/quantized.py), or None
     lora = None  # LoRA adapter slots (pagedllm/lora/layers.py), set when LoRA is enabled; adds the step's deltas
-    batch_invariant: bool = False  # set by model/batch_invariant.apply: row-count-independent sums
+    batch_invariant: bool = False  # row-count-independent sums: chosen at construction (model/batch_invariant.py)
 
     def process_weights_after_loading(self) -> None:
         self.quant_weight = quantized.finalize(self.weight)
@@ -93,6 +98,8 @@ class LinearBase(nn.Module):
             return
         to_column_major_on_cpu(self.weight)
         self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
+        if self.batch_invariant and self.gemm_weight is None:
+            raise ValueError(NO_INVARIANT_GEMM.format(f"a {type(self).__name__}"))
         if self.gemm_weight is not None:  # the op's C++ callable, bound once (skips OpOverload.__call__)
             overload = torch.ops.pagedllm.gemm_packed_cpu.default
             self._gemm_op = getattr(overload, "_op", overload)

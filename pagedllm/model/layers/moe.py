@@ -40,9 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_reduce, tp_all_reduce_in_rank_order
+from pagedllm.model import batch_invariant
 from pagedllm.model.layers.activation import gated_activation
 from pagedllm.model.layers import cpu_gemm, quantized
-from pagedllm.model.layers.linear import invariant_matmul, materialize, pack_for_cpu, packed_linear
+from pagedllm.model.layers.linear import NO_INVARIANT_GEMM, invariant_matmul, materialize, pack_for_cpu, packed_linear
 from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
 
 logger = logging.getLogger(__name__)
@@ -65,25 +66,21 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, whole on every rank
         self.gate.weight.requires_grad_(False)
         self.experts = _StackedExperts(hidden_size, intermediate_size, num_experts, tp_size, tp_rank)
+        self.batch_invariant = self.experts.batch_invariant
         self.dense = False  # the benchmark's switch: every expert over every token (forward_dense)
         self.act = gated_activation(activation)
 
     batch_invariant = False
-    """Set by ``make_batch_invariant`` (model/batch_invariant.apply): row-count-independent sums."""
+    """Row-count-independent sums, for the router and (through ``experts``) the experts: chosen at construction
+    (model/batch_invariant.py)."""
     _gate_gemm: torch.Tensor | None = None  # the router's weight packed for the compiled GEMM (the mode's)
 
-    def make_batch_invariant(self) -> None:
-        """Route and run the experts through the mode's kernels (model/batch_invariant.py); ValueError
-        where a weight has neither a compiled GEMM copy nor a quantized kernel."""
-        experts = self.experts
-        self._gate_gemm = cpu_gemm.pack(self.gate.weight.detach())
-        covered = experts.packed is not None and all(
-            experts.quant[which] is not None or all(packed[which][0] is not None for packed in experts.packed)
-            for which in (0, 1))
-        if self._gate_gemm is None or not covered:
-            raise ValueError("batch_invariant: a mixture-of-experts layer has no compiled GEMM weights (library "
-                             "missing, PAGEDLLM_DISABLE_CPU_GEMM set, or not float32 on the CPU)")
-        self.batch_invariant = experts.batch_invariant = True
+    def process_weights_after_loading(self) -> None:
+        """The mode's router GEMM (the experts pack their own weights); ValueError where it has none."""
+        if self.batch_invariant:
+            self._gate_gemm = cpu_gemm.pack(self.gate.weight.detach())
+            if self._gate_gemm is None:
+                raise ValueError(NO_INVARIANT_GEMM.format("a mixture-of-experts router"))
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in the activations' dtype, expert ids [T, k] int64) as HF routes."""
@@ -178,8 +175,9 @@ class _StackedExperts(nn.Module):
         self.quant: list[list[QuantizedWeight] | None] = [None, None]
         # Per projection, per expert: GGUF shards still quantized, (row offset, QuantTensor).
         self._staged: list[dict[int, list]] = [{}, {}]
+        self.batch_invariant = batch_invariant.chosen()
 
-    batch_invariant = False  # set through SparseMoE.make_batch_invariant: the mode's kernels
+    batch_invariant = False  # the mode's kernels: chosen at construction (model/batch_invariant.py)
 
     def project(self, which: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x`` times expert ``expert``'s w13 (``which`` 0) or w2 (1), transposed."""
@@ -213,6 +211,10 @@ class _StackedExperts(nn.Module):
         self.packed = [tuple(pack_for_cpu(param[e].detach()) if self.quant[which] is None else (None, None)
                              for which, param in enumerate((self.w13, self.w2)))
                        for e in range(num_experts)]
+        if self.batch_invariant and not all(self.quant[which] is not None
+                                            or all(packed[which][0] is not None for packed in self.packed)
+                                            for which in (0, 1)):
+            raise ValueError(NO_INVARIANT_GEMM.format("a mixture-of-experts layer"))
 
     def _store(self, which: int, param: nn.Parameter, expert: int, row_offset: int, loaded) -> None:
         if isinstance(loaded, QuantTensor):  # kept quantized until process_weights_after_loading
