@@ -50,7 +50,7 @@ def fingerprint_facts(engine_args: EngineArgs, model_info: ModelInfo, kv_info: K
     """Everything a block's K/V depend on, besides its tokens and prefix (those are in its hash): the model
     (its files' names, sizes and modification times, and its config), how it runs (dtypes, weight and
     activation formats, batch invariance), the block layout, and the engine's version."""
-    from pagedllm import __version__
+    from pagedllm.version import __version__
 
     return {
         "version": FINGERPRINT_VERSION, "engine": __version__,
