@@ -59,10 +59,12 @@ class MessagesRequest(CountTokensRequest):
     metadata: Optional[dict[str, Any]] = None
     stream: bool = False
     thinking: Optional[dict[str, Any]] = None
+    ignore_eos: bool = False
+    """vLLM-style extra (extra_body): generate max_tokens tokens whatever the model's end token."""
 
     def chat_body(self) -> dict:
         body = super().chat_body()
-        body.update(max_tokens=self.max_tokens, stream=self.stream)
+        body.update(max_tokens=self.max_tokens, stream=self.stream, ignore_eos=self.ignore_eos)
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
                             ("stop", self.stop_sequences)):
             if value is not None:
