@@ -76,8 +76,10 @@ def test_responses_greedy_equals_chat(oai):
     # input as a list of items, content as parts, reaches the same conversation
     items = [{"role": "developer", "content": [{"type": "input_text", "text": "Answer briefly."}]},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]}]
-    assert oai.responses.create(model=MODEL, input=items, max_output_tokens=24, **GREEDY).output_text == expected
-    # a chain continues the conversation: its prompt extends the first one's, found in the prefix cache
+    r = oai.responses.create(model=MODEL, input=items, max_output_tokens=24, **GREEDY)
+    assert r.output_text == expected
+    # a chain continues the conversation (input items are carried, instructions are not, as OpenAI's): its
+    # prompt extends the first one's, found in the prefix cache
     nxt = oai.responses.create(model=MODEL, previous_response_id=r.id, input="And another?", max_output_tokens=4)
     assert nxt.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens - 1
     assert nxt.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens // 2
@@ -270,11 +272,11 @@ def test_disconnect_mid_stream_aborts(server, path, body):
     with httpx.stream("POST", f"{server.url}{path}", json={"model": MODEL, "ignore_eos": True, **body},
                       headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as r:
         assert r.status_code == 200
+        lines = r.iter_lines()  # held open: leaving a loop over it would close the connection
         num_deltas = 0
-        for line in r.iter_lines():  # a few tokens in, so the request runs in the engine
+        while num_deltas < 5:  # a few tokens in, so the request runs in the engine
+            line = next(lines)
             num_deltas += line.startswith("data:") and '"delta"' in line
-            if num_deltas == 5:
-                break
         assert server.metrics()["pagedllm_num_requests_running"] == 1
     start = time.monotonic()
     server.wait_idle_without_leaks(timeout_s=15)  # every KV block free, far sooner than 1500 tokens
@@ -290,3 +292,15 @@ def test_disconnect_while_waiting_aborts(server):
                    timeout=httpx.Timeout(60, read=1.0))
     server.wait_idle_without_leaks(timeout_s=15)
     assert aborted(server) == before + 1
+
+
+def test_responses_truncation_auto_drops_oldest_turns(oai):
+    long_turn = "Here is a long note about rivers. " * 240  # past max_model_len (2048) alone
+    items = [{"role": "user", "content": long_turn}, {"role": "assistant", "content": "Noted."},
+             {"role": "user", "content": "Name a river."}]
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        oai.responses.create(model=MODEL, input=items, max_output_tokens=8)
+    r = oai.responses.create(model=MODEL, input=items, max_output_tokens=8, truncation="auto", **GREEDY)
+    assert r.status in ("completed", "incomplete") and r.truncation == "auto"
+    # what is left is the last turn: the same text as chat gives for it alone
+    assert r.output_text == chat_text(oai, [{"role": "user", "content": "Name a river."}], 8)
