@@ -295,7 +295,7 @@ def test_disconnect_while_waiting_aborts(server):
 
 
 def test_responses_truncation_auto_drops_oldest_turns(oai):
-    long_turn = "Here is a long note about rivers. " * 240  # past max_model_len (2048) alone
+    long_turn = "Here is a long note about rivers. " * 320  # ~2600 tokens: past max_model_len (2048) alone
     items = [{"role": "user", "content": long_turn}, {"role": "assistant", "content": "Noted."},
              {"role": "user", "content": "Name a river."}]
     with pytest.raises(openai.BadRequestError, match="max_model_len"):

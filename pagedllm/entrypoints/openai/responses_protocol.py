@@ -25,7 +25,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "stop", "presence_penalty",
                     "frequency_penalty", "priority", "cache_salt", "skip_special_tokens")
 """vLLM-style sampling extras a Responses body may carry (the SDK's extra_body), passed to the chat request."""
-MAX_METADATA_KEYS = 16
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's bounds on a response's metadata."""
 
 
 class TextFormat(OpenAIModel):
@@ -70,9 +71,13 @@ class ResponsesRequest(OpenAIModel):
         return [dict(item) for item in self.input]
 
     def check(self) -> None:
-        if self.metadata is not None and len(self.metadata) > MAX_METADATA_KEYS:
-            raise APIError(400, f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(self.metadata)}",
-                           param="metadata")
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_KEYS:
+            raise APIError(400, f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", param="metadata")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise APIError(400, f"metadata.{key[:64]}: keys are at most {MAX_METADATA_KEY_CHARS} characters, "
+                                    f"values at most {MAX_METADATA_VALUE_CHARS}", param="metadata")
 
     def chat_body(self, items: list[dict]) -> dict:
         """The chat request (as a body) of this request over `items`, the whole conversation's items."""
