@@ -229,6 +229,15 @@ def test_messages_tool_use_round_trip(claude):
     assert answer.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_messages_output_format_json_schema(claude):
+    schema = {"type": "object", "properties": {"fruit": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["fruit", "count"], "additionalProperties": False}
+    m = claude.messages.create(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Pick a fruit."}],
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+    assert m.stop_reason == "end_turn"
+
+
 def test_messages_count_tokens(claude, server):
     messages = [{"role": "user", "content": "Hello there"}]
     counted = claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=messages).input_tokens

@@ -10,6 +10,7 @@
     tools [{name, description, input_schema}]   function tools
     tool_choice auto / any / tool / none        auto / required / named / none
     stop_sequences, top_k                       stop, top_k
+    output_config.format (json_schema)          response_format (structured outputs)
 
 Images and documents are a 400 that says so: this server's models read text.
 """
@@ -59,6 +60,8 @@ class MessagesRequest(CountTokensRequest):
     metadata: Optional[dict[str, Any]] = None
     stream: bool = False
     thinking: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = None
+    """Its `format` ({"type": "json_schema", "schema": ...}) constrains the text (structured outputs)."""
     ignore_eos: bool = False
     """vLLM-style extra (extra_body): generate max_tokens tokens whatever the model's end token."""
 
@@ -69,6 +72,12 @@ class MessagesRequest(CountTokensRequest):
                             ("stop", self.stop_sequences)):
             if value is not None:
                 body[name] = value
+        fmt = (self.output_config or {}).get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+                raise APIError(400, 'output_config.format: {"type": "json_schema", "schema": {...}}',
+                               param="output_config.format")
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
         return body
 
 
