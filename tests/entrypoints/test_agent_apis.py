@@ -181,6 +181,41 @@ def test_responses_bad_input_is_400(oai):
         oai.responses.create(model=MODEL, input="Hi", tools=[{"type": "web_search"}])
 
 
+BAD_RESPONSES = [{}, {"input": 3}, {"input": []}, {"input": [{"role": "user"}]}, {"input": [{"role": "tool", "content": "x"}]},
+                 {"input": [{"type": "function_call", "call_id": 1, "name": "f"}]},
+                 {"input": [{"type": "function_call_output", "output": "x"}]},
+                 {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+                 {"input": "Hi", "tools": [{"type": "function"}]}, {"input": "Hi", "tool_choice": {"type": "x"}},
+                 {"input": "Hi", "tool_choice": "required"}, {"input": "Hi", "metadata": {"k": 1}},
+                 {"input": "Hi", "max_output_tokens": 0}, {"input": "Hi", "temperature": -1},
+                 {"input": "Hi", "text": {"format": {"type": "json_schema"}}}, {"input": "Hi", "truncation": "x"},
+                 {"input": "Hi", "previous_response_id": "resp_nope"}]
+BAD_MESSAGES = [{"max_tokens": 4}, {"max_tokens": 4, "messages": []}, {"max_tokens": 0, "messages": [{"role": "user",
+                                                                                                     "content": "x"}]},
+                {"max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": [3]}]},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": None}]},
+                {"max_tokens": 4, "system": [{"type": "image"}], "messages": [{"role": "user", "content": "x"}]},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "x"}},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "temperature": 3},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": 1}}]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/responses", b) for b in BAD_RESPONSES] +
+                         [("/v1/messages", b) for b in BAD_MESSAGES])
+def test_bad_bodies_are_4xx_naming_the_problem(server, path, body):
+    r = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code in (400, 404), (body, r.text)
+    error = r.json()["error"]
+    assert error["message"] and (error["type"] == ("not_found_error" if r.status_code == 404 else
+                                                   "invalid_request_error")), r.text
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error"
+
+
 # ---- Messages ----
 
 def test_messages_greedy_equals_chat_with_system_inside(claude, oai):
