@@ -159,6 +159,8 @@ def test_response_store_is_bounded_and_per_key(oai, server):
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(ids[-1])
     with pytest.raises(openai.NotFoundError):
+        other.responses.delete(ids[-1])
+    with pytest.raises(openai.NotFoundError):
         other.responses.create(model=MODEL, input="Go on.", previous_response_id=ids[-1], max_output_tokens=1)
     m = server.metrics()
     assert m["pagedllm_responses_store_entries"] == STORE_ENTRIES and m["pagedllm_responses_store_evictions_total"] >= 1
@@ -328,12 +330,15 @@ def test_disconnect_mid_stream_aborts(server, path, body):
     assert aborted(server) == before + 1
 
 
-def test_disconnect_while_waiting_aborts(server):
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", {"input": "Tell me everything.", "max_output_tokens": 1500}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 1500}),
+], ids=["responses", "messages"])
+def test_disconnect_while_waiting_aborts(server, path, body):
     before = aborted(server)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/responses", headers={"Authorization": f"Bearer {KEY_A}"},
-                   json={"model": MODEL, "input": "Tell me everything.", "max_output_tokens": 1500, "ignore_eos": True},
-                   timeout=httpx.Timeout(60, read=1.0))
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up on a whole answer
+        httpx.post(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY_A}"},
+                   json={"model": MODEL, "ignore_eos": True, **body}, timeout=httpx.Timeout(60, read=1.0))
     server.wait_idle_without_leaks(timeout_s=15)
     assert aborted(server) == before + 1
 
