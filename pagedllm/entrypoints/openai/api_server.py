@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.anthropic.serving_messages import add_messages_routes
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, add_serve_args, configs_from_args
 from pagedllm.entrypoints.openai.context import ServingContext, now_s
@@ -42,6 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 from pagedllm.entrypoints.openai.tools import ToolPlan
 from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes
 from pagedllm.errors import EngineDeadError, PagedLLMError
@@ -95,6 +97,9 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
         require_engine()
         request = await body(raw_request, ChatCompletionRequest)
         return await create_chat_completion(request, raw_request, ctx)
+
+    add_responses_routes(app, ctx, body, require_engine)  # OpenAI's Responses API (Codex CLI)
+    add_messages_routes(app, ctx, body, require_engine)  # Anthropic's Messages API (Claude Code)
 
     @app.get("/v1/models")
     async def models():

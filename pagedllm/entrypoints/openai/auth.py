@@ -11,12 +11,19 @@ from fastapi import Request
 from pagedllm.entrypoints.openai.errors import APIError
 
 
+ANTHROPIC_PATH = "/v1/messages"
+"""Anthropic's Messages API: its clients send the key as `x-api-key`, and expect errors in its shape."""
+
+
 def find_api_key(request: Request, api_keys: Sequence[str]) -> str | None:
-    """The configured key the bearer token matches, compared in constant time; None if none does."""
+    """The configured key the bearer token (or, on Anthropic's routes, the x-api-key header) matches,
+    compared in constant time; None if none does."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        return None
+        token = request.headers.get("x-api-key", "") if request.url.path.startswith(ANTHROPIC_PATH) else ""
+        if not token:
+            return None
     token_bytes = token.strip().encode()
     matched = None
     for key in api_keys:  # check every key, so timing does not reveal which one matched
@@ -45,8 +52,12 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and self.api_keys and _needs_key(path) and scope.get("method") != "OPTIONS":
             key = find_api_key(Request(scope), self.api_keys)
             if key is None:
-                response = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                    code="invalid_api_key").response()
+                error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                if path.startswith(ANTHROPIC_PATH):
+                    error.message = "a valid API key is required: send 'x-api-key: <key>'"
+                    error.anthropic = True
+                response = error.response()
                 await response(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key"] = key

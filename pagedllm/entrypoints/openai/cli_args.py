@@ -134,6 +134,11 @@ class ServerConfig:
     """Allow tool_choice "auto" (the model decides whether to call a tool, parsed from its text)."""
     reasoning_parser: Optional[str] = flag(None, choices=_REASONING_PARSERS, group="tools")
     """Split <think>...</think> reasoning into message.reasoning_content."""
+    responses_store_max_entries: int = flag(1000, group="Responses API")
+    """Most responses the Responses API keeps for GET and previous_response_id (least recently used go first);
+    0 = store none."""
+    responses_store_max_bytes: int = flag(64 * 2**20, parse=parse_memory_size, group="Responses API")
+    """Most bytes (as JSON) the stored responses may take, e.g. 64MiB; past it the least recently used go."""
     lora_modules: tuple[LoRAModule, ...] = ()
     """LoRA adapters served as models (flag: --lora-modules name=path or JSON, several; needs --enable-lora)."""
     chat_template: Optional[str] = dataclasses.field(default=None, metadata={"cli": False})
@@ -156,6 +161,9 @@ class ServerConfig:
         for name in ("shutdown_timeout", "timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("responses_store_max_entries", "responses_store_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = store nothing), got {getattr(self, name)}")
         if self.num_frontend_threads < 1:
             raise ValueError(f"num_frontend_threads must be >= 1, got {self.num_frontend_threads}")
         if self.h11_max_incomplete_event_size < 1024:

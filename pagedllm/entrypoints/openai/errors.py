@@ -25,6 +25,12 @@ _ERROR_TYPES = {
     500: "internal_server_error", 503: "service_unavailable", 504: "timeout_error",
 }
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                    422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+                    504: "timeout_error"}
+"""Anthropic's error types by status (anything else is its api_error)."""
+
 current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 """The X-Request-Id of the request being served (set by RequestIdMiddleware)."""
 
@@ -40,8 +46,13 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.anthropic = False
+        """Answer in Anthropic's error shape (the Messages API's routes)."""
 
     def body(self) -> dict:
+        if self.anthropic:
+            return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                               "message": self.message}}
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
                           "param": self.param, "code": self.code}}
 

@@ -6,11 +6,13 @@ message gets reasoning_content and tool_calls, and a stream sends them as OpenAI
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
 from pagedllm.entrypoints.openai.errors import APIError, check_failed
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
@@ -67,9 +69,22 @@ def _logprobs(ctx: ServingContext, request: ChatCompletionRequest, completion: C
                          request.top_logprobs or 0)
 
 
-async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request,
-                                 ctx: ServingContext) -> Response:
-    """Serve one /v1/chat/completions request (validated body)."""
+@dataclass(slots=True)
+class ChatTurn:
+    """A chat request queued in the engine: what the endpoints built on chat (chat completions, Responses,
+    Messages) need to render its answer."""
+
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    streams: list[RequestStream]
+    parsers: Callable[[], ChoiceParser] | None
+    """A fresh parser of one choice's text (tools, reasoning); None when the text is all content."""
+
+
+async def start_chat(request: ChatCompletionRequest, raw_request: Request, ctx: ServingContext,
+                     request_id: str) -> ChatTurn:
+    """Plan the tools, apply the chat template and queue the request (one engine request per choice set)."""
     model = ctx.check_model(request.model)
     engine = ctx.engine
     config = ctx.config
@@ -84,17 +99,24 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         # max_tokens resolves to what is left of the context; min_tokens must fit in it
         raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds the {room} tokens this conversation "
                             f"leaves of max_model_len ({engine.max_model_len})", param="min_tokens")
-    request_id = new_id("chatcmpl")
     salt = ctx.cache_salt(raw_request, request.cache_salt)
     streams = await open_streams(ctx, request_id, [prompt_ids], params, salt, request.stream, request.priority,
                                  ctx.lora_request(model))
     parse = plan is not None and bool(plan.called) or reasoning is not None
     parsers = (lambda: ChoiceParser(plan, reasoning)) if parse else None
+    return ChatTurn(request_id, model, prompt_ids, streams, parsers)
+
+
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request,
+                                 ctx: ServingContext) -> Response:
+    """Serve one /v1/chat/completions request (validated body)."""
+    turn = await start_chat(request, raw_request, ctx, new_id("chatcmpl"))
+    request_id, model, streams, parsers = turn.request_id, turn.model, turn.streams, turn.parsers
     if request.stream:
         return SSEResponse(streams, lambda outputs: _chunks(ctx, request, outputs, request_id, model, parsers))
 
     (output,) = await final_outputs(raw_request, streams)
-    return await engine.run_blocking(_response, ctx, request, output, request_id, model, parsers)
+    return await ctx.engine.run_blocking(_response, ctx, request, output, request_id, model, parsers)
 
 
 def _response(ctx: ServingContext, request: ChatCompletionRequest, output: RequestOutput, request_id: str,

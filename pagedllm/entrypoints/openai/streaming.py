@@ -84,10 +84,14 @@ async def final_outputs(raw_request: Request, streams: Sequence[RequestStream]) 
 
 class SSEResponse(StreamingResponse):
     """Server-sent events of `render(outputs)`, then `data: [DONE]`; an error mid-stream becomes an error
-    event. The generator is always closed, so a disconnect aborts the request's streams."""
+    event. The generator is always closed, so a disconnect aborts the request's streams.
 
-    def __init__(self, streams: Sequence[RequestStream], render: Callable[[IndexedOutputs], AsyncIterator[dict]]) -> None:
-        super().__init__(_sse_frames(streams, render), media_type="text/event-stream",
+    `frame` writes one event (named events for the Responses and Messages APIs); `done` is the closing
+    `data: [DONE]` of chat and completions streams, which those APIs do not send."""
+
+    def __init__(self, streams: Sequence[RequestStream], render: Callable[[IndexedOutputs], AsyncIterator[dict]],
+                 frame: Callable[[dict | str], str] | None = None, done: bool = True) -> None:
+        super().__init__(_sse_frames(streams, render, frame or sse_event, done), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
@@ -97,24 +101,30 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def named_sse_event(data: dict) -> str:
+    """An event with its `type` as the SSE event name, as the Responses and Messages APIs send them."""
+    return f"event: {data.get('type', 'error')}\n" + sse_event(data)
+
+
 def sse_event(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n"
 
 
-async def _sse_frames(streams: Sequence[RequestStream],
-                      render: Callable[[IndexedOutputs], AsyncIterator[dict]]) -> AsyncIterator[str]:
+async def _sse_frames(streams: Sequence[RequestStream], render: Callable[[IndexedOutputs], AsyncIterator[dict]],
+                      frame: Callable[[dict | str], str], done: bool) -> AsyncIterator[str]:
     outputs = _merged_outputs(streams)
     events = render(outputs)
     try:
         async for event in events:
-            yield sse_event(event)
+            yield frame(event)
     except Exception as e:
-        yield sse_event(api_error_from(e).body())
+        yield frame(api_error_from(e).body())
     finally:
         await events.aclose()
         await outputs.aclose()
-    yield sse_event("[DONE]")
+    if done:
+        yield frame("[DONE]")
 
 
 async def _cancel_on_disconnect(request: Request, awaitable: Awaitable) -> Any:
