@@ -73,6 +73,9 @@ class ServerConfig:
     """Allow tool_choice "auto" (the model decides whether to call a tool, parsed from its text)."""
     reasoning_parser: Optional[str] = flag(None, choices=_REASONING_PARSERS, group="tools")
     """Split <think>...</think> reasoning into message.reasoning_content."""
+    trust_request_chat_template: bool = flag(False, group="chat templates")
+    """Accept chat_template and chat_template_kwargs in chat requests (rendered in the same sandbox, under the same
+    budget as the model's template); without it such a request is a 400."""
     lora_modules: tuple[str, ...] = ()
     """LoRA adapters served as models, name=path each (flag: --lora-modules, repeatable; needs --enable-lora)."""
     allow_runtime_lora_updating: bool = flag(False, group="LoRA adapters")
