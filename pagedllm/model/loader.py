@@ -44,7 +44,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.errors import ModelLoadError
-from pagedllm.model import gguf_loader, resolved_config
+from pagedllm.model import checkpoint_validate, gguf_loader, resolved_config
 from pagedllm.model.layers import quantized
 from pagedllm.model.registry import resolve_model_class
 
@@ -348,6 +348,8 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         weights = gguf_loader.iter_gguf_tensors(reader, config, keep_quantized=True)
     else:
         files = _weight_files(hf_dir)
+        for file in files:  # headers only: before any tensor is read
+            checkpoint_validate.check_safetensors(file)
         weights = _iter_safetensors(files)
     try:
         loaded = model.load_weights(weights)
@@ -425,6 +427,7 @@ def _read_config(hf_dir: Path) -> tuple[PretrainedConfig | resolved_config.Resol
             raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {e}") from e
         if hf_dir.resolve().is_relative_to(cache_root().resolve()):  # a conversion of ours: ours to write into
             resolved_config.save(config, hf_dir)
+    checkpoint_validate.check_config(config, hf_dir / "config.json")
     architectures = getattr(config, "architectures", None)
     if not architectures and config.model_type in _MODEL_TYPE_TO_ARCH:
         architectures = [_MODEL_TYPE_TO_ARCH[config.model_type]]
