@@ -134,7 +134,7 @@ def _check_entry(path: Path, name: str, info, data_size: int) -> tuple[int, int,
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data_size):
         raise InvalidModelFileError(path, where, f"has data_offsets {offsets!r}, not a range inside the "
-                                    f"{data_size} bytes of data")
+                                    f"{data_size} bytes of data (file truncated, or the header corrupted)")
     num_bytes = math.prod(shape) * DTYPE_BYTES[dtype]
     if offsets[1] - offsets[0] != num_bytes:
         raise InvalidModelFileError(path, where, f"{dtype} of shape {shape} takes {num_bytes} bytes but its "

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import InvalidModelFileError, ModelLoadError
 from pagedllm.model import load_model
 from pagedllm.model.registry import resolve_model_class, supported_architectures
 from tests.model.tiny_models import make_hf_model, save_hf_model
@@ -51,7 +51,7 @@ def test_truncated_safetensors(tiny_dir, tmp_path):
     weights = Path(broken) / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ModelLoadError, match="corrupt"):
+    with pytest.raises(InvalidModelFileError, match=r"data_offsets .* not a range inside .*\(file truncated"):
         load_model(str(broken))
 
 
