@@ -90,12 +90,12 @@ def check_model(metadata: GGUFMetadata) -> None:
         raise InvalidModelFileError(metadata.path, "tensor 'token_embd.weight'", "is missing")
     hidden = h.int("embedding_length", 1, MAX_WIDTH)
     num_heads = h.int("attention.head_count", 1, hidden)
+    if f"{arch}.attention.key_length" not in metadata.fields and hidden % num_heads:
+        h.fail(f"{arch}.attention.head_count", f"{num_heads} does not divide embedding_length ({hidden})")
     num_kv_heads = h.int("attention.head_count_kv", 1, num_heads, default=num_heads)
     if num_heads % num_kv_heads:
         h.fail(f"{arch}.attention.head_count_kv",
                f"{num_kv_heads} does not divide attention.head_count ({num_heads})")
-    if f"{arch}.attention.key_length" not in metadata.fields and hidden % num_heads:
-        h.fail(f"{arch}.attention.head_count", f"{num_heads} does not divide embedding_length ({hidden})")
     head_dim = h.int("attention.key_length", 2, MAX_HEAD_DIM, default=hidden // num_heads)
     if head_dim % 2:
         h.fail(f"{arch}.attention.key_length", f"the head size {head_dim} is odd (rotary pairs need it even)")

@@ -225,7 +225,8 @@ def _tensor(cursor: _Cursor, name: str, shape: tuple[int, ...], raw_type: int, o
         cursor.fail(f"offset {offset} is not a multiple of general.alignment ({alignment})", where)
     if num_bytes > data_size or offset > data_size - num_bytes:
         cursor.fail(f"{qtype.name} data of shape {list(shape)} ({num_bytes} bytes at offset {offset}) runs past the "
-                    f"end of the data section ({data_size} bytes; file truncated, or the offset or shape corrupted)", where)
+                    f"end of the data section ({data_size} bytes; file truncated, or the offset or shape corrupted)",
+                    where)
     return TensorInfo(name, shape, qtype, offset, num_bytes)
 
 

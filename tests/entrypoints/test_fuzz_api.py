@@ -72,7 +72,8 @@ class RawNumber:
 
 
 RAW_NUMBERS = [RawNumber(t) for t in ("18446744073709551616", "-9223372036854775809", "1" + "0" * 4999,
-                                      "-" + "9" * 5000, "1e400", "-1e99999", "1" + "0" * 5000 + ".5", "0." + "0" * 5000 + "1")]
+                                      "-" + "9" * 5000, "1e400", "-1e99999", "1" + "0" * 5000 + ".5",
+                                      "0." + "0" * 5000 + "1")]
 ints = st.one_of(st.sampled_from(EDGE_INTS), st.integers(-2, 8), st.sampled_from(RAW_NUMBERS))
 floats = st.one_of(st.sampled_from(EDGE_FLOATS), st.floats(-3, 3), st.sampled_from(RAW_NUMBERS))
 strings = st.one_of(st.sampled_from(EDGE_STRINGS), st.text(max_size=6))

@@ -77,7 +77,7 @@ CASES = {
     "block_count 2": ("tensor 'blk.2.attn_q.weight'", "belongs to layer 2 but llama.block_count is 2"),
     "context_length 2^31-1": ("key 'llama.context_length'", "is 2147483647, outside [1, 1048576]"),
     "head_count 0": ("key 'llama.attention.head_count'", "is 0, outside [1, 64]"),
-    "head_count 7": ("key 'llama.attention.head_count_kv'", "2 does not divide attention.head_count (7)"),
+    "head_count 7": ("key 'llama.attention.head_count'", "7 does not divide embedding_length (64)"),
     "head_count_kv 3": ("key 'llama.attention.head_count_kv'", "3 does not divide attention.head_count (4)"),
     "embedding_length 128": ("tensor 'token_embd.weight'", "has shape [64, 512] but the hyper-parameters imply "
                              "[128, 512]"),
@@ -125,7 +125,8 @@ def test_truncated_anywhere_in_the_metadata_is_one_clear_error(tiny, tmp_path):
     path = tmp_path / "cut.gguf"
     for cut in range(0, layout.data_start + 64, 97):
         path.write_bytes(data[:cut])
-        with pytest.raises(InvalidModelFileError, match=r"^invalid model file .*(empty|remain|beyond|past the end|can hold)"):
+        with pytest.raises(InvalidModelFileError,
+                           match=r"^invalid model file .*(empty|remain|beyond|past the end|can hold)"):
             read_metadata(path)
 
 
