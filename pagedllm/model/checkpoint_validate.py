@@ -20,6 +20,8 @@ from pagedllm.model.gguf_model_checks import MAX_CONTEXT, MAX_HEAD_DIM, MAX_LAYE
 
 MAX_VOCAB = 1 << 22
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
+MAX_TOKENIZER_FILE_BYTES = 512 << 20  # the largest real tokenizer.json files are tens of MB
+MAX_TEMPLATE_FILE_BYTES = 4 << 20  # real chat templates are tens of KB
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
@@ -140,3 +142,18 @@ def _check_entry(path: Path, name: str, info, data_size: int) -> tuple[int, int,
         raise InvalidModelFileError(path, where, f"{dtype} of shape {shape} takes {num_bytes} bytes but its "
                                     f"data_offsets span {offsets[1] - offsets[0]}")
     return offsets[0], offsets[1], name
+
+
+def check_tokenizer_files(hf_dir: str | os.PathLike, names: tuple[str, ...]) -> None:
+    """Tokenizer files (``names`` in ``hf_dir``) and the chat template file within sane sizes, before a
+    tokenizer library reads them whole into memory."""
+    hf_dir = Path(hf_dir)
+    limits = {name: MAX_TOKENIZER_FILE_BYTES for name in names} | {"chat_template.jinja": MAX_TEMPLATE_FILE_BYTES}
+    for name, limit in limits.items():
+        try:
+            size = (hf_dir / name).stat().st_size
+        except OSError:
+            continue
+        if size > limit:
+            raise InvalidModelFileError(hf_dir / name, "file", f"is {size} bytes, more than the {limit} a "
+                                        "tokenizer file may be")

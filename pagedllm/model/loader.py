@@ -439,6 +439,8 @@ def _load_tokenizer(hf_dir: Path) -> tuple[object | None, str | None]:
     if any((hf_dir / name).exists() for name in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
+        checkpoint_validate.check_tokenizer_files(hf_dir, _TOKENIZER_FILES)
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
         except Exception as e:
