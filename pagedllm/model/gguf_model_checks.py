@@ -126,7 +126,9 @@ def check_model(metadata: GGUFMetadata) -> None:
     if isinstance(pattern, ArrayValue) and pattern.length != num_layers:
         h.fail(f"{arch}.attention.sliding_window_pattern", f"lists {pattern.length} layers but block_count is "
                f"{num_layers}")
-    dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, ff or expert_ff, expert_ff, num_experts,
+    # Mixtral's experts are feed_forward_length wide; qwen3moe's dense layers expert_feed_forward_length when
+    # feed_forward_length is 0 (as gguf_arch reads them)
+    dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, ff or expert_ff, expert_ff or ff, num_experts,
                  vocab=embedding.shape[-1], phi3=arch == "phi3")
     _check_tensors(metadata, arch, num_layers, dims)
     _check_tokenizer(metadata, h, dims.vocab)
