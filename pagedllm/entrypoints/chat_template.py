@@ -38,7 +38,8 @@ from pagedllm.errors import InvalidRequestError
 RENDER_TIME_BUDGET_S = 2.0
 """Longest a chat template may render: real templates take milliseconds on a long conversation."""
 MAX_RENDERED_CHARS = 4 << 20
-"""Longest rendered prompt, in characters (several times any context a supported model has)."""
+"""Longest rendered prompt, in characters: about a million tokens of text, the longest context a model file may
+declare here (``gguf_model_checks.MAX_CONTEXT``)."""
 _MAX_POWER_BITS = 4096
 
 
