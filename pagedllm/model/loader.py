@@ -45,6 +45,7 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import checkpoint_validate, gguf_loader, resolved_config
+from pagedllm.model.gguf_validate import validate_gguf
 from pagedllm.model.layers import quantized
 from pagedllm.model.registry import resolve_model_class
 
@@ -148,6 +149,9 @@ def prepare_model_dir(model: str | None, weights: bool = True) -> Path:
     """``resolve_hf_dir`` and its resolved config, made in this process, so that a process that loads ``model``
     later finds both and imports none of transformers' config classes (``resolved_config.py``): the server's
     front end, which reads the tokenizer with transformers anyway, calls it before it starts the engine core."""
+    source = gguf_source(model)
+    if source is not None:  # a cached conversion skips the check, and the engine core would fail in its own process
+        validate_gguf(source)
     hf_dir = resolve_hf_dir(model, weights)
     _read_config(hf_dir)
     return hf_dir
