@@ -115,10 +115,9 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        from pagedllm.entrypoints.chat_template import render_chat  # the sandbox and budget of the server's chats
+
+        return render_chat(tokenizer, list(messages), add_generation_prompt=add_generation_prompt)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
              priorities: list[int] | None = None, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:

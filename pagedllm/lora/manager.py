@@ -132,11 +132,34 @@ class LoRAManager:
             if (layer, _TARGETS[proj][0]) not in self.slots:
                 raise LoRAError(f"{request.lora_path!r}: target module {proj!r} of layer {layer} is not a "
                                 f"linear this model has")
+        self._check_shapes(request.lora_path, weights)
         self.cpu_cache[request.lora_int_id] = weights
         while len(self.cpu_cache) > self.max_cpu_loras:
             evicted, _ = self.cpu_cache.popitem(last=False)
             logger.info("LoRA adapter %d dropped from the CPU cache (max_cpu_loras=%d)", evicted, self.max_cpu_loras)
         return weights
+
+    def _check_shapes(self, path: str, weights: LoRAWeights) -> None:
+        """LoRAError unless each (A, B) fits the linear it patches: A [rank, in], B [out of its part, rank] (this
+        rank's share after sharding), so a foreign adapter is refused here, not by a copy inside a step."""
+        for (layer, proj), (a, b) in weights.weights.items():
+            name, part = _TARGETS[proj]
+            linear = self.linears[(layer, name)]
+            slots = self.slots[(layer, name)]
+            full_in = getattr(linear, "input_size", None)
+            if a.dim() != 2 or b.dim() != 2 or (linear.tp_size == 1 and full_in is not None and a.shape[1] != full_in):
+                raise LoRAError(f"{path!r}: layer {layer} {proj}'s lora_A has shape {list(a.shape)}, lora_B "
+                                f"{list(b.shape)}; the model's {proj} takes {full_in} inputs")
+            try:
+                a_shard, b_shard = _shard(linear, part, a, b)
+            except RuntimeError:
+                a_shard = b_shard = None
+            expected_out = _linear_parts(linear)[part]
+            if (b_shard is None or b_shard.shape[0] != expected_out or a_shard.shape[1] != slots.in_features
+                    or linear.tp_size == 1 and b.shape[0] != expected_out):
+                raise LoRAError(f"{path!r}: layer {layer} {proj}'s lora_B has shape {list(b.shape)}, lora_A "
+                                f"{list(a.shape)}; the model's {proj} has {expected_out} outputs (per shard) and "
+                                f"{slots.in_features} inputs")
 
     def _evict_slot(self, keep: dict) -> int:
         for lora_id, slot in self.slot_of.items():  # least recently used first

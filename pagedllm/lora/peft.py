@@ -70,6 +70,9 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
     if rank > max_lora_rank:
         raise LoRAError(f"{path!r}: the adapter's rank {rank} exceeds max_lora_rank ({max_lora_rank}); "
                         f"raise --max-lora-rank")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
+            or abs(alpha) > 1e6:
+        raise LoRAError(f"{path!r}: {CONFIG_FILE} has lora_alpha {alpha!r}, not a finite number of sane size")
     targets = config.get("target_modules")
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(PROJECTIONS))
@@ -96,7 +99,14 @@ def load_adapter(path: str, max_lora_rank: int, num_layers: int) -> LoRAWeights:
     import torch
     from safetensors import safe_open
 
+    from pagedllm.errors import InvalidModelFileError
+    from pagedllm.model.checkpoint_validate import check_safetensors
+
     config = read_adapter_config(path, max_lora_rank)
+    try:
+        check_safetensors(Path(path) / WEIGHTS_FILE)  # its header, before safetensors maps the file
+    except InvalidModelFileError as e:
+        raise LoRAError(str(e)) from None
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:

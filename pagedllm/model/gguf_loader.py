@@ -35,6 +35,7 @@ from pagedllm.model import gguf_arch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 from pagedllm.model.gguf_arch import SUPPORTED_ARCHITECTURES
+from pagedllm.model.gguf_validate import validate_gguf
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.quantized import QuantTensor
 
@@ -67,6 +68,7 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _open(path: str | os.PathLike) -> GGUFReader:
+    validate_gguf(path)
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/... on truncated or bad files
@@ -277,7 +279,9 @@ class _WeightsReader(GGUFReader):
 
 def open_for_weights(path: str | os.PathLike) -> GGUFReader:
     """The reader of ``path`` for its weights and config: its tensors and every metadata field but the tokenizer's
-    arrays (``_WeightsReader``), which only transformers' tokenizer converter reads."""
+    arrays (``_WeightsReader``), which only transformers' tokenizer converter reads. The file is validated first
+    (``gguf_validate``): InvalidModelFileError, naming what is wrong, before any of it is trusted."""
+    validate_gguf(path)
     try:
         return _WeightsReader(path)
     except Exception as e:  # as _open

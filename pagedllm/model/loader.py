@@ -44,7 +44,8 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.errors import ModelLoadError
-from pagedllm.model import gguf_loader, resolved_config
+from pagedllm.model import checkpoint_validate, gguf_loader, resolved_config
+from pagedllm.model.gguf_validate import validate_gguf
 from pagedllm.model.layers import quantized
 from pagedllm.model.registry import resolve_model_class
 
@@ -148,6 +149,9 @@ def prepare_model_dir(model: str | None, weights: bool = True) -> Path:
     """``resolve_hf_dir`` and its resolved config, made in this process, so that a process that loads ``model``
     later finds both and imports none of transformers' config classes (``resolved_config.py``): the server's
     front end, which reads the tokenizer with transformers anyway, calls it before it starts the engine core."""
+    source = gguf_source(model)
+    if source is not None:  # a cached conversion skips the check, and the engine core would fail in its own process
+        validate_gguf(source)
     hf_dir = resolve_hf_dir(model, weights)
     _read_config(hf_dir)
     return hf_dir
@@ -348,6 +352,8 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         weights = gguf_loader.iter_gguf_tensors(reader, config, keep_quantized=True)
     else:
         files = _weight_files(hf_dir)
+        for file in files:  # headers only: before any tensor is read
+            checkpoint_validate.check_safetensors(file)
         weights = _iter_safetensors(files)
     try:
         loaded = model.load_weights(weights)
@@ -425,6 +431,7 @@ def _read_config(hf_dir: Path) -> tuple[PretrainedConfig | resolved_config.Resol
             raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {e}") from e
         if hf_dir.resolve().is_relative_to(cache_root().resolve()):  # a conversion of ours: ours to write into
             resolved_config.save(config, hf_dir)
+    checkpoint_validate.check_config(config, hf_dir / "config.json")
     architectures = getattr(config, "architectures", None)
     if not architectures and config.model_type in _MODEL_TYPE_TO_ARCH:
         architectures = [_MODEL_TYPE_TO_ARCH[config.model_type]]
@@ -435,6 +442,8 @@ def _load_tokenizer(hf_dir: Path) -> tuple[object | None, str | None]:
     tokenizer = None
     if any((hf_dir / name).exists() for name in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
+
+        checkpoint_validate.check_tokenizer_files(hf_dir, _TOKENIZER_FILES)
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))

@@ -58,8 +58,24 @@ EDGE_FLOATS = [0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, 1e-300, 5e-324, 100.0, -100
 # Grammars that accept nothing ("root ::= root") have their own test: test_a_grammar_that_accepts_no_output_is_a_400.
 EDGE_STRINGS = ["", " ", "a", "hi", "none", "auto", "text", "never", "json_object", "{}", "0", "é", "\x00",
                 'root ::= "a"', 'root ::= "a" root', "(", "[ab]{1,3}"]
-ints = st.one_of(st.sampled_from(EDGE_INTS), st.integers(-2, 8))
-floats = st.one_of(st.sampled_from(EDGE_FLOATS), st.floats(-3, 3))
+
+
+class RawNumber:
+    """A number literal sent as written: past 64 bits, past Python's 4300-digit conversion limit, or overflowing a
+    float (json.dumps cannot write the longest ones)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text if len(self.text) < 40 else f"<{len(self.text)}-character number>"
+
+
+RAW_NUMBERS = [RawNumber(t) for t in ("18446744073709551616", "-9223372036854775809", "1" + "0" * 4999,
+                                      "-" + "9" * 5000, "1e400", "-1e99999", "1" + "0" * 5000 + ".5",
+                                      "0." + "0" * 5000 + "1")]
+ints = st.one_of(st.sampled_from(EDGE_INTS), st.integers(-2, 8), st.sampled_from(RAW_NUMBERS))
+floats = st.one_of(st.sampled_from(EDGE_FLOATS), st.floats(-3, 3), st.sampled_from(RAW_NUMBERS))
 strings = st.one_of(st.sampled_from(EDGE_STRINGS), st.text(max_size=6))
 any_json = st.recursive(st.none() | st.booleans() | ints | floats | strings,
                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(strings, inner, max_size=3),
@@ -151,9 +167,23 @@ def bodies(draw, model, scenarios):
 
 # ---- the properties ----
 
+def encode(body) -> str:
+    """``body`` as JSON, each RawNumber written as its literal."""
+    raw = []
+
+    def placeholder(value):
+        if not isinstance(value, RawNumber):
+            raise TypeError(type(value).__name__)
+        raw.append(value.text)
+        return f"\x00raw{len(raw) - 1}\x00"
+
+    text = json.dumps(body, default=placeholder)
+    return re.sub(r'"\\u0000raw(\d+)\\u0000"', lambda m: raw[int(m.group(1))], text)
+
+
 def send(server, path: str, body: dict) -> httpx.Response:
     try:
-        return httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=60,
+        return httpx.post(f"{server.url}{path}", content=encode(body), timeout=60,
                           headers={"Content-Type": "application/json"})
     except httpx.TransportError as e:  # the server (or its engine) went away
         raise AssertionError(f"the server stopped answering: {e!r}\n{server.log()}") from None
@@ -161,14 +191,14 @@ def send(server, path: str, body: dict) -> httpx.Response:
 
 def check_answer(server, path: str, body: dict, response: httpx.Response) -> None:
     """No 5xx; a 4xx is a JSON error naming a field of the request."""
-    assert response.status_code < 500, f"{response.status_code} for {json.dumps(body)}: {response.text}"
+    assert response.status_code < 500, f"{response.status_code} for {encode(body)[:2000]}: {response.text}"
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, response.text
         fields = set(body) | set(_schema_fields(path))
         named = error["param"] is not None and error["param"].split(".")[0] in fields
         assert named or any(re.search(rf"\b{f}\b", error["message"]) for f in fields), \
-            f"{response.status_code} names no field for {json.dumps(body)}: {error}"
+            f"{response.status_code} names no field for {encode(body)[:2000]}: {error}"
 
 
 MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,

@@ -49,7 +49,7 @@ def keyed(model_dir, tmp_path_factory):
     srv = RemoteServer(model_dir, [
         "--api-key", KEY, "--num-kv-blocks", "128", "--max-model-len", str(MAX_MODEL_LEN),
         "--max-request-body-bytes", "16MiB", "--timeout-request-header", "1", "--timeout-request-body", "1",
-        "--allowed-origins", "https://ok.example",
+        "--allowed-origins", "https://ok.example", "--trust-request-chat-template",
     ], tmp_path_factory.mktemp("logs") / "keyed.log")
     yield srv
     srv.stop()
@@ -132,6 +132,30 @@ HOSTILE = [
     ("an empty body", "/v1/completions", "", 400, "empty"),
     ("an unknown model", "/v1/completions", '{"model": "gpt-9", "prompt": "hi"}', 404, "does not exist"),
     ("detokenize beyond 64 bits", "/detokenize", '{"tokens": [99999999999999999999999]}', 400, "64-bit"),
+    # past Python's 4300-digit conversion limit: a ValueError inside the JSON parser, once a 500
+    ("max_tokens of 5000 digits", "/v1/completions", '{"prompt": "hi", "max_tokens": 1' + "0" * 4999 + "}",
+     400, "max_tokens: the integer (5000 digits) is out of the 64-bit range"),
+    ("a chat max_tokens of 5000 digits", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -' + "9" * 5000 + "}", 400, "max_tokens"),
+    ("a token id of 5000 digits", "/detokenize", '{"tokens": [1, ' + "7" * 5000 + "]}", 400, "tokens[1]"),
+    ("a logit bias of 5000 digits", "/v1/completions", '{"prompt": "hi", "logit_bias": {"5": ' + "1" * 5000 + "}}",
+     400, "logit_bias.5"),
+    ("a temperature of 5000 digits", "/v1/completions", '{"prompt": "hi", "temperature": 1' + "0" * 5000 + ".5}",
+     400, "temperature: the number is too large"),
+    # a request's own chat template (this server trusts them): sandboxed and budgeted as the model's
+    ("a chat template looping for minutes", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"}),
+     400, "ran past its render budget"),
+    ("a chat template of a gigabyte", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template": "{{ 'x' * 10**9 }}"}),
+     400, "output exceeds"),
+    ("a chat template reaching for globals", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "chat_template": "{{ cycler.__init__.__globals__.os.system('id') }}"}), 400, "unsafe"),
+    ("chat_template_kwargs overriding an argument", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": {"tokenize": False}}),
+     400, "may not set tokenize"),
 ]
 
 
@@ -156,6 +180,25 @@ def test_absurd_sampling_values_are_a_400_naming_the_field(keyed, field, value):
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"] or r.json()["error"]["param"] == field, r.text
     assert_healthy(keyed)
+
+
+def test_a_trusted_request_template_renders(keyed):
+    r = post(keyed, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    default = r.json()["tokens"]
+    r = post(keyed, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                             "chat_template": "{{ greeting }}{{ messages[0].content }}",
+                                             "chat_template_kwargs": {"greeting": "Hello "}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 2 != len(default)  # "Hello", " hi"
+
+
+def test_request_templates_need_the_flag(open_server):
+    for field, value in (("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"x": 1})):
+        r = post(open_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 1, field: value}, headers={})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
 
 
 def test_no_blocks_leaked_after_hostile_requests(keyed):

@@ -31,6 +31,12 @@ def setup(tmp_path_factory):
         "lm_head": make_adapter(base, tmp_path_factory.mktemp("lm_head"), rank=4, alpha=8,
                                 target_modules=["q_proj", "lm_head"], seed=2),
     }
+    broken = tmp_path_factory.mktemp("alpha-nan")
+    for file in Path(adapters["good"]).iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    config = json.loads((broken / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("nan")}))
+    adapters["alpha NaN"] = str(broken)
     empty = tmp_path_factory.mktemp("empty")
     (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
     adapters["not an adapter"] = str(empty)
@@ -44,12 +50,13 @@ def setup(tmp_path_factory):
     ("not an adapter", "is not a PEFT LoRA adapter"),
     ("rank16", "rank 16 exceeds max_lora_rank (8)"),
     ("lm_head", "target modules ['lm_head'] are not in the model"),
+    ("alpha NaN", "has lora_alpha nan, not a finite number"),
 ])
 def test_unservable_adapters_are_refused_with_the_reason(setup, name, reason):
     llm, _, adapters, _ = setup
     path = adapters.get(name, "/nonexistent/adapter")
     with pytest.raises(LoRAError, match=reason.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        llm.generate(PROMPT, PARAMS, use_tqdm=False, lora_request=LoRARequest(name, 7, path))
+        llm.generate(PROMPT, PARAMS, use_tqdm=False, lora_request=LoRARequest(name, 7 + len(name), path))
     assert issubclass(LoRAError, InvalidRequestError)  # HTTP 400
     # the engine still serves: the good adapter and the base
     outputs = llm.generate([PROMPT, PROMPT], PARAMS, use_tqdm=False,

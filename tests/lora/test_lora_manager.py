@@ -45,6 +45,27 @@ def test_slots_are_reused_least_recently_used_first_and_the_cpu_cache_is_bounded
         manager.activate([loras[1], loras[2], loras[3]])
 
 
+def test_an_adapter_that_does_not_fit_is_refused_and_the_others_still_load(setup, tmp_path):
+    """A foreign adapter (trained on a wider model) or a truncated file is a LoRAError naming the reason, not a
+    copy failing inside a step."""
+    model, loras = setup
+    wider = make_adapter(make_hf_model("llama", seed=4, intermediate_size=256), tmp_path / "wider", rank=4, alpha=8,
+                         target_modules=["down_proj"], seed=3)
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for file in (tmp_path / "wider").iterdir():
+        data = file.read_bytes()
+        (truncated / file.name).write_bytes(data[: len(data) // 2] if file.suffix == ".safetensors" else data)
+    manager = LoRAManager(model, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    failed = manager.activate([LoRARequest("wider", 11, wider), loras[1]])
+    assert list(failed) == [11]
+    assert "layer 0 down_proj's lora_A has shape [4, 256], lora_B [64, 4]; the model's down_proj takes 128 inputs" \
+        in str(failed[11])
+    failed = manager.activate([LoRARequest("truncated", 12, str(truncated))])
+    assert "adapter_model.safetensors': tensor" in str(failed[12]) and "file truncated" in str(failed[12])
+    assert dict(manager.slot_of) == {1: 0}
+
+
 def test_step_rows_are_segments_of_consecutive_requests_on_one_slot(setup):
     model, _ = setup
     manager = LoRAManager(model, max_loras=2, max_lora_rank=8, max_cpu_loras=2)

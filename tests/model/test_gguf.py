@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import InvalidModelFileError, ModelLoadError
 from pagedllm.model import gguf_loader, load_model
 from pagedllm.model.loader import ensure_converted, resolve_hf_dir
 from tests.model.gguf_writer_helpers import write_llama_gguf
@@ -135,14 +135,14 @@ def test_truncated_gguf(tmp_path):
     write_llama_gguf(make_hf_model("llama", seed=8), path, GGMLQuantizationType.Q8_0)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ModelLoadError, match="corrupt"):
+    with pytest.raises(InvalidModelFileError, match="runs past the end of the data section .* file truncated"):
         load_model(str(path))
 
 
 def test_garbage_gguf(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"not a gguf file at all" * 10)
-    with pytest.raises(ModelLoadError, match="corrupt"):
+    with pytest.raises(InvalidModelFileError, match="header: starts with b'not ', not the GGUF magic"):
         load_model(str(path))
 
 

@@ -134,6 +134,9 @@ class ServerConfig:
     """Allow tool_choice "auto" (the model decides whether to call a tool, parsed from its text)."""
     reasoning_parser: Optional[str] = flag(None, choices=_REASONING_PARSERS, group="tools")
     """Split <think>...</think> reasoning into message.reasoning_content."""
+    trust_request_chat_template: bool = flag(False, group="chat templates")
+    """Accept chat_template and chat_template_kwargs in chat requests (rendered in the same sandbox, under the same
+    budget as the model's template); without it such a request is a 400."""
     responses_store_max_entries: int = flag(1000, group="Responses API")
     """Most responses the Responses API keeps for GET and previous_response_id (least recently used go first);
     0 = store none."""

@@ -241,6 +241,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
+    # vLLM's extras: a template (and variables for it) from the request, refused unless the server trusts them
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     _tool_grammar: Optional[str] = PrivateAttr(None)
 
     @field_validator("functions", "function_call")

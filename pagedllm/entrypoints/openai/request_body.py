@@ -79,6 +79,23 @@ async def read_body_bytes(request: Request, max_bytes: int, read_timeout_s: floa
     return b"".join(chunks)
 
 
+class _HugeInteger:
+    """An integer literal too long to be any field's value, kept unconverted: Python refuses to convert more than
+    4300 digits (a ValueError, once a 500), and converting fewer costs time quadratic in their number."""
+
+    __slots__ = ("num_digits",)
+
+    def __init__(self, num_digits: int) -> None:
+        self.num_digits = num_digits
+
+
+def _parse_int(text: str) -> int | _HugeInteger:
+    return int(text) if len(text) <= _MAX_INT_CHARS else _HugeInteger(len(text.lstrip("-")))
+
+
+_MAX_INT_CHARS = 20  # "-9223372036854775808": longer literals are out of the 64-bit range anyway
+
+
 def _reject_constant(name: str) -> Any:
     raise APIError(400, f"the request body is not valid JSON: {name} is not a number JSON allows")
 
@@ -92,7 +109,7 @@ def parse_json_body(body: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -118,6 +135,9 @@ def _check_values(value: Any, path: str, check_strings: bool) -> None:
                                    param=where or None)
                 continue
             stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+        elif isinstance(item, _HugeInteger):
+            raise APIError(400, f"{where or 'the body'}: the integer ({item.num_digits} digits) is out of the 64-bit "
+                                "range", param=where or None)
         elif isinstance(item, bool):
             continue
         elif isinstance(item, int):

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.chat_template import ChatTemplateError, render_chat
 from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
 from pagedllm.entrypoints.openai.errors import APIError, check_failed
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
@@ -23,20 +24,32 @@ from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOut
 
 
 def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                        plan: ToolPlan | None = None) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template, with the plan's tools (natively
-    or in the fallback of tools.py); 400 if it cannot be applied."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                        plan: ToolPlan | None = None, chat_template: str | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of the conversation through the chat template (the tokenizer's, or ``chat_template``), in the
+    sandbox and under the budget of chat_template.py, with the plan's tools (natively or in the fallback of
+    tools.py); 400 if it cannot be applied."""
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    turns, tools = conversation(messages, plan, template_takes_tools(tokenizer))
+    turns, tools = conversation(messages, plan, "tools" in chat_template if chat_template
+                                else template_takes_tools(tokenizer))
+    param = "chat_template" if chat_template else "messages"
     try:
-        ids = tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
-    except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
-        raise APIError(400, f"the chat template cannot be applied to these messages: {e}", param="messages") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+        return render_chat(tokenizer, turns, tools=tools, add_generation_prompt=add_generation_prompt,
+                           chat_template=chat_template, template_kwargs=template_kwargs)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param=param) from None
+    except Exception as e:  # template errors (e.g. a role it refuses, a sandbox refusal) are the request's fault
+        raise APIError(400, f"the chat template cannot be applied to these messages: {e}", param=param) from None
+
+
+def _request_template(request: ChatCompletionRequest, trusted: bool) -> tuple[str | None, dict | None]:
+    """The request's own chat_template and chat_template_kwargs, which only a server that trusts them takes."""
+    for field in ("chat_template", "chat_template_kwargs"):
+        if getattr(request, field) is not None and not trusted:
+            raise APIError(400, f"{field} in a request is not accepted by this server (start it with "
+                                "--trust-request-chat-template to allow it)", param=field)
+    return request.chat_template, request.chat_template_kwargs
 
 
 def top_entries(entry: LogprobsDict, k: int) -> list[tuple[int, Logprob]]:
@@ -92,8 +105,9 @@ async def start_chat(request: ChatCompletionRequest, raw_request: Request, ctx: 
     plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser, config.enable_auto_tool_choice,
                                      reasoning)
     params = request.to_sampling_params(ctx.engine.generation_defaults)
+    template, template_kwargs = _request_template(request, config.trust_request_chat_template)
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
-                                           request.add_generation_prompt, plan)
+                                           request.add_generation_prompt, plan, template, template_kwargs)
     room = engine.max_model_len - len(prompt_ids)
     if params.max_tokens is None and 0 < room < params.min_tokens:
         # max_tokens resolves to what is left of the context; min_tokens must fit in it
