@@ -35,7 +35,7 @@ from pagedllm.model import gguf_arch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 from pagedllm.model.gguf_arch import SUPPORTED_ARCHITECTURES
-from pagedllm.model.gguf_validate import validate_gguf
+from pagedllm.model.gguf_model_checks import validate_gguf
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.quantized import QuantTensor
 

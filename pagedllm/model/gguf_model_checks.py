@@ -16,7 +16,7 @@ from gguf import MODEL_TENSOR as T, GGUFValueType
 
 from pagedllm.errors import InvalidModelFileError, ModelLoadError
 from pagedllm.model import gguf_arch
-from pagedllm.model.gguf_validate import FLOAT_TYPES, INTEGER_TYPES, ArrayValue, GGUFMetadata
+from pagedllm.model.gguf_validate import FLOAT_TYPES, INTEGER_TYPES, ArrayValue, GGUFMetadata, read_metadata
 
 MAX_LAYERS = 1024
 MAX_WIDTH = 1 << 17  # embedding and feed-forward widths
@@ -71,6 +71,14 @@ def _describe(value_type: GGUFValueType, value) -> str:
     if isinstance(value, ArrayValue):
         return f"an array of {value.length} {value.item_type.name}"
     return f"{value!r} ({value_type.name})"
+
+
+def validate_gguf(path) -> GGUFMetadata:
+    """``path``'s metadata once the structure (gguf_validate.py) and the model it describes are checked;
+    InvalidModelFileError otherwise. Reads no tensor data."""
+    metadata = read_metadata(path)
+    check_model(metadata)
+    return metadata
 
 
 def check_model(metadata: GGUFMetadata) -> None:

@@ -297,14 +297,4 @@ def _parse(cursor: _Cursor, size: int) -> GGUFMetadata:
     return GGUFMetadata(cursor.path, version, fields, tuple(tensors), alignment, data_start, size)
 
 
-def validate_gguf(path: str | os.PathLike) -> GGUFMetadata:
-    """``path``'s metadata once the structure and the model it describes are checked (module docstring);
-    InvalidModelFileError otherwise. Reads no tensor data."""
-    from pagedllm.model.gguf_model_checks import check_model
-
-    metadata = read_metadata(path)
-    check_model(metadata)
-    return metadata
-
-
-__all__ = ["ArrayValue", "GGUFMetadata", "TensorInfo", "read_metadata", "validate_gguf"]
+__all__ = ["ArrayValue", "GGUFMetadata", "TensorInfo", "read_metadata"]

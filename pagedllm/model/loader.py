@@ -45,7 +45,7 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import checkpoint_validate, gguf_loader, resolved_config
-from pagedllm.model.gguf_validate import validate_gguf
+from pagedllm.model.gguf_model_checks import validate_gguf
 from pagedllm.model.layers import quantized
 from pagedllm.model.registry import resolve_model_class
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from gguf import GGMLQuantizationType
 
 from pagedllm.errors import InvalidModelFileError
-from pagedllm.model.gguf_validate import validate_gguf
+from pagedllm.model.gguf_model_checks import validate_gguf
 from pagedllm.model.loader import default_gguf_path
 from tests.model.gguf_corruption import Layout, Place, patched
 

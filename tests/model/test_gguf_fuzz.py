@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from pagedllm.errors import InvalidModelFileError, ModelLoadError
 from pagedllm.model import load_model
-from pagedllm.model.gguf_validate import validate_gguf
+from pagedllm.model.gguf_model_checks import validate_gguf
 from tests.model.gguf_corruption import Layout, Place, write_tiny_llama
 
 FUZZ = settings(deadline=None, derandomize=True, database=None,

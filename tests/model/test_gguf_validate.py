@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType
 
 from pagedllm.errors import InvalidModelFileError
 from pagedllm.model import load_model
-from pagedllm.model.gguf_validate import read_metadata, validate_gguf
+from pagedllm.model.gguf_model_checks import validate_gguf
+from pagedllm.model.gguf_validate import read_metadata
 from tests.model.gguf_corruption import Layout, patched, write_tiny_llama
 
 
