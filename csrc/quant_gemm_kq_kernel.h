@@ -2,11 +2,13 @@
 // Each file includes its int8_simd_*.h first: the helpers of quant_gemm_int8_kernel.h plus
 //   load_u8 / load_i8(p, v)   vector v of 16 bytes at p widened to int32 (a panel's 16 rows' scales)
 //   ibytes, iand, ior, shl16<N>, shr16<N>   bytes set, bitwise ops, 16-bit lane shifts
-// Per panel, x's rows go in blocks of at most MAXR (split evenly), each row's float sums kept in
+// x's rows go in tiles, panels, then blocks of at most MAXR rows (panel_tiles.h), each row's float sums kept in
 // registers over the whole K in one fixed order (super-block, then 32-block): a row's result does not
 // depend on how many rows share the call. Integer sums go in S independent chains (exact, so their
 // number, which follows the block's row count, changes nothing).
 #include <cstring>
+
+#include "panel_tiles.h"
 
 namespace pagedllm {
 namespace quant {
@@ -167,21 +169,13 @@ using MicroKQFn = void (*)(const KQArgs&, const uint8_t*, int64_t, float*, const
 template <int QT, int... R>
 void kq_panels_for(const KQArgs& a, int64_t p_begin, int64_t p_end) {
   static constexpr MicroKQFn table[] = {nullptr, &micro_kq<QT, R>...};
-  constexpr int64_t kMaxRows = sizeof...(R);
-  const int64_t num_blocks = (a.m + kMaxRows - 1) / kMaxRows;
-  const int64_t base = a.m / num_blocks, extra = a.m % num_blocks;
   const int64_t panel_bytes = (a.k / kSuperK) * kq_block_bytes(QT);
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const uint8_t* panel = a.packed + p * panel_bytes;
+  for_panel_row_blocks<sizeof...(R)>(a.m, a.k, p_begin, p_end, [&](int64_t p, int64_t row, int64_t rows) {
     const int64_t col = p * 16;
     const int cols = static_cast<int>(a.n - col < 16 ? a.n - col : 16);
-    const float* bias = a.bias != nullptr ? a.bias + col : nullptr;
-    for (int64_t blk = 0, row = 0; blk < num_blocks; ++blk) {
-      const int64_t rows = base + (blk < extra ? 1 : 0);
-      table[rows](a, panel, row, a.y + row * a.ldy + col, bias, cols);
-      row += rows;
-    }
-  }
+    table[rows](a, a.packed + p * panel_bytes, row, a.y + row * a.ldy + col, a.bias != nullptr ? a.bias + col : nullptr,
+                cols);
+  });
 }
 
 template <int... R>

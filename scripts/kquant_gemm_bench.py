@@ -4,6 +4,9 @@ Llama-3.2-1B shape (K = 2048; N = 8192 and 2048), and the bytes each weight hold
 
     PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/kquant_gemm_bench.py --threads 1
 
+    PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/kquant_gemm_bench.py --threads 1 \
+        --rows 512 2048 --n 2048 --kinds Q4_K:int8 Q6_K:int8 Q4_0:int8      (prefill row counts)
+
 ms per call, best of interleaved rounds (the kernels alternate, so they share whatever else the machine
 does: read the ratios), and for one row the weight bytes read per second (GB/s, the bytes held).
 """
@@ -57,12 +60,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
+    p.add_argument("--kinds", nargs="+", default=[f"{t}:{m}" for t, m in KINDS],
+                   help="TYPE:ACTIVATIONS pairs, e.g. Q4_K:int8 Q4_0:int8")
+    p.add_argument("--n", type=int, nargs="+", default=list(NS))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     weights, file_bytes = {}, {}
-    for n in NS:
-        for type_name, mode in KINDS:
+    for n in args.n:
+        for type_name, mode in (kind.split(":") for kind in args.kinds):
             raw, qtype = random_weight(type_name, n, K, rng)
             w = QuantizedWeight(qtype, torch.from_numpy(raw), K, int8_activations=mode == "int8")
             if mode == "int8":
@@ -75,7 +81,8 @@ def main() -> None:
         for key, w in weights.items():
             for rows in args.rows:
                 x = xs[rows]
-                times.setdefault(key + (rows,), []).append(best_ms(lambda: w.matmul(x), args.repeats if rows <= 16 else 1))
+                repeats = args.repeats if rows <= 16 else 1
+                times.setdefault(key + (rows,), []).append(best_ms(lambda: w.matmul(x), repeats))
     print(f"K = {K}, {torch.get_num_threads()} thread(s); ms per call (best of {args.rounds} rounds); "
           "GB/s = bytes held / time at 1 row")
     print(f"{'n':>5s} {'type':5s} {'acts':5s} {'held/file':>9s} " + " ".join(f"{f'M={r} ms':>10s}" for r in args.rows)

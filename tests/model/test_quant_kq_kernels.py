@@ -5,7 +5,8 @@ on both ISAs where this CPU has them; the file-size layout (``kquant.repack``) a
 import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 from pagedllm.model.layers import kquant, quantized
 from pagedllm.model.layers.quantized import Q4_K, Q5_K, Q6_K, QuantizedWeight
@@ -152,3 +153,65 @@ def test_bad_packed_shape_is_refused():
         torch.ops.pagedllm.quant_gemm_cpu(torch.randn(2, 256), w.packed, w.kernel_type, 16, None, 0)
     with pytest.raises(RuntimeError, match="batch-invariant"):
         torch.ops.pagedllm.quant_gemm_invariant_cpu(torch.randn(2, 512), w.packed, w.kernel_type, 16, None, 0)
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, quantized.Q4_0])
+def test_rows_past_one_tile(qtype):
+    """300 rows of K = 2048 span three tiles of x (csrc/panel_tiles.h): each row still equals itself
+    alone and the reference (the Q4_0 int8 kernel shares the tiling)."""
+    n, k = 24, 2048
+    rng = np.random.default_rng(12)
+    if qtype == quantized.Q4_0:
+        raw = quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
+        w = QuantizedWeight(qtype, torch.from_numpy(raw.copy()), k)
+        assert w.use_int8_activations()
+    else:
+        raw = random_k_quant(qtype, n, k, rng)
+        w = weight(qtype, raw, k)
+    x = torch.from_numpy(rng.standard_normal((300, k)).astype(np.float32))
+    ref, bound = reference(x, raw, qtype, n, k)
+    for isa in isas():
+        batch = product(w, x, isa)
+        assert_close(batch, ref, bound)
+        for i in (0, 130, 299):
+            assert torch.equal(product(w, x[i : i + 1], isa)[0], batch[i])
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_compiled_and_numpy_row_lookups_agree(qtype):
+    n, k = 40, 768
+    raw = random_k_quant(qtype, n, k, np.random.default_rng(8))
+    w = weight(qtype, raw, k)
+    ids = torch.tensor([39, 0, 17, 17, 32])
+    compiled = quantized.dequantize_rows(w.kernel_type, w.packed, ids)
+    assert torch.equal(compiled, kquant.rows(w.kernel_type, w.packed, ids))
+    expected = dequantize(raw, qtype).reshape(n, k)[ids.numpy()]
+    assert torch.equal(compiled, torch.from_numpy(expected))
+
+
+@torch.inference_mode()
+def test_k_quant_experts_take_the_file_size_layout():
+    """MoE experts hold QuantizedWeights: marked for int8 activations, their K-quants take the layout too."""
+    from pagedllm.model.layers.moe import SparseMoE
+    from tests.model.test_moe import EXPERTS, TOP_K, _quantized_checkpoint, _q_layer
+
+    quant_w, float_w = _quantized_checkpoint(GGMLQuantizationType.Q4_K, 256, 256)
+    moe = SparseMoE(256, 256, EXPERTS, TOP_K, renormalize=True)
+    moe.gate.weight.data.copy_(quant_w["gate"])
+    w13, w2 = moe.experts.w13, moe.experts.w2
+    quantized.mark_int8_activations(w13)
+    quantized.mark_int8_activations(w2)
+    for e in range(EXPERTS):
+        w13.weight_loader(w13, quant_w[f"{e}.gate_proj"], (e, 0))
+        w13.weight_loader(w13, quant_w[f"{e}.up_proj"], (e, 1))
+        w2.weight_loader(w2, quant_w[f"{e}.down_proj"], (e,))
+    moe.experts.process_weights_after_loading()
+    assert {w.kernel_type for ws in moe.experts.quant for w in ws} == {kquant.KERNEL_TYPE[Q4_K]}
+    file_bytes = sum(t.raw.numel() for name, t in quant_w.items() if name != "gate")
+    assert moe.experts.quantized_nbytes <= 1.05 * file_bytes
+    floats = _q_layer(float_w)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(7))
+    want = floats(x)
+    # int8 activations: ~1% of the output's norm here; a wrong layout is off by all of it
+    assert float((moe(x) - want).norm()) < 0.03 * float(want.norm())
+

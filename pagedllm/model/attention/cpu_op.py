@@ -55,7 +55,7 @@ SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attentio
 HEADERS = ("fused_ops.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
            "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "quant_gemm_int8.h",
            "quant_gemm_int8_kernel.h", "int8_simd_avx2.h", "int8_simd_avx512.h", "quant_gemm_kq.h",
-           "quant_gemm_kq_kernel.h", "bf16_gemm.h", "bf16_gemm_kernel.h",
+           "quant_gemm_kq_kernel.h", "panel_tiles.h", "bf16_gemm.h", "bf16_gemm_kernel.h",
            "lora_sgmv.h", "lora_sgmv_kernel.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile

@@ -305,7 +305,7 @@ def _torch_rows(packed: torch.Tensor, kernel_type: int, ids: torch.Tensor) -> to
 
 def _embedding_entry(model) -> tuple | str:
     """``FusedDecoder._embed`` for ``model.embed_tokens``, or why its lookup is not covered."""
-    from pagedllm.model.layers import kquant, quantized
+    from pagedllm.model.layers import quantized
     from pagedllm.model.layers.embedding import VocabEmbedding
 
     embed = model.embed_tokens
@@ -317,8 +317,6 @@ def _embedding_entry(model) -> tuple | str:
             return "a quantized embedding without the compiled row lookup"
         if embed.quant_weight.kernel_type == quantized.BF16_KERNEL:  # the compiled lookup has no bf16 form
             rows_op = _torch_rows
-        elif embed.quant_weight.kernel_type in kquant.GGUF_TYPE:  # nor a form for the K-quants' file-size layout
-            rows_op = kquant.rows_op
         return rows_op, embed.quant_weight.packed, embed.quant_weight.kernel_type
     weight = embed._parameters["weight"]
     if weight.dtype != torch.float32 or weight.is_cuda:

@@ -4,7 +4,8 @@
 ``repack`` turns the GGUF rows into the kernel's panels in one pass over row chunks (the 4-6 bit
 values are unpacked one chunk of rows at a time, never the whole weight: a load's peak stays the
 repacked weight plus one chunk); ``rows`` reads rows back as float32, bit for bit gguf's numpy
-``dequantize`` (the embedding lookup, and a tied LM head's table is this same weight):
+``dequantize`` (the embedding lookup where the compiled one, ``quant_rows_cpu``, is missing; a tied
+LM head's table is this same weight):
 
     GGUF super-block (one row, 256 weights)    kernel panel super-block (16 rows, 256 weights each)
     Q4_K  d dmin sc/m(12, 6-bit) qs(128)  144  ->  d x16, dmin x16, sc 8 x16, m 8 x16, nibbles   148 x16
@@ -121,7 +122,8 @@ def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
 
 def rows(kernel_type: int, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a repacked weight as float32 ``[len(ids), K]``, formed as gguf's numpy
-    dequantize forms them ((d sc) q - dmin m; Q6_K (d sc)(q - 32)), so equal to it bit for bit."""
+    dequantize forms them ((d sc) q - dmin m; Q6_K (d sc)(q - 32)), so equal to it bit for bit: the
+    reference of the compiled lookup (csrc/step_ops.cpp), and the path without it."""
     qtype = GGUF_TYPE[kernel_type]
     a = packed.numpy()
     ids = ids.reshape(-1).numpy()
@@ -159,7 +161,3 @@ def rows(kernel_type: int, packed: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     dm = fp16(32).reshape(t, nsb, 1, 1) * m
     return torch.from_numpy((dsc * q.astype(np.float32) - dm).reshape(t, nsb * SUPER_K))
 
-
-def rows_op(packed: torch.Tensor, kernel_type: int, ids: torch.Tensor) -> torch.Tensor:
-    """``rows`` with the compiled row lookup's signature (the fused decoder's embedding)."""
-    return rows(kernel_type, packed, ids)

@@ -217,6 +217,8 @@ def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torc
     op = _rows_op()
     if op is not None and qtype != BF16_KERNEL and packed.is_cpu and ids.is_cpu and ids.dtype == torch.int64:
         return op(packed, qtype, ids)  # (the op has no bf16 form: those rows take the torch one)
+    if qtype in kquant.GGUF_TYPE:
+        return kquant.rows(qtype, packed, ids)
     return dequantize_rows_torch(qtype, packed, ids)
 
 
@@ -347,8 +349,6 @@ class QuantizedWeight:
         """Rows ``ids`` dequantized to float32 ``[len(ids), k]``."""
         if self.kernel_type in INT8_KERNEL_TYPE.values():
             raise NotImplementedError("rows of a weight in the int8-activation layout (only linears take it)")
-        if self.kernel_type in kquant.GGUF_TYPE:
-            return kquant.rows(self.kernel_type, self.packed, ids)
         return dequantize_rows(self.kernel_type, self.packed, ids)
 
     def use_int8_activations(self) -> bool:
