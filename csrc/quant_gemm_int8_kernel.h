@@ -1,5 +1,5 @@
 // The int8-activation panel kernel shared by the ISA files (quant_gemm_int8.h has the layout). Each
-// file defines, before including this: vf / vi, VW (int32 lanes per vector), NV = 16 / VW, the float
+// file includes its int8_simd_*.h before this, which defines: vf / vi, VW (int32 lanes per vector), NV = 16 / VW, the float
 // ops vzero, vset1, vfma, vmul, vadd, vload, vstore, load_f16(p, v) (16 fp16 at p, vector v of them,
 // widened), vcvt (int32 -> float), and the integer ones:
 //   izero, iset1, iadd, load_w(p, v)  (vector v of a group's 64 bytes), bcast4(p) (4 int8 to every lane)
@@ -7,10 +7,12 @@
 //   dot_q8(acc, w, s)   the same for Q8_0's stored bytes (int8 + 128); the ISA's kQ8Start * sum(qx)
 //                       is what it adds on top of the signed product (AVX-512: 128; AVX2 undoes it)
 //   lo_nib / hi_nib     the low / high nibble of each byte
-// Per panel, x's rows go in blocks of at most MAXR (split evenly); a block keeps MR x NV float sums
+// x's rows go in tiles, panels, then blocks of at most MAXR rows (panel_tiles.h); a block keeps MR x NV float sums
 // in registers over the whole K and each K-block's integer sums in S independent chains (a lone row
 // would otherwise wait on one chain's latency, 8 dependent dot products a block).
 #include <cstring>
+
+#include "panel_tiles.h"
 
 namespace pagedllm {
 namespace quant {
@@ -119,21 +121,13 @@ using MicroI8Fn = void (*)(const I8Args&, const uint8_t*, int64_t, float*, const
 template <int QT, int... R>
 void int8_panels_for(const I8Args& a, int64_t p_begin, int64_t p_end) {
   static constexpr MicroI8Fn table[] = {nullptr, &micro_i8<QT, R>...};
-  constexpr int64_t kMaxRows = sizeof...(R);
-  const int64_t num_blocks = (a.m + kMaxRows - 1) / kMaxRows;
-  const int64_t base = a.m / num_blocks, extra = a.m % num_blocks;
   const int64_t panel_bytes = (a.k / 32) * int8_block_bytes(QT);
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const uint8_t* panel = a.packed + p * panel_bytes;
+  for_panel_row_blocks<sizeof...(R)>(a.m, a.k, p_begin, p_end, [&](int64_t p, int64_t row, int64_t rows) {
     const int64_t col = p * 16;
     const int cols = static_cast<int>(a.n - col < 16 ? a.n - col : 16);
-    const float* bias = a.bias != nullptr ? a.bias + col : nullptr;
-    for (int64_t blk = 0, row = 0; blk < num_blocks; ++blk) {
-      const int64_t rows = base + (blk < extra ? 1 : 0);
-      table[rows](a, panel, row, a.y + row * a.ldy + col, bias, cols);
-      row += rows;
-    }
-  }
+    table[rows](a, a.packed + p * panel_bytes, row, a.y + row * a.ldy + col, a.bias != nullptr ? a.bias + col : nullptr,
+                cols);
+  });
 }
 
 template <int... R>

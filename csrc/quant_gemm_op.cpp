@@ -4,7 +4,8 @@
 // Panels are split across the op pool's threads (thread_pool.h), each a contiguous range, so each
 // core streams its part of the weight linearly. The int8-activation types (quant_gemm_int8.h) go
 // through the same op (so the fused decoder layer calls them as any other kind): x is quantized
-// first (rows over the pool), then the panels as above.
+// first (rows over the pool), then the panels as above; so do the K-quant types (quant_gemm_kq.h), whose
+// panels hold 256-wide super-blocks.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -15,6 +16,7 @@
 #include "bf16_gemm.h"
 #include "quant_gemm.h"
 #include "quant_gemm_int8.h"
+#include "quant_gemm_kq.h"
 #include "thread_pool.h"
 
 namespace pagedllm {
@@ -96,25 +98,58 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtyp
   return y;
 }
 
+// Each row's sums of xq over its 16-blocks (Q6_K's - 32 offset), rows split over the pool.
+at::Tensor sums_of_16(const at::Tensor& xq) {
+  const int64_t m = xq.size(0), k = xq.size(1);
+  at::Tensor xs16 = at::empty({m, k / 16}, xq.options().dtype(at::kInt));
+  const int8_t* q = xq.data_ptr<int8_t>();
+  int32_t* s = xs16.data_ptr<int32_t>();
+  parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * (k / 16); i < end * (k / 16); ++i) {
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += q[i * 16 + j];
+      s[i] = sum;
+    }
+  });
+  return xs16;
+}
+
+at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, const float* bias_p,
+                   int64_t isa, at::Tensor y) {
+  const int64_t chosen = quant_gemm_int8_isa(isa);
+  TORCH_CHECK(chosen != 0, "quant_gemm_cpu: no int8-activation kernel for isa ", isa, " on this CPU");
+  auto [xq, xd, xs] = quantize_activations(x);
+  const at::Tensor xs16 = qtype == quant::kQ6_K_I8 ? sums_of_16(xq) : at::Tensor();
+  const quant::KQArgs args{static_cast<int>(qtype), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                           xs.data_ptr<int32_t>(), xs16.defined() ? xs16.data_ptr<int32_t>() : nullptr,
+                           packed.data_ptr<uint8_t>(), bias_p, y.data_ptr<float>(), n, x.size(0), n, x.size(1)};
+  auto kernel = chosen == 2 ? &quant::kq_panels_avx512vnni : &quant::kq_panels_avx2;
+  parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+  return y;
+}
+
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                       const c10::optional<at::Tensor>& bias, int64_t isa, bool invariant) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "quant_gemm_cpu: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "quant_gemm_cpu: x's rows must be dense (stride(1) == 1)");
   const bool is_bf16 = qtype == bf16::kBF16;  // bf16 weights: same panels, no scales (bf16_gemm.h)
-  const bool is_int8 = quant::is_int8_type(qtype);  // int8 activations (quant_gemm_int8.h)
+  const bool is_kq = quant::is_kq_type(qtype);  // K-quants, int8 activations (quant_gemm_kq.h)
+  const bool is_int8 = quant::is_int8_type(qtype) || is_kq;  // int8 activations (quant_gemm_int8.h)
   TORCH_CHECK(!(is_int8 && invariant), "quant_gemm_invariant_cpu: no batch-invariant kernel for the int8-activation "
               "type ", qtype);
   const int64_t bb = is_bf16    ? bf16::kBlockBytes
+                     : is_kq   ? quant::kq_block_bytes(qtype)
                      : is_int8 ? quant::int8_block_bytes(qtype)
                                : quant::block_bytes(static_cast<int>(qtype));
   TORCH_CHECK(bb > 0, "quant_gemm_cpu: unsupported quantization type ", qtype);
+  const int64_t block_k = is_kq ? quant::kSuperK : quant::kBlockK;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous() && packed.size(2) == bb,
-              "quant_gemm_cpu: packed must be a contiguous uint8 [panels, K / 32, ", bb, "] tensor");
+              "quant_gemm_cpu: packed must be a contiguous uint8 [panels, K / ", block_k, ", ", bb, "] tensor");
   const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) * quant::kBlockK == k, "quant_gemm_cpu: x has ", k, " columns, the weight ",
-              packed.size(1) * quant::kBlockK);
+  TORCH_CHECK(packed.size(1) * block_k == k, "quant_gemm_cpu: x has ", k, " columns, the weight ",
+              packed.size(1) * block_k);
   TORCH_CHECK(n > (num_panels - 1) * quant::kPanelRows && n <= num_panels * quant::kPanelRows,
               "quant_gemm_cpu: n = ", n, " does not fit ", num_panels, " panels of ", quant::kPanelRows);
   const int64_t chosen = quant_gemm_isa(isa);
@@ -130,6 +165,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   if (m == 0) return y;
   if (k == 0) return bias_p != nullptr ? y.copy_(bias->unsqueeze(0).expand({m, n})) : y.zero_();
   if (is_bf16) return bf16::gemm(x, packed, n, bias_p, chosen);
+  if (is_kq) return kq_gemm(x, packed, qtype, n, bias_p, isa, y);
   if (is_int8) return int8_gemm(x, packed, qtype, n, bias_p, isa, y);
   const quant::Args args{static_cast<int>(qtype), x.data_ptr<float>(), x.stride(0), packed.data_ptr<uint8_t>(),
                          bias_p, y.data_ptr<float>(), n, m, n, k};

@@ -1,5 +1,5 @@
 // Two per-step ops of a decode step that ran as a dozen small ATen calls each, now one call each:
-//   quant_rows_cpu    rows `ids` of a repacked GGUF weight (quant_gemm.h's panels) as float32: the
+//   quant_rows_cpu    rows `ids` of a repacked GGUF weight (quant_gemm.h's panels, or quant_gemm_kq.h's) as float32: the
 //                     quantized embedding lookup (pagedllm/model/layers/quantized.py, dequantize_rows)
 //   argmax_rows_cpu   each row's argmax of float32 logits (pagedllm/model/sampling/sampler.py, argmax_rows)
 // At batch 1 the torch forms cost ~15 and ~10 ATen calls (0.1-0.2 ms a step each with their Python)
@@ -25,7 +25,10 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQX = 100;  // quantized.py's kernel types
+constexpr int64_t kQ4_K = 122, kQ5_K = 123, kQ6_K = 124;         // kquant.py's (csrc/quant_gemm_kq.h)
 constexpr int64_t kLanes = 16;                                   // rows per panel
+
+constexpr bool is_kq(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -78,11 +81,53 @@ void dequantize_row(const uint8_t* panel, int64_t nb, int64_t bb, int64_t qtype,
   }
 }
 
+// One row (panel lane `lane`) of nsb K-quant super-blocks of `bb` bytes each (quant_gemm_kq.h's
+// layout) -> out[nsb * 256], each weight formed as gguf's numpy dequantize does: (d sc) q - dmin m,
+// Q6_K (d sc)(q - 32).
+void dequantize_kq_row(const uint8_t* panel, int64_t nsb, int64_t bb, int64_t qtype, int64_t lane, float* out) {
+  const int64_t nibbles = qtype == kQ4_K ? 320 : qtype == kQ5_K ? 832 : 1312;
+  for (int64_t sb = 0; sb < nsb; ++sb, out += 256) {
+    const uint8_t* s = panel + sb * bb;
+    const float d = half_at(s + 2 * lane);
+    for (int64_t b = 0; b < 8; ++b) {
+      for (int64_t half = 0; half < 2; ++half) {
+        float scale, min = 0.0f;
+        if (qtype == kQ6_K) {
+          scale = d * static_cast<float>(static_cast<int8_t>(s[32 + (2 * b + half) * kLanes + lane]));
+        } else {
+          scale = d * static_cast<float>(s[64 + b * kLanes + lane]);
+          min = half_at(s + 32 + 2 * lane) * static_cast<float>(s[192 + b * kLanes + lane]);
+        }
+        for (int64_t g = 0; g < 4; ++g) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const int64_t at = g * 64 + lane * 4 + i;  // [group][row][4 bytes]
+            const uint8_t byte = s[nibbles + b * 256 + at];
+            int32_t q = half != 0 ? byte >> 4 : byte & 15;
+            float w;
+            if (qtype == kQ6_K) {
+              q |= ((s[288 + (b / 2) * 256 + at] >> (4 * (b % 2) + 2 * half)) & 3) << 4;
+              w = scale * static_cast<float>(q - 32);
+            } else {
+              if (qtype == kQ5_K) q |= ((s[320 + (b / 4) * 256 + at] >> (2 * (b % 4) + half)) & 1) << 4;
+              const float scaled = scale * static_cast<float>(q);
+              w = scaled - min;
+            }
+            out[b * 32 + half * 16 + g * 4 + i] = w;
+          }
+        }
+      }
+    }
+  }
+}
+
 at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Tensor& ids) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous(), "quant_rows_cpu: contiguous uint8 panels [P, nb, block bytes] expected");
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQX, "quant_rows_cpu: qtype ", qtype);
-  const int64_t block_bytes = qtype == kQ4_0 ? 32 + 256 : qtype == kQ4_1 ? 64 + 256 : qtype == kQ8_0 ? 32 + 512 : 768;
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQX || is_kq(qtype),
+              "quant_rows_cpu: qtype ", qtype);
+  const int64_t block_bytes = qtype == kQ4_0 ? 32 + 256 : qtype == kQ4_1 ? 64 + 256 : qtype == kQ8_0 ? 32 + 512
+                              : qtype == kQ4_K ? 2368 : qtype == kQ5_K ? 2880 : qtype == kQ6_K ? 3360 : 768;
+  const int64_t block_k = is_kq(qtype) ? 256 : 32;  // K-quants: 256-wide super-blocks
   TORCH_CHECK(packed.size(2) == block_bytes, "quant_rows_cpu: ", packed.size(2), " bytes a block for type ", qtype);
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "quant_rows_cpu: int64 CPU ids expected");
   const at::Tensor flat = ids.reshape(-1).contiguous();
@@ -91,14 +136,18 @@ at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Ten
   for (int64_t t = 0; t < num; ++t) {
     TORCH_CHECK(id[t] >= 0 && id[t] < num_panels * kLanes, "quant_rows_cpu: row ", id[t], " out of range");
   }
-  at::Tensor out = at::empty({num, nb * 32}, packed.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({num, nb * block_k}, packed.options().dtype(at::kFloat));
   const uint8_t* base = packed.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
   // ~1 us a row of 576: a prompt of a few thousand tokens is worth the threads
   parallel_for(0, num, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      dequantize_row(base + (id[t] / kLanes) * nb * block_bytes, nb, block_bytes, qtype, id[t] % kLanes,
-                     dst + t * nb * 32);
+      const uint8_t* panel = base + (id[t] / kLanes) * nb * block_bytes;
+      if (is_kq(qtype)) {
+        dequantize_kq_row(panel, nb, block_bytes, qtype, id[t] % kLanes, dst + t * nb * block_k);
+      } else {
+        dequantize_row(panel, nb, block_bytes, qtype, id[t] % kLanes, dst + t * nb * 32);
+      }
     }
   });
   return out;

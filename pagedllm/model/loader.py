@@ -355,6 +355,9 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         for file in files:  # headers only: before any tensor is read
             checkpoint_validate.check_safetensors(file)
         weights = _iter_safetensors(files)
+    if quant_activations == "int8":  # K-quants then repack straight into the int8 kernel's layout
+        for param in model.parameters():
+            quantized.mark_int8_activations(param)
     try:
         loaded = model.load_weights(weights)
     except KeyError as e:
@@ -384,9 +387,10 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
 
 def use_int8_activations(model: nn.Module) -> int:
     """Switch every linear's Q8_0 / Q4_0 / Q4_1 weight to the int8-activation kernel (``--quant-activations
-    int8``); the number switched. The rest keep the float32-activation path, with a log line: K-quant and
-    bf16 weights, float weights, MoE experts, and the embedding and LM head (the lookup reads the
-    table's rows as they are; the logits keep float32 activations)."""
+    int8``; K-quant weights took it at load, ``quantized.mark_int8_activations``, and count as switched); the
+    number switched. The rest keep the float32-activation path, with a log line: bf16 weights, float
+    weights, Q4_0 / Q4_1 / Q8_0 MoE experts and embedding / LM head tables (K-quant ones take the K-quant
+    kernel)."""
     from pagedllm.model.layers.linear import LinearBase
 
     switched, kept = 0, 0
@@ -400,11 +404,11 @@ def use_int8_activations(model: nn.Module) -> int:
             kept += 1
     if switched == 0:
         reason = ("the int8 kernel is unavailable here" if not quantized.int8_kernel_available()
-                  else "no linear has a Q8_0, Q4_0 or Q4_1 weight")
+                  else "no linear has a Q8_0, Q4_0, Q4_1 or K-quant weight")
         logger.warning("--quant-activations int8: no linear switched (%s); activations stay float32", reason)
     else:
         logger.info("--quant-activations int8: %d linears take int8 activations, %d keep float32 (not Q8_0 / "
-                    "Q4_0 / Q4_1); the embedding and LM head keep float32", switched, kept)
+                    "Q4_0 / Q4_1 / K-quant)", switched, kept)
     return switched
 
 

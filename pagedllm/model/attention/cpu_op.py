@@ -13,7 +13,8 @@ ops of ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, rotary, SiLU-and-m
 ``pagedllm.model.layers.cpu_fused`` uses, and the packed small-row GEMM of ``csrc/cpu_gemm*.cpp``
 (``gemm_packed_cpu``), which ``pagedllm.model.layers.cpu_gemm`` uses, and the GEMM on GGUF-quantized weights of
 ``csrc/quant_gemm*.cpp`` (``quant_gemm_cpu``; bfloat16 weights too, ``csrc/bf16_gemm*``; int8 activations,
-``csrc/quant_gemm_int8*``, with ``quantize_act_cpu``), which ``pagedllm.model.layers.quantized`` uses, and
+``csrc/quant_gemm_int8*``, with ``quantize_act_cpu``; K-quants at their file size, ``csrc/quant_gemm_kq*``),
+which ``pagedllm.model.layers.quantized`` uses, and
 ``decoder_layers_cpu`` (``csrc/decoder_layer.cpp``: every decoder layer of a step in one call, over those ops),
 which ``pagedllm.model.layers.fused_decoder`` uses, and ``quant_rows_cpu`` / ``argmax_rows_cpu``
 (``csrc/step_ops.cpp``: the quantized embedding lookup and the greedy argmax, one call each), and
@@ -48,11 +49,13 @@ SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attentio
            "cpu_gemm_op.cpp", "cpu_gemm_avx2.cpp", "cpu_gemm_avx512.cpp", "greedy_select.cpp",
            "thread_pool.cpp", "quant_gemm_op.cpp", "quant_gemm_avx2.cpp", "quant_gemm_avx512.cpp",
            "quant_gemm_int8_avx2.cpp", "quant_gemm_int8_avx512.cpp",
+           "quant_gemm_kq_avx2.cpp", "quant_gemm_kq_avx512.cpp",
            "decoder_layer.cpp", "bf16_gemm_op.cpp", "bf16_gemm_avx2.cpp", "bf16_gemm_avx512.cpp", "step_ops.cpp",
            "lora_sgmv_op.cpp", "lora_sgmv_avx2.cpp", "lora_sgmv_avx512.cpp")
 HEADERS = ("fused_ops.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
            "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "quant_gemm_int8.h",
-           "quant_gemm_int8_kernel.h", "bf16_gemm.h", "bf16_gemm_kernel.h",
+           "quant_gemm_int8_kernel.h", "int8_simd_avx2.h", "int8_simd_avx512.h", "quant_gemm_kq.h",
+           "quant_gemm_kq_kernel.h", "panel_tiles.h", "bf16_gemm.h", "bf16_gemm_kernel.h",
            "lora_sgmv.h", "lora_sgmv_kernel.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile

@@ -264,7 +264,7 @@ def _finalize_stacked(param: nn.Parameter, staged: dict[int, list]) -> list[Quan
         for expert in range(num_experts):
             shards = staged[expert]
             raw = torch.cat([t.raw for _, t in shards]) if len(shards) > 1 else shards[0][1].raw
-            weights.append(QuantizedWeight(qtype, raw, k))
+            weights.append(QuantizedWeight(qtype, raw, k, param.__dict__.get("int8_activations", False)))
             staged[expert] = []  # the GGUF bytes go as soon as they are repacked
         param.data = torch.empty(num_experts, rows, 0)
         return weights

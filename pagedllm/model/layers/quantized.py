@@ -33,6 +33,10 @@ reordered in place (``to_int8_layout``, csrc/quant_gemm_int8.h), and the op quan
 Where the compiled op is unavailable (not built, ``PAGEDLLM_DISABLE_CPU_OP=1``, no AVX2 + FMA +
 F16C), ``finalize`` dequantizes the staged rows into the float parameter instead, with a log line:
 the model then runs today's float32 path, just as ``--gguf-dequantize`` would.
+
+With int8 activations the K-quants skip the expansion: the loader marks each parameter
+(``mark_int8_activations``) before the weights load, and ``stage`` repacks a marked K-quant weight
+straight into the int8 kernel's file-size layout (``kquant.py``, csrc/quant_gemm_kq.h).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.model.layers import kquant
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +217,8 @@ def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torc
     op = _rows_op()
     if op is not None and qtype != BF16_KERNEL and packed.is_cpu and ids.is_cpu and ids.dtype == torch.int64:
         return op(packed, qtype, ids)  # (the op has no bf16 form: those rows take the torch one)
+    if qtype in kquant.GGUF_TYPE:
+        return kquant.rows(qtype, packed, ids)
     return dequantize_rows_torch(qtype, packed, ids)
 
 
@@ -312,11 +319,15 @@ class QuantizedWeight:
 
     __slots__ = ("qtype", "kernel_type", "packed", "n", "k", "isa", "_op")
 
-    def __init__(self, qtype: int, raw: torch.Tensor, k: int) -> None:
+    def __init__(self, qtype: int, raw: torch.Tensor, k: int, int8_activations: bool = False) -> None:
         if not kernel_available():  # loads the library, which registers the op
             raise RuntimeError("the compiled quantized kernel is unavailable here (see cpu_op.unavailable_reason())")
         self.qtype, self.kernel_type, self.n, self.k = qtype, KERNEL_TYPE[qtype], raw.shape[0], k
-        self.packed = repack(qtype, raw)
+        if int8_activations and qtype in kquant.KERNEL_TYPE and int8_kernel_available():
+            self.kernel_type = kquant.KERNEL_TYPE[qtype]  # at the file's size, never expanded (kquant.py)
+            self.packed = kquant.repack(qtype, raw)
+        else:
+            self.packed = repack(qtype, raw)
         self.isa = kernel_isa()
         overload = torch.ops.pagedllm.quant_gemm_cpu.default
         self._op = getattr(overload, "_op", overload)  # the C++ callable, without OpOverload's wrapper
@@ -343,7 +354,10 @@ class QuantizedWeight:
     def use_int8_activations(self) -> bool:
         """Switch this weight to the int8-activation kernel (its panels reordered in place): every later
         ``matmul`` quantizes x per 32-block to int8. False, and nothing changed, for a type it lacks
-        (the K-quants' QX, bf16) or where the kernel does not run."""
+        (the K-quants' QX, bf16) or where the kernel does not run. A K-quant weight built with
+        ``int8_activations`` already is in its int8 layout: True."""
+        if self.kernel_type in kquant.GGUF_TYPE:  # a K-quant that took its int8 layout at construction
+            return True
         target = INT8_KERNEL_TYPE.get(self.kernel_type)
         if target is None or not int8_kernel_available():
             return False
@@ -368,7 +382,8 @@ def stage(param: nn.Parameter, row_offset: int, loaded: QuantTensor) -> None:
         return
     qtype = _repackable(param, shards)
     if qtype is not None:
-        param.__dict__["quant_ready"] = QuantizedWeight(qtype, _joined(shards), param.shape[1])
+        param.__dict__["quant_ready"] = QuantizedWeight(qtype, _joined(shards), param.shape[1],
+                                                        param.__dict__.get("int8_activations", False))
         del param.__dict__["quant_shards"]
 
 
@@ -388,6 +403,11 @@ def _repackable(param: nn.Parameter, shards: list) -> int | None:
 
 def _joined(shards: list) -> torch.Tensor:
     return torch.cat([s[1].raw for s in shards]) if len(shards) > 1 else shards[0][1].raw
+
+
+def mark_int8_activations(param: nn.Parameter) -> None:
+    """Have ``stage`` build ``param``'s K-quant weight in the int8-activation layout (``kquant.py``)."""
+    param.__dict__["int8_activations"] = True
 
 
 def finalize(param: nn.Parameter) -> QuantizedWeight | None:
@@ -412,7 +432,7 @@ def finalize(param: nn.Parameter) -> QuantizedWeight | None:
         param.data.copy_(whole.rows(torch.arange(rows)))
     qtype = _repackable(param, shards)
     if qtype is not None:
-        quant = QuantizedWeight(qtype, _joined(shards), param.shape[1])
+        quant = QuantizedWeight(qtype, _joined(shards), param.shape[1], param.__dict__.get("int8_activations", False))
         param.data = torch.empty(rows, 0)
         param.quant = quant
         return quant

@@ -1,0 +1,192 @@
+// The K-quant int8-activation panel kernel shared by the ISA files (quant_gemm_kq.h has the layout).
+// Each file includes its int8_simd_*.h first: the helpers of quant_gemm_int8_kernel.h plus
+//   load_u8 / load_i8(p, v)   vector v of 16 bytes at p widened to int32 (a panel's 16 rows' scales)
+//   ibytes, iand, ior, shl16<N>, shr16<N>   bytes set, bitwise ops, 16-bit lane shifts
+// x's rows go in tiles, panels, then blocks of at most MAXR rows (panel_tiles.h), each row's float sums kept in
+// registers over the whole K in one fixed order (super-block, then 32-block): a row's result does not
+// depend on how many rows share the call. Integer sums go in S independent chains (exact, so their
+// number, which follows the block's row count, changes nothing).
+#include <cstring>
+
+#include "panel_tiles.h"
+
+namespace pagedllm {
+namespace quant {
+namespace {
+
+template <int MR>
+constexpr int kq_split() { return MR == 1 ? 4 : MR == 2 ? 2 : 1; }
+
+// Bit P of each byte of h moved to bit 4 (mask 0x10, one bit) or P..P+1 to 4..5 (mask 0x30).
+template <int P>
+inline vi bits_to_4(vi h, int8_t mask) {
+  if constexpr (P < 4) {
+    return iand(shl16<4 - P>(h), ibytes(mask));
+  } else if constexpr (P > 4) {
+    return iand(shr16<P - 4>(h), ibytes(mask));
+  } else {
+    return iand(h, ibytes(mask));
+  }
+}
+
+// The 32-block u of a Q5_K quad / Q6_K pair: its low and high 16 k's upper bits, in place at bit 4.
+template <int QT, int U>
+inline void add_high_bits(vi h, vi& lo, vi& hi) {
+  if constexpr (QT == kQ5_K_I8) {
+    lo = ior(lo, bits_to_4<2 * U>(h, 0x10));
+    hi = ior(hi, bits_to_4<2 * U + 1>(h, 0x10));
+  } else {
+    lo = ior(lo, bits_to_4<4 * U>(h, 0x30));
+    hi = ior(hi, bits_to_4<4 * U + 2>(h, 0x30));
+  }
+}
+
+template <int QT>
+struct KQOffsets {  // byte offsets inside one panel's super-block (quant_gemm_kq.h)
+  static constexpr int64_t kScales = QT == kQ6_K_I8 ? 32 : 64;
+  static constexpr int64_t kMins = 192;
+  static constexpr int64_t kHigh = QT == kQ6_K_I8 ? 288 : 320;
+  static constexpr int64_t kNibbles = QT == kQ4_K_I8 ? 320 : QT == kQ5_K_I8 ? 832 : 1312;
+};
+
+// One 32-block b of super-block `sb` for MR rows: the integer sums of its low and high 16 k's.
+template <int QT, int B, int MR, int S>
+inline void kq_block_sums(const uint8_t* __restrict sbp, const int8_t* __restrict x, int64_t k,
+                          vi (&isum)[S][MR][NV]) {
+  using O = KQOffsets<QT>;
+  const uint8_t* q = sbp + O::kNibbles + B * 256;
+  const uint8_t* hb = QT == kQ5_K_I8 ? sbp + O::kHigh + (B / 4) * 256 : sbp + O::kHigh + (B / 2) * 256;
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    // Q6_K keeps its two 16-blocks apart (their scales differ); Q4_K / Q5_K spread them over S chains
+    const int s0 = QT == kQ6_K_I8 ? 0 : (2 * g) % S, s1 = QT == kQ6_K_I8 ? 1 : (2 * g + 1) % S;
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const vi w = load_w(q + g * 64, v);
+      vi lo = lo_nib(w), hi = hi_nib(w);
+      if constexpr (QT != kQ4_K_I8) add_high_bits<QT, QT == kQ5_K_I8 ? B % 4 : B % 2>(load_w(hb + g * 64, v), lo, hi);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        isum[s0][r][v] = dot_u(isum[s0][r][v], lo, bcast4(x + r * k + B * 32 + 4 * g));
+        isum[s1][r][v] = dot_u(isum[s1][r][v], hi, bcast4(x + r * k + B * 32 + 16 + 4 * g));
+      }
+    }
+  }
+}
+
+template <int QT, int B, int MR, int S>
+inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row0, int64_t sb, vf (&acc)[MR][NV]) {
+  using O = KQOffsets<QT>;
+  const int64_t k = a.k, nb = k / 32, b = sb * 8 + B;
+  const int8_t* x = a.xq + row0 * k + sb * kSuperK;
+  vi isum[S][MR][NV];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) {
+        // Q6_K's - 32 comes out up front: each 16-block's chain starts at -32 sx16
+        const int32_t start = QT == kQ6_K_I8 ? -32 * a.xs16[(row0 + r) * (nb * 2) + 2 * b + s] : 0;
+        isum[s][r][v] = start != 0 ? iset1(start) : izero();
+      }
+  kq_block_sums<QT, B, MR, S>(sbp, x, k, isum);
+#pragma GCC unroll 2
+  for (int v = 0; v < NV; ++v) {
+    const vf d = load_f16(sbp, v);
+    if constexpr (QT == kQ6_K_I8) {
+      const vf scale0 = vmul(d, vcvt(load_i8(sbp + O::kScales + (2 * B) * 16, v)));  // d sc, exact in float32
+      const vf scale1 = vmul(d, vcvt(load_i8(sbp + O::kScales + (2 * B + 1) * 16, v)));
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const vf dx = vset1(a.xd[(row0 + r) * nb + b]);
+        acc[r][v] = vfma(vcvt(isum[0][r][v]), vmul(scale0, dx), acc[r][v]);
+        acc[r][v] = vfma(vcvt(isum[1][r][v]), vmul(scale1, dx), acc[r][v]);
+      }
+    } else {
+      const vf scale = vmul(d, vcvt(load_u8(sbp + O::kScales + B * 16, v)));
+      const vf min = vmul(load_f16(sbp + 32, v), vcvt(load_u8(sbp + O::kMins + B * 16, v)));  // dmin m
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        vi total = isum[0][r][v];
+#pragma GCC unroll 4
+        for (int s = 1; s < S; ++s) total = iadd(total, isum[s][r][v]);
+        const float dx = a.xd[(row0 + r) * nb + b];
+        acc[r][v] = vfma(vcvt(total), vmul(scale, vset1(dx)), acc[r][v]);
+        acc[r][v] = vfma(min, vset1(-dx * static_cast<float>(a.xs[(row0 + r) * nb + b])), acc[r][v]);
+      }
+    }
+  }
+}
+
+template <int QT, int MR, int S = QT == kQ6_K_I8 ? 2 : kq_split<MR>()>
+void micro_kq(const KQArgs& a, const uint8_t* __restrict panel, int64_t row0, float* __restrict y, const float* bias,
+              int cols) {
+  constexpr int64_t BB = kq_block_bytes(QT);
+  const int64_t nsb = a.k / kSuperK;
+  vf acc[MR][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* sbp = panel + sb * BB;
+    for (int64_t line = 0; line < BB; line += 64)  // the next super-block, whole
+      _mm_prefetch(reinterpret_cast<const char*>(sbp + BB + line), _MM_HINT_T0);
+    kq_block<QT, 0, MR, S>(sbp, a, row0, sb, acc);
+    kq_block<QT, 1, MR, S>(sbp, a, row0, sb, acc);
+    kq_block<QT, 2, MR, S>(sbp, a, row0, sb, acc);
+    kq_block<QT, 3, MR, S>(sbp, a, row0, sb, acc);
+    kq_block<QT, 4, MR, S>(sbp, a, row0, sb, acc);
+    kq_block<QT, 5, MR, S>(sbp, a, row0, sb, acc);
+    kq_block<QT, 6, MR, S>(sbp, a, row0, sb, acc);
+    kq_block<QT, 7, MR, S>(sbp, a, row0, sb, acc);
+  }
+  alignas(64) float row[16];
+  alignas(64) float padded_bias[16];
+  if (bias != nullptr && cols < 16) {  // never read past the end of bias
+    std::memset(padded_bias, 0, sizeof(padded_bias));
+    std::memcpy(padded_bias, bias, sizeof(float) * cols);
+    bias = padded_bias;
+  }
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      vf out = acc[r][v];
+      if (bias != nullptr) out = vadd(out, vload(bias + v * VW));
+      if (cols == 16) {
+        vstore(y + r * a.ldy + v * VW, out);
+      } else {
+        vstore(row + v * VW, out);
+      }
+    }
+    if (cols < 16) std::memcpy(y + r * a.ldy, row, sizeof(float) * cols);
+  }
+}
+
+using MicroKQFn = void (*)(const KQArgs&, const uint8_t*, int64_t, float*, const float*, int);
+
+template <int QT, int... R>
+void kq_panels_for(const KQArgs& a, int64_t p_begin, int64_t p_end) {
+  static constexpr MicroKQFn table[] = {nullptr, &micro_kq<QT, R>...};
+  const int64_t panel_bytes = (a.k / kSuperK) * kq_block_bytes(QT);
+  for_panel_row_blocks<sizeof...(R)>(a.m, a.k, p_begin, p_end, [&](int64_t p, int64_t row, int64_t rows) {
+    const int64_t col = p * 16;
+    const int cols = static_cast<int>(a.n - col < 16 ? a.n - col : 16);
+    table[rows](a, a.packed + p * panel_bytes, row, a.y + row * a.ldy + col, a.bias != nullptr ? a.bias + col : nullptr,
+                cols);
+  });
+}
+
+template <int... R>
+void kq_panels_dispatch(const KQArgs& a, int64_t p_begin, int64_t p_end) {
+  switch (a.qtype) {
+    case kQ4_K_I8: kq_panels_for<kQ4_K_I8, R...>(a, p_begin, p_end); break;
+    case kQ5_K_I8: kq_panels_for<kQ5_K_I8, R...>(a, p_begin, p_end); break;
+    case kQ6_K_I8: kq_panels_for<kQ6_K_I8, R...>(a, p_begin, p_end); break;
+  }
+}
+
+}  // namespace
+}  // namespace quant
+}  // namespace pagedllm
