@@ -16,11 +16,18 @@ from pagedllm.engine.generation_defaults import read_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineStatsMsg
 from pagedllm.lora.request import LoRARequest
+from pagedllm.config.embedder import EmbedderConfig, read_embedder_config
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.interface import eos_token_ids_of
 
 logger = logging.getLogger(__name__)
+
+
+def embedder_config(engine_args: EngineArgs, model_path: str) -> EmbedderConfig | None:
+    """The model's pooling as its front end applies it (runner 'pooling'); None when it generates."""
+    return read_embedder_config(model_path, is_decoder=True) if engine_args.runner == "pooling" else None
 
 
 class LLMEngine:
@@ -39,7 +46,8 @@ class LLMEngine:
                                      eos_token_ids_of(self.hf_config, self.tokenizer),
                                      limits=self.engine_args.request_limits(),
                                      scheduling_policy=self.engine_args.scheduling_policy,
-                                     lora_config=self.engine_args.lora_config())
+                                     lora_config=self.engine_args.lora_config(),
+                                     embedder=embedder_config(self.engine_args, loaded.model_path))
         self.generation_defaults = read_generation_defaults(loaded.model_path)
         """Sampling fields of the model's generation_config.json: the defaults of a request given no params."""
 
@@ -60,6 +68,14 @@ class LLMEngine:
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise)."""
         self.frontend.add_request(request_id, prompt, params if params is not None else self.default_sampling_params(),
                                   cache_salt, stream, priority, lora_request)
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
+                            priority: int = 0, prompt_name: str | None = None) -> None:
+        """Queue an embedding request (runner 'pooling'); raises InvalidRequestError (nothing queued) if it
+        is malformed. `prompt_name`: one of the model's sentence-transformers prompts (default: its
+        default_prompt_name) put before a text input."""
+        self.frontend.add_pooling_request(request_id, prompt, params if params is not None else PoolingParams(),
+                                          priority=priority, prompt_name=prompt_name)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of the requests it touched."""

@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.errors import ModelLoadError
 from pagedllm.model.layers.rotary import limit_rotary_positions
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
@@ -24,6 +25,23 @@ def make_lora_manager(model, config):
     return LoRAManager(model, config.max_loras, config.max_lora_rank, config.num_cpu_loras)
 
 
+def make_pooling_runner(loaded, runner: str, device: torch.device):
+    """The PoolingRunner of a model served with runner 'pooling'; None for 'generate' (which a head-less
+    checkpoint cannot serve: ModelLoadError)."""
+    if runner != "pooling":
+        if not getattr(loaded.model, "has_lm_head", True):
+            raise ModelLoadError(f"{loaded.model_path} is a {type(loaded.model).__name__} checkpoint, without a "
+                                 f"language-model head: it cannot generate; load it with runner='pooling' "
+                                 f"(--runner pooling) to embed with it")
+        return None
+    from pagedllm.model.layers.pooler import Pooler
+    from pagedllm.config.embedder import read_embedder_config
+    from pagedllm.worker.pooling import PoolingRunner
+
+    config = read_embedder_config(loaded.model_path, is_decoder=True)
+    return PoolingRunner(Pooler(config, loaded.hf_config.hidden_size).to(device))
+
+
 class UniprocExecutor(Executor):
     """The whole model in this process."""
 
@@ -37,6 +55,8 @@ class UniprocExecutor(Executor):
                                  gguf_dequantize=engine_args.gguf_dequantize, quantization=engine_args.quantization,
                                  quant_activations=engine_args.quant_activations)
         self.model_info = ModelInfo.from_loaded(self.loaded)
+        self.pooling = make_pooling_runner(self.loaded, engine_args.runner, device)
+        """The pooling head (runner 'pooling'), built before the KV cache is sized; None when generating."""
         self.lora = make_lora_manager(self.loaded.model, engine_args.lora_config())
         """The LoRA adapters' slots, made before CUDA profiling so the KV cache leaves room for them."""
         speculative = engine_args.speculative()
@@ -73,7 +93,7 @@ class UniprocExecutor(Executor):
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             cuda_graphs=None if args.enforce_eager else scheduler_config, load_tokenizer=lambda: self.loaded.tokenizer,
-            draft=draft, lora=self.lora, batch_invariant=args.batch_invariant,
+            draft=draft, lora=self.lora, batch_invariant=args.batch_invariant, pooling=self.pooling,
         )
         # a draft model reads the same block tables, so its layers must share the window too
         window = shared_sliding_window(model, *([self.draft_loaded.model] if self.draft_loaded is not None else []))
