@@ -113,6 +113,11 @@ def default_pooling(is_decoder: bool) -> EmbedderConfig:
     return EmbedderConfig(("lasttoken",), normalize=True) if is_decoder else EmbedderConfig(("mean",))
 
 
+def embedder_for(runner: str, model_path: str) -> EmbedderConfig | None:
+    """The pooling a front end applies for an engine of `runner`: the model's (runner 'pooling'), else None."""
+    return read_embedder_config(model_path, is_decoder=True) if runner == "pooling" else None
+
+
 def read_embedder_config(model_dir: str | Path, is_decoder: bool) -> EmbedderConfig:
     """The EmbedderConfig of `model_dir`; ModelLoadError naming the file or module it cannot follow."""
     root = Path(model_dir)

@@ -16,18 +16,13 @@ from pagedllm.engine.generation_defaults import read_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineStatsMsg
 from pagedllm.lora.request import LoRARequest
-from pagedllm.config.embedder import EmbedderConfig, read_embedder_config
+from pagedllm.config.embedder import embedder_for
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.interface import eos_token_ids_of
 
 logger = logging.getLogger(__name__)
-
-
-def embedder_config(engine_args: EngineArgs, model_path: str) -> EmbedderConfig | None:
-    """The model's pooling as its front end applies it (runner 'pooling'); None when it generates."""
-    return read_embedder_config(model_path, is_decoder=True) if engine_args.runner == "pooling" else None
 
 
 class LLMEngine:
@@ -47,7 +42,7 @@ class LLMEngine:
                                      limits=self.engine_args.request_limits(),
                                      scheduling_policy=self.engine_args.scheduling_policy,
                                      lora_config=self.engine_args.lora_config(),
-                                     embedder=embedder_config(self.engine_args, loaded.model_path))
+                                     embedder=embedder_for(self.engine_args.runner, loaded.model_path))
         self.generation_defaults = read_generation_defaults(loaded.model_path)
         """Sampling fields of the model's generation_config.json: the defaults of a request given no params."""
 
