@@ -25,6 +25,9 @@ class PoolingParams:
     state (mean, max, CLS, ...), so a prefix-cache hit cannot stand in for computing it. Last-token
     pooling reads the last position only, which the prefix cache never serves."""
 
+    token_type_ids: list[int] | None = None
+    """Set by the front end for a text pair given to an encoder (BERT's segment ids); None: all 0."""
+
     def __post_init__(self) -> None:
         if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
             raise ValueError(f"dimensions must be None or an integer >= 1, got {self.dimensions!r}")

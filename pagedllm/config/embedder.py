@@ -113,15 +113,22 @@ def default_pooling(is_decoder: bool) -> EmbedderConfig:
     return EmbedderConfig(("lasttoken",), normalize=True) if is_decoder else EmbedderConfig(("mean",))
 
 
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+"""config.json model_types read as bidirectional encoders (model/bert.py)."""
+
+
 def embedder_for(runner: str, model_path: str) -> EmbedderConfig | None:
     """The pooling a front end applies for an engine of `runner`: the model's (runner 'pooling'), else None."""
-    return read_embedder_config(model_path, is_decoder=True) if runner == "pooling" else None
+    return read_embedder_config(model_path) if runner == "pooling" else None
 
 
-def read_embedder_config(model_dir: str | Path, is_decoder: bool) -> EmbedderConfig:
-    """The EmbedderConfig of `model_dir`; ModelLoadError naming the file or module it cannot follow."""
+def read_embedder_config(model_dir: str | Path, is_decoder: bool | None = None) -> EmbedderConfig:
+    """The EmbedderConfig of `model_dir`; ModelLoadError naming the file or module it cannot follow.
+    `is_decoder` None: from config.json's model_type (ENCODER_MODEL_TYPES are encoders)."""
     root = Path(model_dir)
     raw_config = _read_json(root / "config.json") if (root / "config.json").exists() else {}
+    if is_decoder is None:
+        is_decoder = raw_config.get("model_type") not in ENCODER_MODEL_TYPES
     matryoshka = _matryoshka_dimensions(raw_config)
     if not (root / "modules.json").exists():
         base = default_pooling(is_decoder)

@@ -7,6 +7,7 @@ is what only it knows: whether the KV cache and max_num_seqs can ever hold the r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -167,7 +168,7 @@ class InputProcessor:
         elif len(token_ids) > limit:
             raise InvalidRequestError(f"the input has {len(token_ids)} tokens; this model takes at most {limit}; "
                                       f"shorten it or set truncate_prompt_tokens")
-        params = PoolingParams(params.dimensions, params.truncate_prompt_tokens, embedder.needs_every_position)
+        params = dataclasses.replace(params, needs_every_position=embedder.needs_every_position)
         return text, EngineCoreRequest(req_id=req_id, prompt_token_ids=token_ids, sampling_params=_NO_SAMPLING,
                                        eos_token_ids=(), max_tokens=0, cache_salt=cache_salt, priority=priority,
                                        pooling_params=params)

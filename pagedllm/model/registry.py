@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.base_model import base_model_of
+from pagedllm.model.bert import BertModel, RobertaModel
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -29,6 +30,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaModel": base_model_of(LlamaForCausalLM),
     "Qwen2Model": base_model_of(LlamaForCausalLM),
     "Qwen3Model": base_model_of(Qwen3ForCausalLM),
+    # encoders (bidirectional, no KV cache): pooling only
+    "BertModel": BertModel,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaModel": RobertaModel,
 }
 
 
@@ -62,6 +67,9 @@ VERIFIED_BY: dict[str, str] = {
     **{arch: "pooled vectors equal to sentence-transformers' (cosine > 0.9999, max abs diff < 1e-4) for mean and "
              "last-token pooling, Dense and Normalize, chunked prefill (tests/engine/test_embeddings.py)"
        for arch in ("LlamaModel", "Qwen2Model", "Qwen3Model")},
+    **{arch: "pooled vectors equal to sentence-transformers' (cosine > 0.9999, max abs diff < 1e-4) for CLS and "
+             "mean pooling on ragged batches (tests/engine/test_encoders.py)"
+       for arch in ("BertModel", "RobertaModel", "XLMRobertaModel")},
 }
 
 

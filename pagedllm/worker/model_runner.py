@@ -269,6 +269,8 @@ class ModelRunner:
     def _execute(self, states: list[RunnerRequestState], num_scheduled: list[int]) -> ModelRunnerOutput:
         """Forward, sample, and only then append the sampled tokens (so a failure changes nothing). The
         computed counts move on with the scheduler's next CachedRequestData."""
+        if not getattr(self.model, "uses_kv_cache", True):  # an encoder: whole sequences, no KV
+            return self.pooling.execute_encoder(self.model, states, num_scheduled, self.device)
         input_ids, positions, metadata = self.prepare_inputs(states, num_scheduled)
         lora_rows = None if self.lora is None else self.lora.step_rows([s.lora_request for s in states], num_scheduled)
         if self.decode_graphs is not None and lora_rows is None and self.decode_graphs.can_run(metadata):

@@ -14,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.model.layers.pooler import Pooler
 
 
@@ -32,6 +33,25 @@ class PoolingRunner:
     @property
     def num_kept_requests(self) -> int:
         return len(self._pieces)
+
+    def execute_encoder(self, model, states: Sequence, num_scheduled: list[int],
+                        device: torch.device) -> ModelRunnerOutput:
+        """An encoder's step. Every token attends to every other, so a sequence runs whole, in the step
+        that schedules its last tokens (earlier chunks only take their share of the step's budget); each
+        is pooled at once. Nothing is kept between steps."""
+        output = ModelRunnerOutput(sampled_token_ids={})
+        complete = [s for s, n in zip(states, num_scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
+        if not complete:
+            return output
+        seq_lens = [len(s.token_ids) for s in complete]
+        input_ids = torch.tensor([t for s in complete for t in s.token_ids], dtype=torch.int64, device=device)
+        token_types = torch.tensor([t for s in complete for t in (s.pooling_params.token_type_ids or
+                                                                  [0] * len(s.token_ids))],
+                                   dtype=torch.int64, device=device)
+        hidden_states = model(input_ids, token_types, seq_lens)  # [num_tokens, hidden]
+        for state, rows in zip(complete, hidden_states.split(seq_lens)):
+            output.pooled[state.req_id] = self.pooler(rows, state.pooling_params.dimensions).tolist()
+        return output
 
     def collect(self, states: Sequence, num_scheduled: list[int], hidden_states: torch.Tensor,
                 pooled: dict[str, list[float]], failed: dict[str, str]) -> None:

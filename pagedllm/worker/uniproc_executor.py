@@ -38,7 +38,7 @@ def make_pooling_runner(loaded, runner: str, device: torch.device):
     from pagedllm.config.embedder import read_embedder_config
     from pagedllm.worker.pooling import PoolingRunner
 
-    config = read_embedder_config(loaded.model_path, is_decoder=True)
+    config = read_embedder_config(loaded.model_path)
     return PoolingRunner(Pooler(config, loaded.hf_config.hidden_size).to(device))
 
 
@@ -73,6 +73,8 @@ class UniprocExecutor(Executor):
         for served in (model, *([self.draft_loaded.model] if self.draft_loaded is not None else [])):
             limit_rotary_positions(served, scheduler_config.max_model_len)
         kv_dtype = resolve_kv_cache_dtype(self.engine_args.kv_cache_dtype, self.dtype, self.device)
+        if not getattr(model, "uses_kv_cache", True):
+            return self._initialize_without_kv(cache_config, scheduler_config, kv_dtype)
         self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, kv_dtype)
         draft_spec = None
         if self.draft_loaded is not None:  # the draft's cache shares the block ids, so also their element type
@@ -98,6 +100,22 @@ class UniprocExecutor(Executor):
         # a draft model reads the same block tables, so its layers must share the window too
         window = shared_sliding_window(model, *([self.draft_loaded.model] if self.draft_loaded is not None else []))
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec, sliding_window=window)
+
+    def _initialize_without_kv(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                               kv_dtype: torch.dtype) -> KVCacheInfo:
+        """An encoder keeps no K/V: the scheduler still counts its tokens in blocks (the same admission,
+        limits and metrics as a decoder), but no tensor backs them. Enough blocks for max_num_seqs
+        sequences of max_model_len, unless num_kv_blocks says otherwise."""
+        self.kv_spec = spec = KVCacheSpec(num_layers=0, num_kv_heads=0, head_dim=0, block_size=cache_config.block_size,
+                                          dtype=kv_dtype)
+        blocks_per_seq = -(-scheduler_config.max_model_len // spec.block_size)
+        num_blocks = cache_config.num_kv_blocks or scheduler_config.max_num_seqs * blocks_per_seq
+        args = self.engine_args
+        self.runner = ModelRunner(
+            self.loaded.model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks,
+            seed=args.seed, num_host_blocks=0, device=self.device, attention_backend=args.attention_backend,
+            cuda_graphs=None, batch_invariant=False, pooling=self.pooling)
+        return kv_cache_info(spec, num_blocks, 0)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"

@@ -86,3 +86,34 @@ def assert_vectors_equal(ours, reference, label: str = "") -> None:
     cosine = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
     max_diff = np.abs(ours - reference).max()
     assert cosine.min() > 0.9999 and max_diff < 1e-4, f"{label}: cosine {cosine.min():.6f}, max abs diff {max_diff:.2e}"
+
+
+WORDS = ("the quick brown fox jumps over lazy dog paged attention keeps cache in fixed size blocks what is capital "
+         "of france hello world a query document relevant answer paris berlin city river").split()
+
+
+def build_encoder_dir(path: Path, kind: str = "bert", seed: int = 0, num_labels: int | None = None) -> Path:
+    """A seeded 2-layer BERT or RoBERTa with a small WordPiece vocabulary (its own [CLS]/[SEP]); with
+    `num_labels`, the *ForSequenceClassification model (a cross-encoder)."""
+    from transformers import (AutoModel, AutoModelForSequenceClassification, BertConfig, BertTokenizerFast,
+                              RobertaConfig)
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz?.,",
+             *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(str(path / "vocab.txt"), do_lower_case=True).save_pretrained(str(path))
+    (path / "vocab.txt").exists() or None
+    common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=128, hidden_act="gelu")
+    if kind == "bert":
+        config = BertConfig(type_vocab_size=2, pad_token_id=0, **common)
+    else:  # positions from padding_idx + 1, one token type
+        config = RobertaConfig(type_vocab_size=1, pad_token_id=0, **{**common, "max_position_embeddings": 130})
+    if num_labels is not None:
+        config.num_labels = num_labels
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config) if num_labels is not None \
+        else AutoModel.from_config(config)
+    model.save_pretrained(path)
+    return path
