@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -40,3 +41,15 @@ class PoolingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's score pairing: one text_1 against each text_2, or two lists of one length pairwise."""
+    if isinstance(text_2, str):
+        text_2 = [text_2]
+    if isinstance(text_1, str):
+        return [(text_1, t) for t in text_2]
+    if len(text_1) != len(text_2):
+        raise ValueError(f"text_1 has {len(text_1)} texts and text_2 {len(text_2)}: give one text_1, or as many "
+                         f"as text_2")
+    return list(zip(text_1, text_2))

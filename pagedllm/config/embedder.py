@@ -81,6 +81,10 @@ class EmbedderConfig:
     """False: no modules.json, `default_pooling` applied."""
     hidden_size: int | None = None
     """The transformer's (config.json), when it says."""
+    score_activation: str | None = None
+    """Set for a cross-encoder (a *ForSequenceClassification model): it scores text pairs, its one logit
+    through this activation (a value of ACTIVATIONS: sentence-transformers' activation_fn, by default
+    sigmoid); None: an embedder."""
 
     @property
     def embedding_size(self) -> int | None:
@@ -129,6 +133,8 @@ def read_embedder_config(model_dir: str | Path, is_decoder: bool | None = None) 
     raw_config = _read_json(root / "config.json") if (root / "config.json").exists() else {}
     if is_decoder is None:
         is_decoder = raw_config.get("model_type") not in ENCODER_MODEL_TYPES
+    if any(str(a).endswith("ForSequenceClassification") for a in raw_config.get("architectures") or ()):
+        return _cross_encoder_config(root, raw_config)
     matryoshka = _matryoshka_dimensions(raw_config)
     if not (root / "modules.json").exists():
         base = default_pooling(is_decoder)
@@ -177,6 +183,24 @@ def read_embedder_config(model_dir: str | Path, is_decoder: bool | None = None) 
                           bool(transformer.get("do_lower_case", False)), dict(prompts), default_prompt_name,
                           st.get("similarity_fn_name"), matryoshka, from_sentence_transformers=True,
                           hidden_size=raw_config.get("hidden_size"))
+
+
+def _cross_encoder_config(root: Path, raw_config: dict) -> EmbedderConfig:
+    """A cross-encoder: one label, its logit through sentence-transformers' activation_fn (read from
+    config_sentence_transformers.json, or config.json's `sentence_transformers`; sigmoid by default)."""
+    num_labels = len(raw_config.get("id2label") or {}) or raw_config.get("num_labels", 1)
+    if num_labels != 1:
+        raise ModelLoadError(f"{root / 'config.json'}: a cross-encoder with {num_labels} labels is not supported "
+                             f"(one label, a relevance score, is)")
+    st = _read_json(root / "config_sentence_transformers.json") \
+        if (root / "config_sentence_transformers.json").exists() else {}
+    activation = st.get("activation_fn") or (raw_config.get("sentence_transformers") or {}).get("activation_fn") \
+        or "torch.nn.modules.activation.Sigmoid"
+    if activation not in ACTIVATIONS:
+        raise ModelLoadError(f"{root}: cross-encoder activation_fn {activation!r} is not supported; "
+                             f"known: {sorted(ACTIVATIONS)}")
+    return EmbedderConfig(("cls",), hidden_size=raw_config.get("hidden_size"), score_activation=ACTIVATIONS[activation],
+                          from_sentence_transformers=bool(st))
 
 
 def _read_pooling(config_path: Path) -> tuple[str, ...]:

@@ -215,7 +215,8 @@ class AsyncLLM:
         EngineDeadError when the core is gone. A refusal by the core (the request can never fit
         its KV cache) arrives on the stream. Cancelled while tokenizing, nothing is queued.
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise).
-        With PoolingParams it is an embedding request (runner 'pooling'), ending with one PoolingRequestOutput.
+        With PoolingParams it is an embedding request (runner 'pooling'), ending with one PoolingRequestOutput;
+        a (text, text_pair) tuple as its prompt is a cross-encoder's pair to score.
         """
         self._check_alive()
         if request_id in self._streams:  # an earlier stream under this id is still open
@@ -224,8 +225,9 @@ class AsyncLLM:
         self._streams[request_id] = request_stream  # holds the id (and counts as waiting) while tokenizing
         try:
             if isinstance(params, PoolingParams):
+                prompt, text_pair = prompt if isinstance(prompt, tuple) else (prompt, None)
                 text, request = await self.run_blocking(self.input_processor.process_pooling, request_id, prompt,
-                                                        params, cache_salt, priority)
+                                                        params, cache_salt, priority, None, text_pair)
             else:
                 text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
                                                         cache_salt, priority, lora_request)

@@ -62,10 +62,11 @@ class FrontendCore:
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
                             cache_salt: str | None = None, priority: int = 0,
-                            prompt_name: str | None = None) -> EngineCoreRequest:
-        """As add_request, for an embedding: the request ends with one PoolingRequestOutput."""
+                            prompt_name: str | None = None, text_pair: str | None = None) -> EngineCoreRequest:
+        """As add_request, for an embedding (or with `text_pair`, a cross-encoder's score of the pair): the
+        request ends with one PoolingRequestOutput."""
         text, request = self.input_processor.process_pooling(request_id, prompt, params, cache_salt, priority,
-                                                             prompt_name)
+                                                             prompt_name, text_pair)
         self.submit(request, text)
         return request
 

@@ -126,18 +126,25 @@ class InputProcessor:
 
     def process_pooling(self, req_id: str, prompt: PromptType, params: PoolingParams,
                         cache_salt: str | None = None, priority: int = 0,
-                        prompt_name: str | None = None) -> tuple[str | None, EngineCoreRequest]:
+                        prompt_name: str | None = None, text_pair: str | None = None) -> tuple[str | None, EngineCoreRequest]:
         """An embedding request for the core, tokenized as sentence-transformers does (the model's prompt
         prefix, lower-casing, the tokenizer's special tokens); InvalidRequestError naming what is wrong.
+        With `text_pair`, a cross-encoder's pair (`prompt`, `text_pair`), tokenized as one input with its
+        token types.
 
         A prompt longer than the model takes (max_model_len, and the model's max_seq_length) is refused
         unless `params.truncate_prompt_tokens` asks to keep its last tokens (-1: as many as fit)."""
         embedder = self.embedder
         if embedder is None:
             raise InvalidRequestError("this model is served for generation (runner 'generate'); start it with "
-                                      "runner='pooling' (--runner pooling) to compute embeddings")
+                                      "runner='pooling' (--runner pooling) to compute embeddings or scores")
         if not isinstance(params, PoolingParams):
             raise InvalidRequestError(f"pooling params must be PoolingParams, got {type(params).__name__}")
+        if text_pair is None and embedder.score_activation is not None:
+            raise InvalidRequestError("this model is a cross-encoder: it scores text pairs (LLM.score, LLM.rerank, "
+                                      "POST /v1/score, /v1/rerank) and does not embed")
+        if text_pair is not None:
+            return self._process_pair(req_id, prompt, text_pair, params, cache_salt, priority)
         self.check_priority(priority)
         try:
             embedder.check_dimensions(params.dimensions)
@@ -169,6 +176,30 @@ class InputProcessor:
             raise InvalidRequestError(f"the input has {len(token_ids)} tokens; this model takes at most {limit}; "
                                       f"shorten it or set truncate_prompt_tokens")
         params = dataclasses.replace(params, needs_every_position=embedder.needs_every_position)
+        return text, EngineCoreRequest(req_id=req_id, prompt_token_ids=token_ids, sampling_params=_NO_SAMPLING,
+                                       eos_token_ids=(), max_tokens=0, cache_salt=cache_salt, priority=priority,
+                                       pooling_params=params)
+
+    def _process_pair(self, req_id: str, text: str, text_pair: str, params: PoolingParams, cache_salt: str | None,
+                      priority: int) -> tuple[str | None, EngineCoreRequest]:
+        if self.embedder.score_activation is None:
+            raise InvalidRequestError("this model is an embedder, not a cross-encoder: it does not score text pairs")
+        if not isinstance(text, str) or not isinstance(text_pair, str):
+            raise InvalidRequestError("a scored pair is two strings")
+        if params.truncate_prompt_tokens is not None or params.dimensions is not None:
+            raise InvalidRequestError("a scored pair takes neither truncate_prompt_tokens nor dimensions")
+        self.check_priority(priority)
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; it cannot score text pairs")
+        encoded = self.tokenizer(text, text_pair)
+        token_ids = list(encoded["input_ids"])
+        limit = self.max_model_len if self.embedder.max_seq_length is None else min(
+            self.max_model_len, self.embedder.max_seq_length)
+        if len(token_ids) > limit:
+            raise InvalidRequestError(f"the pair has {len(token_ids)} tokens; this model takes at most {limit}")
+        types = encoded.get("token_type_ids")
+        params = dataclasses.replace(params, needs_every_position=True,
+                                     token_type_ids=list(types) if types is not None and any(types) else None)
         return text, EngineCoreRequest(req_id=req_id, prompt_token_ids=token_ids, sampling_params=_NO_SAMPLING,
                                        eos_token_ids=(), max_tokens=0, cache_salt=cache_salt, priority=priority,
                                        pooling_params=params)

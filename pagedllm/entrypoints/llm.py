@@ -12,7 +12,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_params import PoolingParams, score_pairs
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessages = list[dict[str, str]]
@@ -100,6 +100,27 @@ class LLM:
             raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
         return [o.data for o in outputs]
 
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              use_tqdm: bool = False) -> list[float]:
+        """A cross-encoder's relevance score of each pair, equal to sentence-transformers'
+        `CrossEncoder.predict`: `text_1` against each of `text_2` (one string: against each `text_2`;
+        two lists of one length: pairwise)."""
+        pairs = score_pairs(text_1, text_2)
+        outputs = self._run_requests(
+            [lambda request_id, a=a, b=b: self.engine.add_pooling_request(request_id, a, text_pair=b)
+             for a, b in pairs], use_tqdm, "Scoring")
+        failed = [o for o in outputs if o.data is None]
+        if failed:
+            raise RuntimeError(f"scoring request {failed[0].request_id} failed: {failed[0].error}")
+        return [o.data[0] for o in outputs]
+
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None) -> list[dict]:
+        """The documents by the cross-encoder's score for `query`, best first: {index, relevance_score,
+        document} each, the first `top_n` (default all)."""
+        scores = self.score(query, list(documents))
+        order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[:top_n]
+        return [{"index": i, "relevance_score": scores[i], "document": documents[i]} for i in order]
+
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams | Sequence[BeamSearchParams]):
         """Beam search for every prompt (one params for all, or one per prompt), beams sharing KV blocks;
@@ -178,3 +199,4 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+

@@ -172,3 +172,48 @@ class RobertaModel(BertModel):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.position_offset = config.pad_token_id + 1
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder: the encoder, then tanh(dense(first token)) and a linear classifier."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.pooler = BertPooler(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def hf_name(self, name: str) -> str | None:
+        name = name.removeprefix("bert.")
+        return None if name.endswith("position_ids") else name
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] of one sequence -> [num_labels] logits (from its first token)."""
+        return self.classifier(torch.tanh(self.pooler.dense(hidden[0])))
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """A RoBERTa / XLM-R cross-encoder: out_proj(tanh(dense(first token)))."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.classifier = RobertaClassificationHead(config)
+
+    def hf_name(self, name: str) -> str | None:
+        name = name.removeprefix("roberta.")
+        return None if name.endswith("position_ids") or name.startswith("pooler.") else name
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(hidden[0])))

@@ -9,7 +9,8 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.base_model import base_model_of
-from pagedllm.model.bert import BertModel, RobertaModel
+from pagedllm.model.bert import (BertForSequenceClassification, BertModel, RobertaForSequenceClassification,
+                                 RobertaModel)
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -34,6 +35,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "XLMRobertaModel": RobertaModel,
+    # cross-encoders: score text pairs
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
 }
 
 
@@ -70,6 +75,10 @@ VERIFIED_BY: dict[str, str] = {
     **{arch: "pooled vectors equal to sentence-transformers' (cosine > 0.9999, max abs diff < 1e-4) for CLS and "
              "mean pooling on ragged batches (tests/engine/test_encoders.py)"
        for arch in ("BertModel", "RobertaModel", "XLMRobertaModel")},
+    **{arch: "scores equal to sentence-transformers' CrossEncoder.predict (abs diff < 1e-5) on ragged pairs "
+             "(tests/engine/test_cross_encoders.py)"
+       for arch in ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                    "XLMRobertaForSequenceClassification")},
 }
 
 

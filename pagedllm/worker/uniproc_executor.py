@@ -34,11 +34,13 @@ def make_pooling_runner(loaded, runner: str, device: torch.device):
                                  f"language-model head: it cannot generate; load it with runner='pooling' "
                                  f"(--runner pooling) to embed with it")
         return None
-    from pagedllm.model.layers.pooler import Pooler
+    from pagedllm.model.layers.pooler import Pooler, ScoreHead
     from pagedllm.config.embedder import read_embedder_config
     from pagedllm.worker.pooling import PoolingRunner
 
     config = read_embedder_config(loaded.model_path)
+    if config.score_activation is not None:  # a cross-encoder
+        return PoolingRunner(ScoreHead(loaded.model, config))
     return PoolingRunner(Pooler(config, loaded.hf_config.hidden_size).to(device))
 
 

@@ -103,15 +103,16 @@ def build_encoder_dir(path: Path, kind: str = "bert", seed: int = 0, num_labels:
              *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")]
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizerFast(str(path / "vocab.txt"), do_lower_case=True).save_pretrained(str(path))
-    (path / "vocab.txt").exists() or None
     common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128, hidden_act="gelu")
     if kind == "bert":
         config = BertConfig(type_vocab_size=2, pad_token_id=0, **common)
     else:  # positions from padding_idx + 1, one token type
-        config = RobertaConfig(type_vocab_size=1, pad_token_id=0, **{**common, "max_position_embeddings": 130})
-    if num_labels is not None:
-        config.num_labels = num_labels
+        # one token type, as RoBERTa's; two for pairs, which this WordPiece tokenizer gives segment ids
+        config = RobertaConfig(type_vocab_size=1 if num_labels is None else 2, pad_token_id=0,
+                               **{**common, "max_position_embeddings": 130})
+    if num_labels is not None:  # large weights: scores far apart, so equality is not a tie of near-0.5s
+        config.num_labels, config.initializer_range = num_labels, 0.5
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config) if num_labels is not None \
         else AutoModel.from_config(config)

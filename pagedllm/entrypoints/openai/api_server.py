@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.serving_embedding import add_embedding_routes
+from pagedllm.entrypoints.openai.serving_score import add_score_routes
 from pagedllm.entrypoints.openai.tools import ToolPlan
 from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes, parse_lora_module
 from pagedllm.errors import EngineDeadError, PagedLLMError
@@ -98,6 +99,7 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
         return await create_chat_completion(request, raw_request, ctx)
 
     add_embedding_routes(app, ctx, body, require_engine)
+    add_score_routes(app, ctx, body, require_engine)
 
     @app.get("/v1/models")
     async def models():

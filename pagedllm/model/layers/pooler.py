@@ -72,6 +72,22 @@ class Pooler(nn.Module):
         return vector
 
 
+class ScoreHead(nn.Module):
+    """A cross-encoder's score: the model's classifier over a pair's hidden states, then the activation
+    sentence-transformers applies (config/embedder.py `score_activation`)."""
+
+    def __init__(self, model: nn.Module, config: EmbedderConfig) -> None:
+        super().__init__()
+        self.classify = model.classify
+        self.activation = _ACTIVATIONS[config.score_activation]()
+        self.embedding_size = 1
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, dimensions: int | None = None) -> torch.Tensor:
+        """[num_tokens, hidden] of one pair -> float32 [1]: its score."""
+        return self.activation(self.classify(hidden).float())
+
+
 def _load_dense(dense: DenseLayer) -> nn.Module:
     path = Path(dense.path)
     if (path / "model.safetensors").exists():
