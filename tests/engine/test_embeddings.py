@@ -129,3 +129,34 @@ def test_runner_mismatches_refused(decoders, last_token_model):
         generator.embed("hi")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(path), runner="pooling", tensor_parallel_size=2)
+
+
+
+def _piece_state(token_ids, start):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(req_id="r", token_ids=token_ids, num_computed_tokens=start,
+                           pooling_params=PoolingParams(needs_every_position=True))
+
+
+def test_pooling_runner_pools_each_position_once_across_chunks_and_recompute():
+    """Pieces of a prompt arrive per chunk; a preempted request's recompute (a piece starting again at an
+    earlier position) replaces what it covers, so every position is pooled exactly once; a gap fails it."""
+    import torch
+
+    from pagedllm.config.embedder import EmbedderConfig
+    from pagedllm.model.layers.pooler import Pooler
+    from pagedllm.worker.pooling import PoolingRunner
+
+    runner = PoolingRunner(Pooler(EmbedderConfig(("mean",)), hidden_size=4))
+    hidden = torch.randn(10, 4)
+    tokens = list(range(10))
+    pooled, failed = {}, {}
+    for start, end in [(0, 4), (4, 7), (0, 3), (3, 6), (6, 10)]:  # preempted after 7, recomputed from 0
+        runner.collect([_piece_state(tokens, start)], [end - start], hidden[start:end], pooled, failed)
+    assert failed == {} and runner.num_kept_requests == 0
+    torch.testing.assert_close(torch.tensor(pooled["r"]), hidden.mean(0))
+    pooled.clear()
+    for start, end in [(0, 4), (6, 10)]:  # positions 4 and 5 never arrived
+        runner.collect([_piece_state(tokens, start)], [end - start], hidden[start:end], pooled, failed)
+    assert pooled == {} and "not covering" in failed["r"]
