@@ -3,6 +3,7 @@ default model's tokenizer, saved with the Pooling / Dense / Normalize modules as
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -72,9 +73,14 @@ def save_st_model(transformer_dir: Path, out: Path, pooling_mode, dense: tuple[i
 
 def st_encode(model_dir: Path, texts: list[str], **kwargs):
     """sentence-transformers' own vectors for `texts` (float32 numpy, [len(texts), dim])."""
+    return _sentence_transformer(str(model_dir)).encode(texts, convert_to_numpy=True, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _sentence_transformer(model_dir: str):
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(model_dir), device="cpu").encode(texts, convert_to_numpy=True, **kwargs)
+    return SentenceTransformer(model_dir, device="cpu")
 
 
 def assert_vectors_equal(ours, reference, label: str = "") -> None:
