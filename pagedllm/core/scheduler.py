@@ -283,7 +283,12 @@ class Scheduler:
         """A pooling request finishes with its last prompt chunk, the step that returns its vector (the
         chunks before it return nothing); its blocks go back at once, its full blocks still cached."""
         if pooled is None:
-            assert request.num_computed_tokens < request.num_tokens, f"{request.req_id}: computed, not pooled"
+            if request.num_computed_tokens < request.num_tokens:
+                return  # a prompt chunk
+            # computed but not pooled: a runner without a pooling head; fail the request, not the engine
+            self.finish_requests([request.req_id], RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(request.req_id, [], finish_reason="abort",
+                                            error="the model runner returned no pooled vector (runner 'generate'?)"))
             return
         request.status = RequestStatus.FINISHED_STOPPED
         outputs.append(EngineCoreOutput(request.req_id, [], finish_reason="stop",
