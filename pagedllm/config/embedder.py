@@ -121,9 +121,50 @@ ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 """config.json model_types read as bidirectional encoders (model/bert.py)."""
 
 
-def embedder_for(runner: str, model_path: str) -> EmbedderConfig | None:
-    """The pooling a front end applies for an engine of `runner`: the model's (runner 'pooling'), else None."""
-    return read_embedder_config(model_path) if runner == "pooling" else None
+def embedder_for(runner: str, model_path: str, model: str | None = None) -> EmbedderConfig | None:
+    """The pooling an engine of `runner` applies: the model's (runner 'pooling'), else None. `model_path`: the
+    Hugging Face directory loaded; `model`: what the user named, whose GGUF metadata, if it is a GGUF file,
+    says the pooling when no sentence-transformers files do (llama.cpp's pooling_type; normalized, as
+    llama.cpp's embeddings are by default)."""
+    if runner != "pooling":
+        return None
+    config = read_embedder_config(model_path)
+    mode = None if config.from_sentence_transformers else gguf_pooling(model)
+    if mode is None:
+        return config
+    return EmbedderConfig((mode,), normalize=True, matryoshka_dimensions=config.matryoshka_dimensions,
+                          hidden_size=config.hidden_size)
+
+
+GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "lasttoken"}
+"""llama.cpp's `<arch>.pooling_type` values we pool by (0 is none, 4 is rank: refused)."""
+
+
+def gguf_pooling(model: str | None) -> str | None:
+    """The pooling mode a GGUF file's metadata names; None when `model` is no GGUF file or names none."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return None
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(path).fields
+        arch = fields["general.architecture"].contents()
+        field = fields.get(f"{arch}.pooling_type")
+        value = None if field is None else int(field.contents())
+    except Exception as e:  # the reader raises ValueError/IndexError/... on truncated or bad files
+        raise ModelLoadError(f"cannot read the GGUF metadata of {str(path)!r}: {e}") from e
+    if value is None:
+        return None
+    if value not in GGUF_POOLING_TYPES:
+        raise ModelLoadError(f"{path}: GGUF pooling_type {value} ({ {0: 'none', 4: 'rank'}.get(value, '?') }) is not "
+                             f"supported; mean (1), cls (2) and last (3) are")
+    return GGUF_POOLING_TYPES[value]
 
 
 def read_embedder_config(model_dir: str | Path, is_decoder: bool | None = None) -> EmbedderConfig:

@@ -193,7 +193,7 @@ class AsyncLLM:
             raise
         return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits(),
                    engine_args.scheduling_policy, engine_args.lora_config(),
-                   embedder_for(engine_args.runner, ready.model_path))
+                   embedder_for(engine_args.runner, ready.model_path, engine_args.model))
 
     @property
     def input_processor(self) -> InputProcessor:

@@ -42,7 +42,8 @@ class LLMEngine:
                                      limits=self.engine_args.request_limits(),
                                      scheduling_policy=self.engine_args.scheduling_policy,
                                      lora_config=self.engine_args.lora_config(),
-                                     embedder=embedder_for(self.engine_args.runner, loaded.model_path))
+                                     embedder=embedder_for(self.engine_args.runner, loaded.model_path,
+                                                           self.engine_args.model))
         self.generation_defaults = read_generation_defaults(loaded.model_path)
         """Sampling fields of the model's generation_config.json: the defaults of a request given no params."""
 

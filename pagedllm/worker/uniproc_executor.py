@@ -25,20 +25,20 @@ def make_lora_manager(model, config):
     return LoRAManager(model, config.max_loras, config.max_lora_rank, config.num_cpu_loras)
 
 
-def make_pooling_runner(loaded, runner: str, device: torch.device):
+def make_pooling_runner(loaded, engine_args: EngineArgs, device: torch.device):
     """The PoolingRunner of a model served with runner 'pooling'; None for 'generate' (which a head-less
     checkpoint cannot serve: ModelLoadError)."""
-    if runner != "pooling":
+    if engine_args.runner != "pooling":
         if not getattr(loaded.model, "has_lm_head", True):
             raise ModelLoadError(f"{loaded.model_path} is a {type(loaded.model).__name__} checkpoint, without a "
                                  f"language-model head: it cannot generate; load it with runner='pooling' "
                                  f"(--runner pooling) to embed with it")
         return None
     from pagedllm.model.layers.pooler import Pooler, ScoreHead
-    from pagedllm.config.embedder import read_embedder_config
+    from pagedllm.config.embedder import embedder_for
     from pagedllm.worker.pooling import PoolingRunner
 
-    config = read_embedder_config(loaded.model_path)
+    config = embedder_for(engine_args.runner, loaded.model_path, engine_args.model)
     if config.score_activation is not None:  # a cross-encoder
         return PoolingRunner(ScoreHead(loaded.model, config))
     return PoolingRunner(Pooler(config, loaded.hf_config.hidden_size).to(device))
@@ -57,7 +57,7 @@ class UniprocExecutor(Executor):
                                  gguf_dequantize=engine_args.gguf_dequantize, quantization=engine_args.quantization,
                                  quant_activations=engine_args.quant_activations)
         self.model_info = ModelInfo.from_loaded(self.loaded)
-        self.pooling = make_pooling_runner(self.loaded, engine_args.runner, device)
+        self.pooling = make_pooling_runner(self.loaded, engine_args, device)
         """The pooling head (runner 'pooling'), built before the KV cache is sized; None when generating."""
         self.lora = make_lora_manager(self.loaded.model, engine_args.lora_config())
         """The LoRA adapters' slots, made before CUDA profiling so the KV cache leaves room for them."""
