@@ -37,6 +37,21 @@ def build_decoder_dir(path: Path, kind: str, seed: int = 0) -> Path:
     return path
 
 
+def append_eos_in_post_processor(model_dir: Path, eos: str = "<|endoftext|>") -> int:
+    """Make the tokenizer append `eos` to every text (as Qwen3-Embedding's does); returns its id."""
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    eos_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == eos)
+    sequence = {"Sequence": {"id": "A", "type_id": 0}}
+    special = {"SpecialToken": {"id": eos, "type_id": 0}}
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing", "single": [sequence, special],
+        "pair": [sequence, {"Sequence": {"id": "B", "type_id": 1}}, special],
+        "special_tokens": {eos: {"id": eos, "ids": [eos_id], "tokens": [eos]}}}
+    path.write_text(json.dumps(tokenizer))
+    return eos_id
+
+
 def save_st_model(transformer_dir: Path, out: Path, pooling_mode, dense: tuple[int, str] | None = None,
                   normalize: bool = True, legacy_pooling: bool = False, prompts: dict | None = None,
                   default_prompt_name: str | None = None, seed: int = 1) -> Path:

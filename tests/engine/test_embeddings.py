@@ -13,7 +13,8 @@ import pytest
 from pagedllm import LLM
 from pagedllm.errors import InvalidRequestError, ModelLoadError
 from pagedllm.pooling_params import PoolingParams
-from tests.engine.st_models import assert_vectors_equal, build_decoder_dir, save_st_model, st_encode
+from tests.engine.st_models import (append_eos_in_post_processor, assert_vectors_equal, build_decoder_dir,
+                                    save_st_model, st_encode)
 
 TEXTS = ["hello world", "a", "Paged attention keeps the KV cache in fixed-size blocks. " * 8,
          "What is the capital of France?", "x y z " * 5]
@@ -69,6 +70,16 @@ def test_token_ids_and_last_token_prefix_cache(last_token_model):
     assert outputs[0].num_cached_tokens >= 16 and llm.engine.stats().prefix_cache_hits > hits_before
     assert_vectors_equal([outputs[0].embedding], reference[2:3], "prefix-cache hit")
     assert llm.engine.core.check_kv_leaks() == []
+
+
+def test_eos_appended_by_the_tokenizer_is_pooled(decoders, tmp_path):
+    """A tokenizer whose post-processor appends EOS (Qwen3-Embedding's): the last token pooled is that EOS,
+    under sentence-transformers and here alike."""
+    path = save_st_model(decoders["qwen3"], tmp_path / "st", "lasttoken", None, True)
+    eos_id = append_eos_in_post_processor(path)
+    llm = LLM(str(path), **ENGINE)
+    assert llm.get_tokenizer().encode("hello")[-1] == eos_id
+    assert_vectors_equal(llm.embed(TEXTS), st_encode(path, TEXTS), "EOS appended")
 
 
 def test_mean_pooling_never_takes_prefix_hits(decoders, tmp_path):
