@@ -49,3 +49,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A pooling (embedding) request's result: one vector for its whole input."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    """The tokens pooled (after the model's prompt prefix and any truncation)."""
+    data: list[float] | None
+    """The vector; None if the request failed (see `error`) or was aborted."""
+    finished: bool = True
+    error: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (last-token pooling only)."""
+
+    @property
+    def embedding(self) -> list[float] | None:
+        return self.data

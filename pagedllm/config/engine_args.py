@@ -31,6 +31,7 @@ from pagedllm.config.runtime import (
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+RUNNERS = ("generate", "pooling")
 _TP, _DP, _LIMITS, _DEVICE = "tensor parallelism", "data parallelism", "request limits", "device"
 _LORA = "LoRA adapters"
 
@@ -70,6 +71,9 @@ class EngineArgs:
                                           "else AVX2): faster prefill and batches, a small accuracy cost "
                                           "(docs/quantization.md); none keeps float32 activations.",
                                   choices=("none", "int8"))
+    runner: str = flag("generate", "What the model serves: generate (text) or pooling (embeddings as its "
+                                   "sentence-transformers files say, docs/embeddings.md; generation refused).",
+                       choices=RUNNERS)
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
     generation_config: str = flag("auto", "Where the sampling defaults of a request that leaves them unset come from "
                                           "(temperature, top_p, top_k, min_p, repetition_penalty): auto = the model's "
@@ -175,6 +179,12 @@ class EngineArgs:
                                  "tensor_parallel_size > 1 yet")
             if self.device.startswith("cuda") or self.dtype not in ("auto", "float32"):
                 raise ValueError(f"quant_activations {self.quant_activations!r} applies to float32 CPU models")
+        if self.runner == "pooling":
+            unsupported = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                           "speculative_config": self.speculative_config is not None, "enable_lora": self.enable_lora}
+            refused = [name for name, given in unsupported.items() if given]
+            if refused:
+                raise ValueError(f"runner 'pooling' does not support {', '.join(refused)} yet")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

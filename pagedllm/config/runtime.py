@@ -45,6 +45,8 @@ class ModelConfig:
     """How an unquantized checkpoint's weights are kept on the CPU."""
     quant_activations: str
     """int8: the quantized linears quantize their inputs too."""
+    runner: str
+    """What the model serves: generate (text) or pooling (embeddings, scores)."""
 
 
 @dataclass(frozen=True)

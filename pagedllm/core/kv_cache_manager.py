@@ -109,8 +109,9 @@ class KVCacheManager:
 
         The last token is never counted as cached: it must be computed so its logits exist.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None or (
+                request.pooling_params is not None and request.pooling_params.needs_every_position):
+            return [], 0  # prompt logprobs (and most pooling) need every prompt position computed
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         found: list[KVBlock | None] = []

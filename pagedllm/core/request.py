@@ -9,6 +9,7 @@ from collections.abc import Collection
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -62,6 +63,9 @@ class EngineCoreRequest(msgspec.Struct):
     """With the 'priority' scheduling policy: lower runs sooner (ties by arrival). Must be 0 under 'fcfs'."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter to generate with; None = the base model. Also a prefix-cache key."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling (embedding) request: its prompt is computed, pooled and the request finishes,
+    nothing sampled (max_tokens 0)."""
 
     def sequence_req_ids(self) -> list[str]:
         """The core request id of each sequence: `req_id`, or `req_id#i` for n > 1 / best_of.
@@ -123,7 +127,7 @@ class Request(EngineCoreRequest, eq=False):
         return [
             cls(seq_id, prompt, params if len(seq_ids) == 1 else params.for_sequence(index),
                 eos, req.max_tokens, req.arrival_time, req.cache_salt, req.priority, req.lora_request,
-                stop_token_id_set=stop_set)
+                req.pooling_params, stop_token_id_set=stop_set)
             for index, seq_id in enumerate(seq_ids)
         ]
 

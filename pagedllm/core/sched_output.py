@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class NewRequestData:
     """Parallel samples to draw from this request's first sampling logits, one row each."""
     lora_request: LoRARequest | None = None
     """The adapter the request generates with; None = the base model."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request: its last prompt chunk returns the pooled vector instead of a sampled token."""
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int], fork_children: Iterable[Request]) -> NewRequestData:
@@ -34,7 +37,8 @@ class NewRequestData:
         the value before this step's tokens are added."""
         return cls(request.req_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
                    block_ids, request.num_computed_tokens, request.eos_token_ids,
-                   [(c.req_id, c.sampling_params) for c in fork_children], request.lora_request)
+                   [(c.req_id, c.sampling_params) for c in fork_children], request.lora_request,
+                   request.pooling_params)
 
 
 @dataclass(slots=True)
@@ -146,6 +150,8 @@ class ModelRunnerOutput:
     """req_id -> the proposals the draft model made for SchedulerOutput.num_draft_tokens (what was scored)."""
     kv_spilled: list[bytes] = field(default_factory=list)
     """The K/V bytes of SchedulerOutput.kv_spill's blocks, in its order."""
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """req_id -> the pooled vector of a pooling request whose last prompt chunk ran this step."""
 
 
 @dataclass(slots=True)
@@ -165,6 +171,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None
     """Seconds from arrival to first admission, on the request's first output only (metrics)."""
+    pooled: list[float] | None = None
+    """A pooling request's vector, on its one (finished) output."""
 
     @property
     def finished(self) -> bool:

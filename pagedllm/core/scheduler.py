@@ -255,6 +255,9 @@ class Scheduler:
                 self.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="abort", error=runner_output.failed[req_id]))
                 continue
+            if request.pooling_params is not None:
+                self._finish_pooled(request, runner_output.pooled.get(req_id), outputs)
+                continue
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             if not new_token_ids and prompt_logprobs is None:
@@ -275,6 +278,24 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: list[float] | None, outputs: list[EngineCoreOutput]) -> None:
+        """A pooling request finishes with its last prompt chunk, the step that returns its vector (the
+        chunks before it return nothing); its blocks go back at once, its full blocks still cached."""
+        if pooled is None:
+            if request.num_computed_tokens < request.num_tokens:
+                return  # a prompt chunk
+            # computed but not pooled: a runner without a pooling head; fail the request, not the engine
+            self.finish_requests([request.req_id], RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(request.req_id, [], finish_reason="abort",
+                                            error="the model runner returned no pooled vector (runner 'generate'?)"))
+            return
+        request.status = RequestStatus.FINISHED_STOPPED
+        outputs.append(EngineCoreOutput(request.req_id, [], finish_reason="stop",
+                                        num_cached_tokens=request.num_cached_tokens,
+                                        queue_time=request.take_queue_time(), pooled=pooled))
+        self.running.remove(request)
+        self._free_request(request)
 
     # --- state -----------------------------------------------------------------------
 

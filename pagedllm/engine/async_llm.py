@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.config import EngineArgs, LoRAConfig, RequestLimits
+from pagedllm.config.embedder import EmbedderConfig, embedder_for
 from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.dp_client import ReplicaLostMsg
 from pagedllm.engine.frontend import FrontendCore
@@ -40,6 +41,7 @@ from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import ServerMetrics
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -130,7 +132,7 @@ class AsyncLLM:
 
     def __init__(self, client: MPCoreClient, ready: ReadyMsg, tokenizer, metrics: ServerMetrics | None = None,
                  num_threads: int = 4, limits: RequestLimits | None = None, scheduling_policy: str = "fcfs",
-                 lora_config: LoRAConfig | None = None,
+                 lora_config: LoRAConfig | None = None, embedder: EmbedderConfig | None = None,
                  generation_defaults: dict[str, float | int] | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -141,7 +143,9 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
         self.frontend = FrontendCore(client, tokenizer, ready.vocab_size, ready.max_model_len, ready.eos_token_ids,
-                                     limits, scheduling_policy, lora_config)
+                                     limits, scheduling_policy, lora_config, embedder)
+        self.embedder = embedder
+        """The model's pooling (runner 'pooling': embeddings only); None when it generates."""
         self.metrics = metrics
         self.latest_stats: EngineStatsMsg | None = None
         self.dead_error: EngineDeadError | None = None
@@ -180,7 +184,8 @@ class AsyncLLM:
             raise
         log_generation_defaults(generation_defaults, source)
         return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits(),
-                   engine_args.scheduling_policy, engine_args.lora_config(), generation_defaults)
+                   engine_args.scheduling_policy, engine_args.lora_config(),
+                   embedder_for(engine_args.runner, ready.model_path, engine_args.model), generation_defaults)
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -193,7 +198,7 @@ class AsyncLLM:
         call = functools.partial(contextvars.copy_context().run, fn, *args)  # keeps e.g. the request id
         return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                           cache_salt: str | None = None, stream: bool = True, priority: int = 0,
                           lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, tokenize (off the event loop) and queue a request; iterate the returned stream.
@@ -202,6 +207,8 @@ class AsyncLLM:
         EngineDeadError when the core is gone. A refusal by the core (the request can never fit
         its KV cache) arrives on the stream. Cancelled while tokenizing, nothing is queued.
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise).
+        With PoolingParams it is an embedding request (runner 'pooling'), ending with one PoolingRequestOutput;
+        a (text, text_pair) tuple as its prompt is a cross-encoder's pair to score.
         """
         self._check_alive()
         if request_id in self._streams:  # an earlier stream under this id is still open
@@ -209,8 +216,13 @@ class AsyncLLM:
         request_stream = RequestStream(request_id, self._release)
         self._streams[request_id] = request_stream  # holds the id (and counts as waiting) while tokenizing
         try:
-            text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
-                                                    cache_salt, priority, lora_request)
+            if isinstance(params, PoolingParams):
+                prompt, text_pair = prompt if isinstance(prompt, tuple) else (prompt, None)
+                text, request = await self.run_blocking(self.input_processor.process_pooling, request_id, prompt,
+                                                        params, cache_salt, priority, None, text_pair)
+            else:
+                text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
+                                                        cache_salt, priority, lora_request)
             self._check_alive()
             if request_stream.error is not None:  # aborted (e.g. by a shutdown) while tokenizing
                 raise request_stream.error
@@ -351,7 +363,8 @@ class AsyncLLM:
                 self.metrics.record_new_tokens(request_id, num_tokens, now)
         for output in self.frontend.process_outputs(msg.outputs):
             if output.finished and self.metrics is not None:
-                reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+                reasons = ([c.finish_reason for c in output.outputs if c.finish_reason]
+                           if isinstance(output, RequestOutput) else ["stop" if output.data is not None else "abort"])
                 self.metrics.record_request_finished(output.request_id, reasons[0] if reasons else None, now)
             if (request_stream := self._streams.get(output.request_id)) is not None:
                 request_stream.put(output)

@@ -20,6 +20,8 @@ from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.lora.request import LoRARequest
+from pagedllm.config.embedder import EmbedderConfig
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,11 +39,12 @@ class FrontendCore:
 
     def __init__(self, core: CoreInput, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: Sequence[int], limits: RequestLimits | None = None,
-                 scheduling_policy: str = "fcfs", lora_config: LoRAConfig | None = None) -> None:
+                 scheduling_policy: str = "fcfs", lora_config: LoRAConfig | None = None,
+                 embedder: EmbedderConfig | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids, limits,
-                                              scheduling_policy, lora_config)
+                                              scheduling_policy, lora_config, embedder)
         self.output_processor = OutputProcessor(tokenizer)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -55,6 +58,16 @@ class FrontendCore:
         """
         text, request = self.input_processor.process(request_id, prompt, params, cache_salt, priority, lora_request)
         self.submit(request, text, stream)
+        return request
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                            cache_salt: str | None = None, priority: int = 0,
+                            prompt_name: str | None = None, text_pair: str | None = None) -> EngineCoreRequest:
+        """As add_request, for an embedding (or with `text_pair`, a cross-encoder's score of the pair): the
+        request ends with one PoolingRequestOutput."""
+        text, request = self.input_processor.process_pooling(request_id, prompt, params, cache_salt, priority,
+                                                             prompt_name, text_pair)
+        self.submit(request, text)
         return request
 
     def submit(self, request: EngineCoreRequest, text: str | None, stream: bool = False) -> None:

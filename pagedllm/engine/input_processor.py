@@ -7,6 +7,7 @@ is what only it knows: whether the KV cache and max_num_seqs can ever hold the r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -15,6 +16,8 @@ from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora.peft import read_adapter_config
 from pagedllm.lora.request import LoRAError, LoRARequest
+from pagedllm.config.embedder import EmbedderConfig
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
@@ -26,8 +29,10 @@ class InputProcessor:
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
                  limits: RequestLimits | None = None, scheduling_policy: str = "fcfs",
-                 lora_config: LoRAConfig | None = None) -> None:
+                 lora_config: LoRAConfig | None = None, embedder: EmbedderConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.embedder = embedder
+        """The model's pooling (runner 'pooling'): pooling requests only; None: generation requests only."""
         self.lora_config = lora_config
         """Adapters a request may name (None: LoRA is off, a lora_request is refused)."""
         self._checked_loras: dict[LoRARequest, None] = {}
@@ -74,6 +79,9 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if self.embedder is not None:
+            raise InvalidRequestError("this model is served for embeddings (runner 'pooling'): it does not "
+                                      "generate; ask for embeddings (LLM.embed, POST /v1/embeddings) instead")
         self.check_limits(params)
         self.check_priority(priority)
         self.check_structured_outputs(params)
@@ -115,6 +123,86 @@ class InputProcessor:
             priority=priority,
             lora_request=lora_request,
         )
+
+    def process_pooling(self, req_id: str, prompt: PromptType, params: PoolingParams,
+                        cache_salt: str | None = None, priority: int = 0,
+                        prompt_name: str | None = None, text_pair: str | None = None) -> tuple[str | None, EngineCoreRequest]:
+        """An embedding request for the core, tokenized as sentence-transformers does (the model's prompt
+        prefix, lower-casing, the tokenizer's special tokens); InvalidRequestError naming what is wrong.
+        With `text_pair`, a cross-encoder's pair (`prompt`, `text_pair`), tokenized as one input with its
+        token types.
+
+        A prompt longer than the model takes (max_model_len, and the model's max_seq_length) is refused
+        unless `params.truncate_prompt_tokens` asks to keep its last tokens (-1: as many as fit)."""
+        embedder = self.embedder
+        if embedder is None:
+            raise InvalidRequestError("this model is served for generation (runner 'generate'); start it with "
+                                      "runner='pooling' (--runner pooling) to compute embeddings or scores")
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError(f"pooling params must be PoolingParams, got {type(params).__name__}")
+        if text_pair is None and embedder.score_activation is not None:
+            raise InvalidRequestError("this model is a cross-encoder: it scores text pairs (LLM.score, LLM.rerank, "
+                                      "POST /v1/score, /v1/rerank) and does not embed")
+        if text_pair is not None:
+            return self._process_pair(req_id, prompt, text_pair, params, cache_salt, priority)
+        self.check_priority(priority)
+        try:
+            embedder.check_dimensions(params.dimensions)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if prompt_name is None:
+            prompt_name = embedder.default_prompt_name
+        elif prompt_name not in embedder.prompts:
+            raise InvalidRequestError(f"prompt_name {prompt_name!r} is not one of this model's prompts "
+                                      f"{sorted(embedder.prompts)}")
+        prefix = embedder.prompts.get(prompt_name, "") if prompt_name is not None else ""
+        if isinstance(prompt, str):
+            text = prefix + prompt
+            token_ids = self._encode(text.lower() if embedder.do_lower_case else text)
+        else:
+            text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the input is empty; give at least one token")
+        self.check_token_ids(token_ids, "input")
+        limit = self.max_model_len if embedder.max_seq_length is None else min(self.max_model_len,
+                                                                                embedder.max_seq_length)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > limit:
+                raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) exceeds the {limit} tokens this model "
+                                          f"takes")
+            token_ids = token_ids[-(limit if keep == -1 else keep):]
+        elif len(token_ids) > limit:
+            raise InvalidRequestError(f"the input has {len(token_ids)} tokens; this model takes at most {limit}; "
+                                      f"shorten it or set truncate_prompt_tokens")
+        params = dataclasses.replace(params, needs_every_position=embedder.needs_every_position)
+        return text, EngineCoreRequest(req_id=req_id, prompt_token_ids=token_ids, sampling_params=_NO_SAMPLING,
+                                       eos_token_ids=(), max_tokens=0, cache_salt=cache_salt, priority=priority,
+                                       pooling_params=params)
+
+    def _process_pair(self, req_id: str, text: str, text_pair: str, params: PoolingParams, cache_salt: str | None,
+                      priority: int) -> tuple[str | None, EngineCoreRequest]:
+        if self.embedder.score_activation is None:
+            raise InvalidRequestError("this model is an embedder, not a cross-encoder: it does not score text pairs")
+        if not isinstance(text, str) or not isinstance(text_pair, str):
+            raise InvalidRequestError("a scored pair is two strings")
+        if params.truncate_prompt_tokens is not None or params.dimensions is not None:
+            raise InvalidRequestError("a scored pair takes neither truncate_prompt_tokens nor dimensions")
+        self.check_priority(priority)
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; it cannot score text pairs")
+        encoded = self.tokenizer(text, text_pair)
+        token_ids = list(encoded["input_ids"])
+        limit = self.max_model_len if self.embedder.max_seq_length is None else min(
+            self.max_model_len, self.embedder.max_seq_length)
+        if len(token_ids) > limit:
+            raise InvalidRequestError(f"the pair has {len(token_ids)} tokens; this model takes at most {limit}")
+        types = encoded.get("token_type_ids")
+        params = dataclasses.replace(params, needs_every_position=True,
+                                     token_type_ids=list(types) if types is not None and any(types) else None)
+        return text, EngineCoreRequest(req_id=req_id, prompt_token_ids=token_ids, sampling_params=_NO_SAMPLING,
+                                       eos_token_ids=(), max_tokens=0, cache_salt=cache_salt, priority=priority,
+                                       pooling_params=params)
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """Refuse an adapter this engine cannot serve (LoRAError naming why); its config is read once."""
@@ -207,6 +295,10 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"{what} contains token id {t!r}, outside the vocabulary [0, {self.vocab_size})"
                 )
+
+
+_NO_SAMPLING = SamplingParams(max_tokens=1)
+"""What a pooling request carries where a generation request has its sampling: it samples nothing."""
 
 
 def _check_count(field: str, count: int, limit_name: str, limit: int) -> None:

@@ -16,6 +16,8 @@ from pagedllm.engine.generation_defaults import log_generation_defaults, resolve
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineStatsMsg
 from pagedllm.lora.request import LoRARequest
+from pagedllm.config.embedder import embedder_for
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.interface import eos_token_ids_of
@@ -37,7 +39,9 @@ class LLMEngine:
                                      eos_token_ids_of(self.hf_config, self.tokenizer),
                                      limits=self.engine_args.request_limits(),
                                      scheduling_policy=self.engine_args.scheduling_policy,
-                                     lora_config=self.engine_args.lora_config())
+                                     lora_config=self.engine_args.lora_config(),
+                                     embedder=embedder_for(self.engine_args.runner, loaded.model_path,
+                                                           self.engine_args.model))
         self.generation_defaults, source = resolve_generation_defaults(
             self.engine_args.generation_config, self.engine_args.model, loaded.model_path)
         """The model's sampling defaults (generation_defaults.py): what a request given no params runs with."""
@@ -60,6 +64,15 @@ class LLMEngine:
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise)."""
         self.frontend.add_request(request_id, prompt, params if params is not None else self.default_sampling_params(),
                                   cache_salt, stream, priority, lora_request)
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
+                            priority: int = 0, prompt_name: str | None = None, text_pair: str | None = None) -> None:
+        """Queue an embedding request (runner 'pooling'); raises InvalidRequestError (nothing queued) if it
+        is malformed. `prompt_name`: one of the model's sentence-transformers prompts (default: its
+        default_prompt_name) put before a text input. `text_pair`: score (`prompt`, `text_pair`) with a
+        cross-encoder."""
+        self.frontend.add_pooling_request(request_id, prompt, params if params is not None else PoolingParams(),
+                                          priority=priority, prompt_name=prompt_name, text_pair=text_pair)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of the requests it touched."""

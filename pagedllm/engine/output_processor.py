@@ -15,7 +15,7 @@ from pagedllm.core.request import EngineCoreRequest
 from pagedllm.core.sched_output import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import InvalidRequestError
-from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -36,6 +36,8 @@ class SequenceState:
     num_sent_tokens: int = 0
     final_sent: bool = False
     """Streaming: the finished state was delivered; nothing more to send."""
+    pooled: list[float] | None = None
+    """A pooling request's vector, once finished."""
 
     @property
     def finished(self) -> bool:
@@ -93,7 +95,7 @@ class OutputProcessor:
         sequences = [
             SequenceState(seq_req_id, index, params,
                           IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-                          if self.tokenizer else None,
+                          if self.tokenizer and request.pooling_params is None else None,
                           logprobs=[] if keep_logprobs else None,
                           cumulative_logprob=0.0 if keep_logprobs else None)
             for index, seq_req_id in enumerate(seq_req_ids)
@@ -176,6 +178,8 @@ class OutputProcessor:
                 seq.cumulative_logprob += entry.logprobs[0]
         if out.error is not None:
             seq.error = out.error
+        if out.pooled is not None:
+            seq.pooled = out.pooled
         stop_string = seq.detokenizer.update(out.new_token_ids) if seq.detokenizer else None
         if stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
@@ -206,7 +210,11 @@ class OutputProcessor:
                 return  # a recomputed (preempted) prompt repeats what was already sent
             state.prompt_logprobs.append(None if entry is None else self._to_logprobs_dict(entry))
 
-    def _make_request_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_request_output(self, state: RequestState) -> RequestOutput | PoolingRequestOutput | None:
+        if state.request.pooling_params is not None:  # one output, when finished
+            seq = state.sequences[0]
+            return PoolingRequestOutput(state.request_id, state.prompt_token_ids, seq.pooled, True, seq.error,
+                                        state.num_cached_tokens) if state.finished else None
         params = state.params
         # beam search: the core returns the best n beams, already in order
         best_of = params.best_of is not None and params.best_of > params.n and not params.use_beam_search

@@ -1,8 +1,9 @@
-"""The `pagedllm` command: generate, chat (and serve/bench as they land)."""
+"""The `pagedllm` command: generate, chat, embed, serve, bench, models, worker."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -58,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat)
 
+    embed = sub.add_parser("embed", help="print the embeddings of one or more texts as JSON",
+                           description="Embed each text with a model served as an embedder (its sentence-transformers "
+                                       "pooling, docs/embeddings.md) and print one JSON object: "
+                                       '{"model", "data": [{"index", "text", "embedding"}]}.')
+    embed.add_argument("texts", nargs="+", help="texts to embed (batched together)")
+    embed.add_argument("--dimensions", type=int, default=None, help="Matryoshka models: keep this many values")
+    embed.add_argument("--truncate-prompt-tokens", type=int, default=None,
+                       help="keep a too-long text's last k tokens (-1: as many as the model takes) instead of failing")
+    embed.add_argument("--prompt-name", default=None, help="one of the model's sentence-transformers prompts")
+    EngineArgs.add_cli_args(embed)
+    embed.set_defaults(runner="pooling")
+
     sub.add_parser("models", help="list the supported model architectures and how each was verified",
                    description="Each architecture a model directory's config.json may name, and the test that "
                                "checks it against Hugging Face transformers.")
@@ -93,6 +106,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for completion in output.outputs:
             print(f"--- prompt: {prompt!r} [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
             print(completion.text)
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    vectors = llm.embed(args.texts, truncate_prompt_tokens=args.truncate_prompt_tokens, dimensions=args.dimensions,
+                        prompt_name=args.prompt_name)
+    data = [{"index": i, "text": text, "embedding": vector} for i, (text, vector) in enumerate(zip(args.texts, vectors))]
+    print(json.dumps({"model": engine_args.model, "data": data}))
     return 0
 
 
@@ -160,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "embed": cmd_embed, "serve": cmd_serve, "bench": cmd_bench,
                 "worker": cmd_worker, "models": cmd_models}
     try:
         return commands[args.command](args)

@@ -12,6 +12,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams, score_pairs
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessages = list[dict[str, str]]
@@ -61,11 +62,7 @@ class LLM:
         `lora_request`: the LoRA adapter to generate with (needs enable_lora), one for all prompts or one
         per prompt (None: the base model).
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:  # the model's sampling defaults (generation_config), else SamplingParams'
             sampling_params = self.engine.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -81,6 +78,47 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
         return self._run(prompts, params_list, use_tqdm, priorities, loras)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None, prompt_name: str | None = None,
+              use_tqdm: bool = False) -> list[list[float]]:
+        """One embedding per prompt (a text, token ids, or a list of either), in input order, equal to
+        sentence-transformers' `encode` on the same model (needs runner='pooling'; docs/embeddings.md).
+
+        `truncate_prompt_tokens`: keep a too-long input's last k tokens (-1: as many as the model takes)
+        instead of refusing it. `dimensions`: a Matryoshka model's leading values, renormalized.
+        `prompt_name`: one of the model's prompts put before each text (default: its default_prompt_name).
+        """
+        prompts = _as_prompt_list(prompts)
+        params = PoolingParams(dimensions=dimensions, truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = self._run_requests(
+            [lambda request_id, p=p: self.engine.add_pooling_request(request_id, p, params, prompt_name=prompt_name)
+             for p in prompts], use_tqdm, "Embedding")
+        failed = [o for o in outputs if o.data is None]
+        if failed:
+            raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
+        return [o.data for o in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              use_tqdm: bool = False) -> list[float]:
+        """A cross-encoder's relevance score of each pair, equal to sentence-transformers'
+        `CrossEncoder.predict`: `text_1` against each of `text_2` (one string: against each `text_2`;
+        two lists of one length: pairwise)."""
+        pairs = score_pairs(text_1, text_2)
+        outputs = self._run_requests(
+            [lambda request_id, a=a, b=b: self.engine.add_pooling_request(request_id, a, text_pair=b)
+             for a, b in pairs], use_tqdm, "Scoring")
+        failed = [o for o in outputs if o.data is None]
+        if failed:
+            raise RuntimeError(f"scoring request {failed[0].request_id} failed: {failed[0].error}")
+        return [o.data[0] for o in outputs]
+
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None) -> list[dict]:
+        """The documents by the cross-encoder's score for `query`, best first: {index, relevance_score,
+        document} each, the first `top_n` (default all)."""
+        scores = self.score(query, list(documents))
+        order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[:top_n]
+        return [{"index": i, "relevance_score": scores[i], "document": documents[i]} for i in order]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams | Sequence[BeamSearchParams]):
@@ -121,18 +159,25 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
              priorities: list[int] | None = None, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        adds = [lambda request_id, prompt=prompt, params=params, priority=priority, lora=lora: self.engine.add_request(
+                    request_id, prompt, params, priority=priority, lora_request=lora)
+                for prompt, params, priority, lora in zip(prompts, params_list, priorities or [0] * len(prompts),
+                                                          loras or [None] * len(prompts))]
+        return self._run_requests(adds, use_tqdm, "Generating")
+
+    def _run_requests(self, adds: list, use_tqdm: bool, desc: str) -> list:
+        """Queue each request (`add(request_id)`), step until all finish; their final outputs in order."""
         request_ids = []
         try:
-            for prompt, params, priority, lora in zip(prompts, params_list, priorities or [0] * len(prompts),
-                                                      loras or [None] * len(prompts)):
+            for add in adds:
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora)
+                add(request_id)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)
             raise
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req")
+        bar = tqdm(total=len(request_ids), desc=desc, disable=not use_tqdm, unit="req")
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -145,3 +190,11 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a text, a dict, a list of token ids) as a list of one; a list of prompts as is."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+

@@ -8,6 +8,9 @@ weights through the engine; ``VERIFIED_BY`` says how, for ``pagedllm models`` an
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.model.base_model import base_model_of
+from pagedllm.model.bert import (BertForSequenceClassification, BertModel, RobertaForSequenceClassification,
+                                 RobertaModel)
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -24,6 +27,18 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # head-less checkpoints (decoder embedders saved by sentence-transformers): pooling only
+    "LlamaModel": base_model_of(LlamaForCausalLM),
+    "Qwen2Model": base_model_of(LlamaForCausalLM),
+    "Qwen3Model": base_model_of(Qwen3ForCausalLM),
+    # encoders (bidirectional, no KV cache): pooling only
+    "BertModel": BertModel,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaModel": RobertaModel,
+    # cross-encoders: score text pairs
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
 }
 
 
@@ -54,6 +69,16 @@ VERIFIED_BY: dict[str, str] = {
     "Phi3ForCausalLM": f"{_ENGINE_CHECK}, fused weights, longrope below the original length "
                        "(tests/model/test_models_vs_hf.py[phi3]); GGUF phi3 F16 and Q8_0 twins "
                        "(tests/model/test_gguf_archs.py[phi3-*])",
+    **{arch: "pooled vectors equal to sentence-transformers' (cosine > 0.9999, max abs diff < 1e-4) for mean and "
+             "last-token pooling, Dense and Normalize, chunked prefill (tests/engine/test_embeddings.py)"
+       for arch in ("LlamaModel", "Qwen2Model", "Qwen3Model")},
+    **{arch: "pooled vectors equal to sentence-transformers' (cosine > 0.9999, max abs diff < 1e-4) for CLS and "
+             "mean pooling on ragged batches (tests/engine/test_encoders.py)"
+       for arch in ("BertModel", "RobertaModel", "XLMRobertaModel")},
+    **{arch: "scores equal to sentence-transformers' CrossEncoder.predict (abs diff < 1e-5) on ragged pairs "
+             "(tests/engine/test_cross_encoders.py)"
+       for arch in ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                    "XLMRobertaForSequenceClassification")},
 }
 
 

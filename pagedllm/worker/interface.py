@@ -61,7 +61,9 @@ class ModelInfo:
         eos = eos_token_ids_of(config, None) or eos_token_ids_of(config, loaded.tokenizer)
         return cls(
             model_path=loaded.model_path, hf_config=config, vocab_size=config.vocab_size,
-            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            # an encoder may reserve positions (RoBERTa numbers its tokens from padding_idx + 1)
+            max_position_embeddings=getattr(loaded.model, "max_sequence_length", None)
+            or getattr(config, "max_position_embeddings", 4096),
             eos_token_ids=tuple(eos), load_tokenizer=lambda: loaded.tokenizer,
         )
 

@@ -29,6 +29,7 @@ from pagedllm.model.forward_context import set_forward_context
 from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
 from pagedllm.model.sampling.metadata import RequestTensors, SamplingMetadata, SamplingRow, plain_greedy
 from pagedllm.model.sampling.sampler import Sampler, SamplerOutput, argmax_rows
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_block_io, spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
@@ -53,6 +54,8 @@ class RunnerRequestState:
     per step, for states made outside the runner)."""
     lora_request: LoRARequest | None = None
     """The adapter this request generates with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request: pooled when its prompt is computed, never sampled."""
 
 
 class InputRow(Protocol):
@@ -79,7 +82,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, vocab_size: int, kv_spec: KVCacheSpec, num_blocks: int, *,
                  num_host_blocks: int, device: torch.device | str, seed: int, attention_backend: str,
                  cuda_graphs: SchedulerConfig | None, load_tokenizer=lambda: None, draft=None, lora=None,
-                 batch_invariant: bool) -> None:
+                 batch_invariant: bool, pooling=None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec
@@ -122,12 +125,16 @@ class ModelRunner:
         self.load_tokenizer = load_tokenizer
         """Returns the tokenizer structured outputs build their vocabulary from (read at the first constrained request)."""
         self.structured_output = None  # a StructuredOutputManager, made at the first constrained request
+        self.pooling = pooling
+        """A worker.pooling.PoolingRunner when the model serves pooling requests (runner 'pooling'); else None."""
 
     # --- state updates from the scheduler's diffs ------------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self._drop_state(req_id)
+            if self.pooling is not None:
+                self.pooling.drop(req_id)
             self.generators.pop(req_id, None)
             if self.structured_output is not None:
                 self.structured_output.drop(req_id)
@@ -149,6 +156,7 @@ class ModelRunner:
                 fork_children=list(new.fork_children),
                 tensors=self.request_tensors.acquire(new.sampling_params, eos_token_ids),
                 lora_request=new.lora_request,
+                pooling_params=new.pooling_params,
             )
             self._ensure_generator(new.req_id, new.sampling_params)
             for child_id, child_params in new.fork_children:
@@ -264,11 +272,15 @@ class ModelRunner:
             merged.sampled_token_ids.update(alone.sampled_token_ids)
             merged.logprobs.update(alone.logprobs)
             merged.prompt_logprobs.update(alone.prompt_logprobs)
+            merged.pooled.update(alone.pooled)
+            merged.failed.update(alone.failed)
         return merged
 
     def _execute(self, states: list[RunnerRequestState], num_scheduled: list[int]) -> ModelRunnerOutput:
         """Forward, sample, and only then append the sampled tokens (so a failure changes nothing). The
         computed counts move on with the scheduler's next CachedRequestData."""
+        if not getattr(self.model, "uses_kv_cache", True):  # an encoder: whole sequences, no KV
+            return self.pooling.execute_encoder(self.model, states, num_scheduled, self.device)
         input_ids, positions, metadata = self.prepare_inputs(states, num_scheduled)
         lora_rows = None if self.lora is None else self.lora.step_rows([s.lora_request for s in states], num_scheduled)
         if self.decode_graphs is not None and lora_rows is None and self.decode_graphs.can_run(metadata):
@@ -282,9 +294,11 @@ class ModelRunner:
 
         output = ModelRunnerOutput(sampled_token_ids={})
         self._compute_prompt_logprobs(states, num_scheduled, metadata, hidden_states, output)
-        # Rows that reach the end of their known tokens sample the next one.
+        if self.pooling is not None:
+            self.pooling.collect(states, num_scheduled, hidden_states, output.pooled, output.failed)
+        # Rows that reach the end of their known tokens sample the next one (pooling rows never sample).
         sampling_rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
-                         if s.num_computed_tokens + n == len(s.token_ids)]
+                         if s.num_computed_tokens + n == len(s.token_ids) and s.pooling_params is None]
         spec_rows = [i for i in sampling_rows if states[i].req_id in self._spec_tokens]
         kept_by_state: dict[str, list[int]] = {}
         if spec_rows:

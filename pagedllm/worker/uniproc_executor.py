@@ -7,6 +7,7 @@ import torch
 from pagedllm.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model import batch_invariant
+from pagedllm.errors import ModelLoadError
 from pagedllm.model.layers.rotary import limit_rotary_positions
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
@@ -30,6 +31,25 @@ def make_lora_manager(model, config):
     return LoRAManager(model, config.max_loras, config.max_lora_rank, config.num_cpu_loras)
 
 
+def make_pooling_runner(loaded, model_config: ModelConfig, device: torch.device):
+    """The PoolingRunner of a model served with runner 'pooling'; None for 'generate' (which a head-less
+    checkpoint cannot serve: ModelLoadError)."""
+    if model_config.runner != "pooling":
+        if not getattr(loaded.model, "has_lm_head", True):
+            raise ModelLoadError(f"{loaded.model_path} is a {type(loaded.model).__name__} checkpoint, without a "
+                                 f"language-model head: it cannot generate; load it with runner='pooling' "
+                                 f"(--runner pooling) to embed with it")
+        return None
+    from pagedllm.model.layers.pooler import Pooler, ScoreHead
+    from pagedllm.config.embedder import embedder_for
+    from pagedllm.worker.pooling import PoolingRunner
+
+    config = embedder_for(model_config.runner, loaded.model_path, model_config.model)
+    if config.score_activation is not None:  # a cross-encoder
+        return PoolingRunner(ScoreHead(loaded.model, config))
+    return PoolingRunner(Pooler(config, loaded.hf_config.hidden_size).to(device))
+
+
 class UniprocExecutor(Executor):
     """The whole model in this process."""
 
@@ -47,6 +67,8 @@ class UniprocExecutor(Executor):
                                      quantization=model_config.quantization,
                                      quant_activations=model_config.quant_activations)
         self.model_info = ModelInfo.from_loaded(self.loaded)
+        self.pooling = make_pooling_runner(self.loaded, model_config, device)
+        """The pooling head (runner 'pooling'), built before the KV cache is sized; None when generating."""
         self.lora = make_lora_manager(self.loaded.model, lora_config)
         """The LoRA adapters' slots, made before CUDA profiling so the KV cache leaves room for them."""
         self.draft_loaded = None
@@ -62,6 +84,8 @@ class UniprocExecutor(Executor):
         for served in (model, *([self.draft_loaded.model] if self.draft_loaded is not None else [])):
             limit_rotary_positions(served, scheduler_config.max_model_len)
         kv_dtype = resolve_kv_cache_dtype(self.device_config.kv_cache_dtype, self.dtype, self.device)
+        if not getattr(model, "uses_kv_cache", True):
+            return self._initialize_without_kv(cache_config, scheduler_config, kv_dtype)
         self.kv_spec = spec = KVCacheSpec.for_model(self.model_info.hf_config, cache_config.block_size, kv_dtype)
         draft_spec = None
         if self.draft_loaded is not None:  # the draft's cache shares the block ids, so also their element type
@@ -85,11 +109,27 @@ class UniprocExecutor(Executor):
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             cuda_graphs=None if args.enforce_eager else scheduler_config, load_tokenizer=lambda: self.loaded.tokenizer,
-            draft=draft, lora=self.lora, batch_invariant=args.batch_invariant,
+            draft=draft, lora=self.lora, batch_invariant=args.batch_invariant, pooling=self.pooling,
         )
         # a draft model reads the same block tables, so its layers must share the window too
         window = shared_sliding_window(model, *([self.draft_loaded.model] if self.draft_loaded is not None else []))
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec, sliding_window=window)
+
+    def _initialize_without_kv(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                               kv_dtype: torch.dtype) -> KVCacheInfo:
+        """An encoder keeps no K/V: the scheduler still counts its tokens in blocks (the same admission,
+        limits and metrics as a decoder), but no tensor backs them. Enough blocks for max_num_seqs
+        sequences of max_model_len, unless num_kv_blocks says otherwise."""
+        self.kv_spec = spec = KVCacheSpec(num_layers=0, num_kv_heads=0, head_dim=0, block_size=cache_config.block_size,
+                                          dtype=kv_dtype)
+        blocks_per_seq = -(-scheduler_config.max_model_len // spec.block_size)
+        num_blocks = cache_config.num_kv_blocks or scheduler_config.max_num_seqs * blocks_per_seq
+        args = self.device_config
+        self.runner = ModelRunner(
+            self.loaded.model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks,
+            seed=args.seed, num_host_blocks=0, device=self.device, attention_backend=args.attention_backend,
+            cuda_graphs=None, batch_invariant=False, pooling=self.pooling)
+        return kv_cache_info(spec, num_blocks, 0)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"

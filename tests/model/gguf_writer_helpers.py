@@ -117,7 +117,7 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3": 
 
 
 def write_converted_gguf(hf_model, path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-                         vocab: list[str] | None = None) -> dict:
+                         vocab: list[str] | None = None, pooling_type: int | None = None) -> dict:
     """Write ``hf_model`` (any architecture in ``GGUF_ARCH``) as llama.cpp's converter would, with
     2-D and 3-D weights in ``qtype`` (norms and rope factors F32); ``vocab``: a sentencepiece
     vocabulary for the file (``spm_vocab``). Returns the HF state dict the file holds (quantized
@@ -126,6 +126,8 @@ def write_converted_gguf(hf_model, path, qtype: GGMLQuantizationType = GGMLQuant
     arch = GGUF_ARCH[cfg.model_type]
     writer = decoder_writer(cfg, path, arch, always_head_dim=arch != "llama")
     _write_arch_keys(writer, cfg, arch)
+    if pooling_type is not None:  # an embedder's: llama.cpp's `<arch>.pooling_type`
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
     if vocab is not None:
         _write_spm_vocab(writer, vocab)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)

@@ -107,6 +107,9 @@ def test_every_registered_architecture_is_verified(capsys):
     from pagedllm.model.registry import VERIFIED_BY, supported_architectures
 
     tested_elsewhere = {"LlamaForCausalLM", "Qwen2ForCausalLM"}  # tests/engine/test_hf_equivalence.py
+    tested_elsewhere |= {"LlamaModel", "Qwen2Model", "Qwen3Model"}  # pooled: tests/engine/test_embeddings.py
+    tested_elsewhere |= {"BertModel", "RobertaModel", "XLMRobertaModel"}  # tests/engine/test_encoders.py
+    tested_elsewhere |= {f"{family}ForSequenceClassification" for family in ("Bert", "Roberta", "XLMRoberta")}
     tested_here = set(KINDS.values()) | {"MistralForCausalLM"}  # mistral_window: MistralConfig
     assert set(supported_architectures()) == (tested_here - {"LlamaForCausalLM"}) | tested_elsewhere
     assert set(VERIFIED_BY) == set(supported_architectures())

@@ -44,6 +44,8 @@ from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
+from pagedllm.entrypoints.openai.serving_embedding import add_embedding_routes
+from pagedllm.entrypoints.openai.serving_score import add_score_routes
 from pagedllm.entrypoints.openai.tools import ToolPlan
 from pagedllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes
 from pagedllm.errors import EngineDeadError, PagedLLMError
@@ -100,6 +102,8 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
 
     add_responses_routes(app, ctx, body, require_engine)  # OpenAI's Responses API (Codex CLI)
     add_messages_routes(app, ctx, body, require_engine)  # Anthropic's Messages API (Claude Code)
+    add_embedding_routes(app, ctx, body, require_engine)
+    add_score_routes(app, ctx, body, require_engine)
 
     @app.get("/v1/models")
     async def models():

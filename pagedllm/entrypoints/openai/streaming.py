@@ -19,6 +19,7 @@ from pagedllm.engine.async_llm import RequestFailedError, RequestStream, Request
 from pagedllm.entrypoints.openai.context import ServingContext
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 _DISCONNECT_POLL_S = 0.5
 
@@ -49,7 +50,8 @@ async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, 
         loop.call_later(timeout_s, _expire, streams, timeout_s, ctx)
     try:
         # prompts x max(n, best_of) is bounded per request, not per prompt
-        engine.input_processor.check_limits(params, num_prompts=len(prompts))
+        if isinstance(params, SamplingParams):  # pooling requests sample nothing
+            engine.input_processor.check_limits(params, num_prompts=len(prompts))
         for i, prompt in enumerate(prompts):
             streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream, priority,
                                                     lora_request))

@@ -1,0 +1,219 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-R; e5/bge/gte/MiniLM are these shapes): bidirectional
+attention over a sequence's own tokens, absolute position embeddings, token types, post-LayerNorm.
+
+Prefill only, one whole sequence at a time: every token attends to every other, so a sequence is
+never split into chunks and no K/V is kept between steps (`uses_kv_cache = False`: the engine backs
+its blocks with no tensors). Attention is torch's scaled_dot_product_attention over each sequence,
+without a mask. Module names are Hugging Face's, so a checkpoint loads by name.
+
+    input_ids, positions, token types  [num_tokens] each, sequences side by side
+    seq_lens                           tokens of each sequence, in order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(max(config.type_vocab_size, 1), config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_types) + self.position_embeddings(positions)
+        return self.LayerNorm(x)  # [num_tokens, hidden]
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = (proj(x).view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)
+                   for proj in (self.query, self.key, self.value))  # [heads, num_tokens, head_dim]
+        out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in
+                         zip(q.split(seq_lens, 1), k.split(seq_lens, 1), v.split(seq_lens, 1))], dim=1)
+        return out.transpose(0, 1).reshape(num_tokens, -1)  # [num_tokens, hidden]
+
+
+class BertSelfOutput(nn.Module):
+    """dense, then LayerNorm over the residual sum (also the FFN's output block, with other sizes)."""
+
+    def __init__(self, in_size: int, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config.hidden_size, config)
+
+    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        return self.output(self.self(x, seq_lens), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; known: {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertSelfOutput(config.intermediate_size, config)
+
+    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        attended = self.attention(x, seq_lens)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertModel(nn.Module):
+    """The encoder; `forward` returns the last layer's hidden states (what sentence-transformers pools)."""
+
+    uses_kv_cache = False
+    has_lm_head = False
+    checkpoint_prefixes = ("bert.", "roberta.")
+    """Prefixes a task model's checkpoint puts before the encoder's tensors."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {config.position_embedding_type!r} is not supported "
+                             f"(absolute is)")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.position_offset = 0
+        """RoBERTa numbers positions from padding_idx + 1."""
+        self.num_token_types = max(config.type_vocab_size, 1)
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.config.max_position_embeddings - self.position_offset
+
+    def encode(self, input_ids: torch.Tensor, token_types: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """[num_tokens] ids and token types of whole sequences -> [num_tokens, hidden]."""
+        positions = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]) + self.position_offset
+        x = self.embeddings(input_ids, positions, token_types.clamp(max=self.num_token_types - 1))
+        for layer in self.encoder.layer:
+            x = layer(x, seq_lens)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        return self.encode(input_ids, token_types, seq_lens)
+
+    def hf_name(self, name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor; None for one this model does not use."""
+        for prefix in self.checkpoint_prefixes:
+            name = name.removeprefix(prefix)
+        if name.endswith("position_ids") or name.startswith("pooler."):
+            return None
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for checkpoint_name, tensor in weights:
+            name = self.hf_name(checkpoint_name)
+            if name is None:
+                continue
+            if name not in params:
+                raise KeyError(f"unexpected weight {checkpoint_name!r}")
+            with torch.no_grad():
+                params[name].copy_(tensor.materialize() if hasattr(tensor, "materialize") else tensor)
+            loaded.add(name)
+        return loaded
+
+    def expected_weight_keys(self) -> set[str]:
+        return set(dict(self.named_parameters()))
+
+
+class RobertaModel(BertModel):
+    """BERT with positions numbered from padding_idx + 1 and (usually) one token type."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.position_offset = config.pad_token_id + 1
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder: the encoder, then tanh(dense(first token)) and a linear classifier."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.pooler = BertPooler(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def hf_name(self, name: str) -> str | None:
+        name = name.removeprefix("bert.")
+        return None if name.endswith("position_ids") else name
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] of one sequence -> [num_labels] logits (from its first token)."""
+        return self.classifier(torch.tanh(self.pooler.dense(hidden[0])))
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """A RoBERTa / XLM-R cross-encoder: out_proj(tanh(dense(first token)))."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.classifier = RobertaClassificationHead(config)
+
+    def hf_name(self, name: str) -> str | None:
+        name = name.removeprefix("roberta.")
+        return None if name.endswith("position_ids") or name.startswith("pooler.") else name
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(hidden[0])))

@@ -1,0 +1,98 @@
+"""POST /v1/embeddings on a real server, through the official `openai` client, and `pagedllm embed`:
+vectors equal to sentence-transformers' on the same tiny random model."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.engine.st_models import assert_vectors_equal, build_decoder_dir, save_st_model, st_encode
+from tests.entrypoints.server_helpers import REPO_ROOT, RemoteServer
+
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
+TEXTS = ["hello world", "a", "Paged attention keeps the KV cache in fixed-size blocks. " * 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embedder")
+    path = save_st_model(build_decoder_dir(root / "qwen3", "qwen3"), root / "st", "lasttoken", (32, "tanh"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [32, 16]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = RemoteServer(model_dir, ["--runner", "pooling", "--served-model-name", "emb", "--num-kv-blocks", "64",
+                                   "--max-num-batched-tokens", "32"],
+                       tmp_path_factory.mktemp("logs") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_openai_client_embeddings_equal_sentence_transformers(server, client, model_dir):
+    reference = st_encode(model_dir, TEXTS)
+    response = client.embeddings.create(model="emb", input=TEXTS)  # the client asks for base64 and decodes it
+    assert [d.index for d in response.data] == [0, 1, 2]
+    assert_vectors_equal([d.embedding for d in response.data], reference, "the client's default")
+    as_floats = client.embeddings.create(model="emb", input=TEXTS, encoding_format="float")
+    assert_vectors_equal([d.embedding for d in as_floats.data], reference, "float")
+    as_base64 = client.embeddings.create(model="emb", input=TEXTS, encoding_format="base64")
+    decoded = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in as_base64.data]
+    assert_vectors_equal(decoded, reference, "base64")
+    from transformers import AutoTokenizer
+
+    ids = [AutoTokenizer.from_pretrained(str(model_dir)).encode(t) for t in TEXTS]
+    assert response.usage.prompt_tokens == response.usage.total_tokens == sum(map(len, ids))
+    by_ids = client.embeddings.create(model="emb", input=ids, encoding_format="float")
+    assert_vectors_equal([d.embedding for d in by_ids.data], reference, "token-id lists")
+    one = client.embeddings.create(model="emb", input=ids[2], encoding_format="float")
+    assert_vectors_equal([one.data[0].embedding], reference[2:], "one token-id list")
+    short = client.embeddings.create(model="emb", input=TEXTS, dimensions=16, encoding_format="float")
+    assert_vectors_equal([d.embedding for d in short.data],
+                         st_encode(model_dir, TEXTS, truncate_dim=16, normalize_embeddings=True), "dimensions 16")
+    server.wait_idle_without_leaks()
+
+
+def test_bad_embedding_requests_are_400(server, client):
+    with pytest.raises(openai.BadRequestError, match="dimensions 8"):
+        client.embeddings.create(model="emb", input="hi", dimensions=8)
+    too_long = [5] * 600
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.embeddings.create(model="emb", input=too_long)
+    kept = client.embeddings.create(model="emb", input=too_long, extra_body={"truncate_prompt_tokens": 10},
+                                    encoding_format="float")
+    assert kept.usage.prompt_tokens == 10 and len(kept.data[0].embedding) == 32
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        client.embeddings.create(model="emb", input=[[10**9]])
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.embeddings.create(model="emb", input=[])
+    with pytest.raises(openai.BadRequestError, match="does not generate"):
+        client.completions.create(model="emb", prompt="hi", max_tokens=2)
+    response = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hi", "encoding_format": "hex"}, timeout=30)
+    assert response.status_code == 400
+    server.wait_idle_without_leaks()
+
+
+def test_cli_embed_prints_json(model_dir):
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "embed",
+                             *TEXTS[:2], "--model", str(model_dir), "--num-kv-blocks", "64"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    output = json.loads(result.stdout)
+    assert [d["text"] for d in output["data"]] == TEXTS[:2]
+    assert_vectors_equal([d["embedding"] for d in output["data"]], st_encode(model_dir, TEXTS[:2]), "CLI")
