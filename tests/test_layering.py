@@ -27,7 +27,7 @@ LAYERS = (
     ("core", "model", "structured"),  # decisions (pure Python); torch networks; grammars for structured output
     ("distributed",),  # the tensor-parallel group and its collectives
     ("config",),  # frozen configs, EngineArgs, flags
-    ("sampling_params.py", "outputs.py", "lora/request.py"),  # plain data every layer passes around
+    ("sampling_params.py", "pooling_params.py", "outputs.py", "lora/request.py"),  # plain data every layer passes
     ("errors.py", "envs.py", "request_limits.py", "version.py"),  # typed errors; switches; request ceilings; release
 )
 
