@@ -69,6 +69,8 @@ class MultiprocTPExecutor(Executor):
     """(max_loras, max_lora_rank, max_cpu_loras) for the ranks' LoRA managers when LoRA is on, else None."""
     batch_invariant: bool = False
     """EngineArgs.batch_invariant, for the ranks' runners."""
+    quant_activations: str = "auto"
+    """EngineArgs.quant_activations, for the ranks' loads."""
 
     def __init__(self, engine_args: EngineArgs, parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
         # The weights live in the workers: this process reads only the config and tokenizer.
@@ -79,6 +81,7 @@ class MultiprocTPExecutor(Executor):
         lora = engine_args.lora_config()
         self.lora_slots = None if lora is None else (lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras)
         self.batch_invariant = engine_args.batch_invariant
+        self.quant_activations = engine_args.quant_activations
         self.parallel_config = parallel_config
         self.seed = engine_args.seed
         self.dtype = dtype
@@ -178,7 +181,8 @@ class MultiprocTPExecutor(Executor):
         init = proto.InitWorkerMsg(model_dir=model_dir, dtype=dtype, num_blocks=num_blocks,
                                    num_host_blocks=num_host_blocks, block_size=kv_spec.block_size,
                                    seed=seed, timeout_s=self.timeout_s, gguf_path=self.gguf_path,
-                                   lora_slots=self.lora_slots, batch_invariant=self.batch_invariant)
+                                   lora_slots=self.lora_slots, batch_invariant=self.batch_invariant,
+                                   quant_activations=self.quant_activations)
         self._broadcast(proto.encoder.encode(init))
         ready: set[int] = set()
         windows: set[int | None] = set()
