@@ -233,7 +233,7 @@ def layer_errors(model: str | None, engine_args: dict, num_prompts: int, max_tok
 
 def greedy_agreement(model: str | None, engine_args: dict, num_prompts: int, max_tokens: int) -> dict:
     """Greedy continuations of chat prompts with float32 activations, int8 ones, and int8 in the LM head too:
-    per variant, how many equal the float32 ones and the mean length of the common prefix."""
+    per pair, how many are identical and the mean length of their common prefix."""
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -251,11 +251,13 @@ def greedy_agreement(model: str | None, engine_args: dict, num_prompts: int, max
             n += 1
         return n
 
-    base = runs["none"]
-    return {label: {"identical": sum(list(a) == list(b) for a, b in zip(seqs, base)), "prompts": len(base),
-                    "mean_common_prefix": sum(common(a, b) for a, b in zip(seqs, base)) / len(base),
-                    "tokens": max_tokens}
-            for label, seqs in runs.items() if label != "none"}
+    def agreement(seqs, base):
+        return {"identical": sum(list(a) == list(b) for a, b in zip(seqs, base)), "prompts": len(base),
+                "mean_common_prefix": sum(common(a, b) for a, b in zip(seqs, base)) / len(base), "tokens": max_tokens}
+
+    return {"int8 vs none": agreement(runs["int8"], runs["none"]),
+            "int8 + LM head vs none": agreement(runs["int8 + LM head"], runs["none"]),
+            "int8 + LM head vs int8": agreement(runs["int8 + LM head"], runs["int8"])}
 
 
 def bench_accuracy(args, engine_args: dict) -> dict:
@@ -309,7 +311,7 @@ def bench_accuracy(args, engine_args: dict) -> dict:
         greedy = result["greedy"] = greedy_agreement(str(gguf_path), engine_args, args.greedy_prompts,
                                                      args.greedy_tokens)
         print()
-        print(format_table(["vs float32 activations", "identical", "prompts", "mean common prefix", "tokens"],
+        print(format_table(["greedy continuations", "identical", "prompts", "mean common prefix", "tokens"],
                            [[label, g["identical"], g["prompts"], g["mean_common_prefix"], g["tokens"]]
                             for label, g in greedy.items()], floatfmt="{:.1f}"))
     write_result(args.out, "accuracy", result)
