@@ -51,25 +51,25 @@ def apply_activation_format(model: nn.Module, requested: str, gguf_quantized: bo
                              "use --quant-activations auto or none")
         logger.info("linears take float32 activations (the int8-activation kernel does not run here: %s)", reason)
         return "none"
-    switched, kept = use_int8_activations(model)
+    switched, kept, types = use_int8_activations(model)
     if switched == 0:  # asked for by name, worth a warning
         logger.log(logging.WARNING if requested == "int8" else logging.INFO, "linears take float32 activations "
                    "(no linear has a weight type of the int8 kernel: %s)", _int8_type_names())
         return "none"
-    logger.info("linears take int8 activations: %d linears (%s weights), %d keep float32; the embedding and LM "
-                "head keep float32 (--quant-activations none for the exact mode)", switched, _int8_type_names(),
-                kept)
+    logger.info("linears take int8 activations: %d weights (%s), %d keep float32; the embedding and LM head keep "
+                "float32 (--quant-activations none for the exact mode)", switched, " / ".join(sorted(types)), kept)
     return "int8"
 
 
-def use_int8_activations(model: nn.Module) -> tuple[int, int]:
+def use_int8_activations(model: nn.Module) -> tuple[int, int, set[str]]:
     """Switch every linear's (and every mixture-of-experts expert's) quantized weight of a type the int8
-    kernel has to it; ``(switched, kept)``: the weights switched, and those that keep float32 activations
-    (float, bf16, or a type without the int8 kernel)."""
+    kernel has to it; ``(switched, kept, types)``: the weights switched, those that keep float32 activations
+    (float, bf16, or a type without the int8 kernel), and the names of the switched weights' types."""
     from pagedllm.model.layers.linear import LinearBase
     from pagedllm.model.layers.moe import SparseMoE
 
     switched = kept = 0
+    types: set[str] = set()
     for module in model.modules():
         if isinstance(module, LinearBase):
             weights = [module.quant_weight]
@@ -78,11 +78,13 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
         else:
             continue
         for quant in weights:
+            qtype = None if quant is None else quant.qtype
             if quant is not None and quant.use_int8_activations():
                 switched += 1
+                types.add(quantized.NAMES.get(qtype, str(qtype)))
             else:
                 kept += 1
-    return switched, kept
+    return switched, kept, types
 
 
 def _int8_type_names() -> str:
