@@ -61,7 +61,7 @@ class EngineArgs:
                                      "to Q8_0: int8 with one fp16 scale per 32 weights of a row, finer than "
                                      "per-channel scales), bf16 (float32 weights rounded to bf16) or float32.",
                              choices=("auto", "int8", "bf16", "float32"))
-    quant_activations: str = flag("auto", "Activations of the linears with quantized weights. auto (default): int8 "
+    quant_activations: str = flag("auto", "Activations of the linears with quantized weights. auto: int8 "
                                           "for a GGUF's quantized weights (Q8_0 / Q4_0 / Q4_1) on the CPU in "
                                           "float32, where the int8 kernel runs (AVX2 at least; else float32, "
                                           "logged); float checkpoints, also --quantization int8 ones, keep "
