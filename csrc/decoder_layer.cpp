@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "fused_ops.h"
+#include "quant_gemm_int8.h"
 
 namespace pagedllm {
 namespace {
@@ -197,8 +198,11 @@ struct Lora {
 at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                   const int64_t* info, bool invariant, const Lora* lora) {
   const c10::optional<at::Tensor> b = bias.numel() > 0 ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+  // The int8-activation kernels are batch-invariant as they are (each row quantized on its own, its
+  // integer sums exact, its float sum block by block): they have no separate invariant call.
+  const bool invariant_call = invariant && !quant::is_int8_type(info[0]);
   at::Tensor y = info[0] < 0 ? (invariant ? o.gemm_invariant : o.gemm).call(x, weight, b, info[1])
-                             : (invariant ? o.quant_gemm_invariant : o.quant_gemm)
+                             : (invariant_call ? o.quant_gemm_invariant : o.quant_gemm)
                                    .call(x, weight, info[0], info[1], b, info[2]);
   if (lora != nullptr && lora->info[0] > 0) {
     o.lora_sgmv.call(x, y, lora->weights[0], lora->weights[1], lora->weights[2],

@@ -13,10 +13,16 @@
    32-wide block to int8), whose error is the activations' rounding, not float32's.
 2. Perplexity of the model on a text the package ships (bench/perplexity_text.py) through each path the
    engine offers for the file: its weights dequantized to float32 (``--gguf-dequantize``), kept quantized
-   through the kernels (the default), and the same with int8 activations (``--quant-activations int8``,
-   where that kernel runs); and the same model requantized (from its dequantized weights, with
-   the gguf package) to each ``--requantize`` type, through the kernels. From the prompt logprobs of one
-   request each.
+   through the kernels with float32 activations (``--quant-activations none``, the exact mode), with int8
+   activations (the default where that kernel runs), and with int8 activations in the LM head too (not a
+   mode the engine offers: measured to decide); and the same model requantized (from its dequantized
+   weights, with the gguf package) to each ``--requantize`` type, through the kernels. From the prompt
+   logprobs of one request each.
+3. int8 activations against float32 ones on the same quantized weights (``--layer-prompts``,
+   ``--greedy-prompts``): each decoder layer's output (its residual stream) over the prompts' tokens, the
+   relative error ||int8 - none|| / ||none|| per layer, its largest and its mean over the layers; and the
+   greedy continuations of chat prompts, none vs int8 vs int8 with the LM head too: how many are identical
+   and the mean length of their common prefix.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--skip-perplexity", action="store_true")
     p.add_argument("--requantize", default="Q8_0,Q4_0",
                    help="also score the model requantized to these types (ones the gguf package can write)")
+    p.add_argument("--layer-prompts", type=int, default=4,
+                   help="prompts of the per-layer int8 vs float32 activation error (0: skip)")
+    p.add_argument("--greedy-prompts", type=int, default=8,
+                   help="chat prompts of the greedy agreement check, none vs int8 (0: skip)")
+    p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt of that check")
 
 
 def _random_k_blocks(qtype, n: int, k: int, magnitude: float, rng) -> np.ndarray:
@@ -141,20 +152,112 @@ def requantize_gguf(src, dst, type_name: str) -> None:
     writer.close()
 
 
-def perplexity(model: str | None, gguf_dequantize: bool, max_tokens: int, engine_args: dict,
-               quant_activations: str = "none") -> dict:
-    """The model's perplexity on the shipped text, weights through one path (prompt logprobs of one request)."""
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.bench.perplexity_text import TEXT
+def _llm(model: str | None, engine_args: dict, quant_activations: str, gguf_dequantize: bool = False,
+         int8_lm_head: bool = False):
+    """An engine on ``model`` with these activations (and, to measure it, an int8 LM head)."""
+    from pagedllm import LLM
+    from pagedllm.model.activation_format import use_int8_lm_head
 
     llm = LLM(**{**engine_args, "model": model, "gguf_dequantize": gguf_dequantize, "enable_prefix_caching": False,
                  "quant_activations": quant_activations})
+    if int8_lm_head and not use_int8_lm_head(llm.engine.core.executor.runner.model):  # instrumentation
+        raise SystemExit("the LM head has no weight of an int8 kernel type")
+    return llm
+
+
+def perplexity(model: str | None, gguf_dequantize: bool, max_tokens: int, engine_args: dict,
+               quant_activations: str = "none", int8_lm_head: bool = False) -> dict:
+    """The model's perplexity on the shipped text, weights through one path (prompt logprobs of one request)."""
+    from pagedllm import SamplingParams
+    from pagedllm.bench.perplexity_text import TEXT
+
+    llm = _llm(model, engine_args, quant_activations, gguf_dequantize, int8_lm_head)
     token_ids = llm.get_tokenizer().encode(TEXT)[:max_tokens]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
     logprobs = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
     del llm
     return {"tokens_scored": len(logprobs), "perplexity": math.exp(-sum(logprobs) / len(logprobs))}
+
+
+GREEDY_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
+                    "Explain what a hash table is in two sentences.", "List three prime numbers.",
+                    "Who wrote Romeo and Juliet?", "Give me a tip for learning to cook.",
+                    "What is 12 times 12?", "Describe the color blue to someone who cannot see.",
+                    "Why is the sky blue?", "Name a famous painting and its painter.")
+
+
+def _layer_outputs(llm, prompts: list[list[int]]) -> list:
+    """Each decoder layer's output (its residual stream: the layer's output plus the residual it hands on),
+    float64 ``[all prompts' tokens, hidden]``, one prefill step per prompt."""
+    import torch
+
+    from pagedllm import SamplingParams
+
+    layers = llm.engine.core.executor.runner.model.model.layers  # instrumentation: hooks on the layers
+    captured: list[list] = [[] for _ in layers]
+
+    def keep(index):
+        def hook(module, inputs, out):
+            stream = out[0] + out[1] if isinstance(out, tuple) else out
+            captured[index].append(stream.detach().double().clone())
+        return hook
+
+    hooks = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]  # (the fused step turns off)
+    try:
+        for ids in prompts:
+            llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.cat(parts) for parts in captured]
+
+
+def layer_errors(model: str | None, engine_args: dict, num_prompts: int, max_tokens: int = 256) -> dict:
+    """Per decoder layer: ||int8 - none|| / ||none|| of its output over ``num_prompts`` slices of the shipped
+    text (the same quantized weights, float32 vs int8 activations); the largest and the mean over layers."""
+    from pagedllm.bench.perplexity_text import TEXT
+
+    outputs = {}
+    for mode in ("none", "int8"):
+        llm = _llm(model, engine_args, mode)
+        ids = llm.get_tokenizer().encode(TEXT)
+        prompts = [ids[i * max_tokens // 2:(i * max_tokens // 2) + max_tokens // (1 + i % 2)]
+                   for i in range(num_prompts)]
+        outputs[mode] = _layer_outputs(llm, prompts)
+        del llm
+    errors = [float((a - b).norm() / b.norm()) for a, b in zip(outputs["int8"], outputs["none"])]
+    return {"prompts": num_prompts, "tokens": int(outputs["none"][0].shape[0]), "per_layer": errors,
+            "max": max(errors), "mean": sum(errors) / len(errors)}
+
+
+def greedy_agreement(model: str | None, engine_args: dict, num_prompts: int, max_tokens: int) -> dict:
+    """Greedy continuations of chat prompts with float32 activations, int8 ones, and int8 in the LM head too:
+    per pair, how many are identical and the mean length of their common prefix."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    questions = [GREEDY_QUESTIONS[i % len(GREEDY_QUESTIONS)] for i in range(num_prompts)]
+    runs = {}
+    for label, mode, head in (("none", "none", False), ("int8", "int8", False), ("int8 + LM head", "int8", True)):
+        llm = _llm(model, engine_args, mode, int8_lm_head=head)
+        prompts = [{"prompt_token_ids": llm.encode_chat([{"role": "user", "content": q}])} for q in questions]
+        runs[label] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    def agreement(seqs, base):
+        return {"identical": sum(list(a) == list(b) for a, b in zip(seqs, base)), "prompts": len(base),
+                "mean_common_prefix": sum(common(a, b) for a, b in zip(seqs, base)) / len(base), "tokens": max_tokens}
+
+    return {"int8 vs none": agreement(runs["int8"], runs["none"]),
+            "int8 + LM head vs none": agreement(runs["int8 + LM head"], runs["none"]),
+            "int8 + LM head vs int8": agreement(runs["int8 + LM head"], runs["int8"])}
 
 
 def bench_accuracy(args, engine_args: dict) -> dict:
@@ -178,9 +281,10 @@ def bench_accuracy(args, engine_args: dict) -> dict:
         from pagedllm.model.layers import quantized
 
         paths = {"float32 (dequantized at load)": (str(gguf_path), True),
-                 "quantized kernels (the file's types)": (str(gguf_path), False)}
+                 "quantized kernels (the file's types), float32 activations": (str(gguf_path), False)}
         if quantized.int8_kernel_available():
-            paths["quantized kernels, int8 activations"] = (str(gguf_path), False, "int8")
+            paths["quantized kernels, int8 activations (the default)"] = (str(gguf_path), False, "int8")
+            paths["quantized kernels, int8 activations and LM head"] = (str(gguf_path), False, "int8", True)
         workdir = Path(tempfile.mkdtemp(prefix="pagedllm-requant-"))
         for type_name in filter(None, args.requantize.split(",")):
             dst = workdir / f"{type_name}.gguf"
@@ -195,5 +299,20 @@ def bench_accuracy(args, engine_args: dict) -> dict:
         print(format_table(["weights", "tokens scored", "perplexity"],
                            [[label, p["tokens_scored"], p["perplexity"]]
                             for label, p in result["perplexity"].items()], floatfmt="{:.4f}"))
+    from pagedllm.model.layers import quantized
+
+    if args.layer_prompts and quantized.int8_kernel_available():
+        layers = result["layer_errors"] = layer_errors(str(gguf_path), engine_args, args.layer_prompts)
+        print(f"\nint8 vs float32 activations, each decoder layer's output over {layers['prompts']} prompts "
+              f"({layers['tokens']} tokens): relative error max {layers['max']:.2e}, mean {layers['mean']:.2e}")
+        print(format_table(["layer", "relative error"], [[i, e] for i, e in enumerate(layers["per_layer"])],
+                           floatfmt="{:.2e}"))
+    if args.greedy_prompts and quantized.int8_kernel_available():
+        greedy = result["greedy"] = greedy_agreement(str(gguf_path), engine_args, args.greedy_prompts,
+                                                     args.greedy_tokens)
+        print()
+        print(format_table(["greedy continuations", "identical", "prompts", "mean common prefix", "tokens"],
+                           [[label, g["identical"], g["prompts"], g["mean_common_prefix"], g["tokens"]]
+                            for label, g in greedy.items()], floatfmt="{:.1f}"))
     write_result(args.out, "accuracy", result)
     return result

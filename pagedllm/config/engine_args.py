@@ -65,12 +65,16 @@ class EngineArgs:
                                      "to Q8_0: int8 with one fp16 scale per 32 weights of a row, finer than "
                                      "per-channel scales), bf16 (float32 weights rounded to bf16) or float32.",
                              choices=("auto", "int8", "bf16", "float32"))
-    quant_activations: str = flag("none", "CPU, quantized weights: int8 quantizes each linear's input per 32-wide "
-                                          "block of a row to int8 (one float32 scale each, as Q8_0) and multiplies "
-                                          "by Q8_0 / Q4_0 / Q4_1 weights with integer dot products (AVX-512 VNNI, "
-                                          "else AVX2): faster prefill and batches, a small accuracy cost "
-                                          "(docs/quantization.md); none keeps float32 activations.",
-                                  choices=("none", "int8"))
+    quant_activations: str = flag("auto", "Activations of the linears with quantized weights. auto: int8 "
+                                          "for a GGUF's quantized weights (Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K) on the CPU in "
+                                          "float32, where the int8 kernel runs (AVX2 at least; else float32, "
+                                          "logged); float checkpoints, also --quantization int8 ones, keep "
+                                          "float32. int8: each linear's input quantized per 32-wide block of a "
+                                          "row to int8, integer dot products with the weights (faster, a small "
+                                          "accuracy cost: docs/int8-activations.md); refused where it cannot "
+                                          "run. none: float32 activations, the exact mode (greedy tokens equal "
+                                          "transformers' on the same weights).",
+                                  choices=("auto", "none", "int8"))
     runner: str = flag("generate", "What the model serves: generate (text) or pooling (embeddings as its "
                                    "sentence-transformers files say, docs/embeddings.md; generation refused).",
                        choices=RUNNERS)
@@ -170,15 +174,9 @@ class EngineArgs:
         if self.quantization != "auto" and self.tensor_parallel_size > 1:
             raise ValueError(f"quantization {self.quantization!r} does not support tensor_parallel_size > 1 yet "
                              "(a bf16 checkpoint is kept bf16 with quantization 'auto')")
-        if self.quant_activations != "none":
-            if self.batch_invariant:
-                raise ValueError(f"quant_activations {self.quant_activations!r} and batch_invariant do not combine "
-                                 "(the int8 kernel has no fixed per-row sum order): turn one off")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"quant_activations {self.quant_activations!r} does not support "
-                                 "tensor_parallel_size > 1 yet")
-            if self.device.startswith("cuda") or self.dtype not in ("auto", "float32"):
-                raise ValueError(f"quant_activations {self.quant_activations!r} applies to float32 CPU models")
+        if self.quant_activations == "int8" and (self.device.startswith("cuda") or self.dtype not in ("auto", "float32")):
+            raise ValueError("quant_activations 'int8' applies to float32 CPU models (auto falls back to float32 "
+                             "activations elsewhere)")
         if self.runner == "pooling":
             unsupported = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
                            "speculative_config": self.speculative_config is not None, "enable_lora": self.enable_lora}

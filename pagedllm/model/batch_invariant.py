@@ -16,6 +16,13 @@ It chooses, per kernel, a call whose per-row reduction order is fixed:
   the 24 sums in registers) and 2 on AVX2 (blocks of at most 2 rows). The default kernel uses 4, 2
   or 1 sets by the block's rows. (Taking 4 panels at once with one set, as the float32 kernel
   does, streamed the weight 1.35x slower at 1 row: the quantized kernel is compute-bound.)
+* linears on the int8-activation kernel (``csrc/quant_gemm_int8_kernel.h``, the default for a GGUF's
+  quantized weights): its one call, invariant as it is. Each row of x is quantized on its own (per
+  32-wide block: its scale and int8 values depend on that row alone); a block's integer dot products
+  are exact, so how many chains the row block splits them over (1-4, by its rows) changes nothing;
+  and the float sum runs block by block in K order, one FMA per block, in every row block. Threads
+  split the output columns (panels), never K. The fused decoder step's op routes these types the same
+  way (``csrc/decoder_layer.cpp``).
 * attention (``csrc/paged_attention_op.cpp``): ``num_splits=1`` (never split a context: the
   automatic split depends on the batch's items and the thread count) and every item on the per-key
   path (``tile_min_rows`` beyond any item; which of the two paths a row took depended on its
@@ -71,8 +78,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
 
 
 def quant_gemm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """A GGUF-quantized weight's product (``x`` 2-D float32, dense rows) in the invariant order."""
-    op = torch.ops.pagedllm.quant_gemm_invariant_cpu if INVARIANT_KERNELS else torch.ops.pagedllm.quant_gemm_cpu
+    """A GGUF-quantized weight's product (``x`` 2-D float32, dense rows) in the invariant order; a weight on
+    the int8-activation kernel takes its one call, invariant as it is (module docstring)."""
+    from pagedllm.model.layers.quantized import INT8_KERNEL_TYPE
+
+    invariant = INVARIANT_KERNELS and weight.kernel_type not in INT8_KERNEL_TYPE.values()
+    op = torch.ops.pagedllm.quant_gemm_invariant_cpu if invariant else torch.ops.pagedllm.quant_gemm_cpu
     return op(x, weight.packed, weight.kernel_type, weight.n, bias, weight.isa)
 
 

@@ -45,6 +45,7 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import checkpoint_validate, gguf_loader, resolved_config
+from pagedllm.model.activation_format import apply_activation_format, takes_int8_at_load
 from pagedllm.model.gguf_model_checks import validate_gguf
 from pagedllm.model.layers import quantized
 from pagedllm.model.registry import resolve_model_class
@@ -110,8 +111,9 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: st
                quant_activations: str = "none") -> LoadedModel:
     """Load ``model`` (HF directory, .gguf file, or None for the embedded default). A GGUF's
     quantized weights stay quantized unless ``gguf_dequantize`` (or not CPU float32); float
-    weights are kept as ``quantization`` says (``quantized.WEIGHT_FORMATS``); ``quant_activations``
-    int8 runs the quantized linears with int8 activations (``quantized.ACTIVATION_FORMATS``)."""
+    weights are kept as ``quantization`` says (``quantized.WEIGHT_FORMATS``); ``quant_activations``: which
+    activations the linears take (``activation_format``: none, the exact mode, unless asked; the engine's
+    default is auto, int8 for a GGUF's quantized weights)."""
     gguf_path = gguf_weights_source(model, dtype, device, gguf_dequantize)
     hf_dir = resolve_hf_dir(model, weights=gguf_path is None)
     return load_hf_dir(hf_dir, dtype, device, gguf_path=gguf_path, quantization=quantization,
@@ -337,7 +339,7 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
     quantized ones kept quantized. ``quantization``: how float weights are kept (module docstring)."""
     if quantization not in quantized.WEIGHT_FORMATS:  # before any work
         raise ValueError(f"quantization must be one of {', '.join(quantized.WEIGHT_FORMATS)}, got {quantization!r}")
-    if quant_activations not in quantized.ACTIVATION_FORMATS:
+    if quant_activations not in quantized.ACTIVATION_FORMATS:  # before any work
         raise ValueError(f"quant_activations must be one of {', '.join(quantized.ACTIVATION_FORMATS)}, "
                          f"got {quant_activations!r}")
     hf_dir = Path(hf_dir)
@@ -355,8 +357,8 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         for file in files:  # headers only: before any tensor is read
             checkpoint_validate.check_safetensors(file)
         weights = _iter_safetensors(files)
-    if quant_activations == "int8":  # K-quants then repack straight into the int8 kernel's layout
-        for param in model.parameters():
+    if takes_int8_at_load(quant_activations, gguf_path is not None, dtype, device):
+        for param in model.parameters():  # K-quants then repack straight into the int8 kernel's layout
             quantized.mark_int8_activations(param)
     try:
         loaded = model.load_weights(weights)
@@ -378,40 +380,15 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
                 quantized.mark(param, *target)
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()  # CPU GEMM layouts, once the dtype and device are final
-    if quant_activations == "int8":
-        use_int8_activations(model)
+    apply_activation_format(model, quant_activations, gguf_quantized=gguf_path is not None)
     if gguf_path is not None or target is not None:
         _release_free_heap()
     return LoadedModel(model, config, str(hf_dir))
 
 
-def use_int8_activations(model: nn.Module) -> int:
-    """Switch every linear's Q8_0 / Q4_0 / Q4_1 weight to the int8-activation kernel (``--quant-activations
-    int8``; K-quant weights took it at load, ``quantized.mark_int8_activations``, and count as switched); the
-    number switched. The rest keep the float32-activation path, with a log line: bf16 weights, float
-    weights, Q4_0 / Q4_1 / Q8_0 MoE experts and embedding / LM head tables (K-quant ones take the K-quant
-    kernel)."""
-    from pagedllm.model.layers.linear import LinearBase
-
-    switched, kept = 0, 0
-    for module in model.modules():
-        if not isinstance(module, LinearBase):
-            continue
-        quant = module.quant_weight
-        if quant is not None and quant.use_int8_activations():
-            switched += 1
-        else:
-            kept += 1
-    if switched == 0:
-        reason = ("the int8 kernel is unavailable here" if not quantized.int8_kernel_available()
-                  else "no linear has a Q8_0, Q4_0, Q4_1 or K-quant weight")
-        logger.warning("--quant-activations int8: no linear switched (%s); activations stay float32", reason)
-    else:
-        logger.info("--quant-activations int8: %d linears take int8 activations, %d keep float32 (not Q8_0 / "
-                    "Q4_0 / Q4_1 / K-quant)", switched, kept)
-    return switched
-
-
+from pagedllm.model import checkpoint_validate, gguf_loader, resolved_config
+from pagedllm.model.activation_format import apply_activation_format, takes_int8_at_load
+from pagedllm.model.gguf_model_checks import validate_gguf
 def _release_free_heap() -> None:
     """Hand the heap's free pages back to the system (glibc only; elsewhere a no-op). Repacking
     leaves many freed 1-30 MB temporaries in glibc's heap, which it keeps: the default model's

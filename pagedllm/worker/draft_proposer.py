@@ -62,11 +62,13 @@ class _DraftRow:
     block_ids: list[int]
 
 
-def load_draft_model(path: str, target_vocab_size: int, dtype: torch.dtype, device: str):
-    """The draft model (model/loader.py), refused unless its vocabulary is the target's."""
+def load_draft_model(path: str, target_vocab_size: int, dtype: torch.dtype, device: str,
+                     quant_activations: str = "none"):
+    """The draft model (model/loader.py), refused unless its vocabulary is the target's; ``quant_activations``
+    as the target's (its proposals only change how many tokens are accepted)."""
     from pagedllm.model.loader import load_model
 
-    loaded = load_model(path, dtype=dtype, device=device)
+    loaded = load_model(path, dtype=dtype, device=device, quant_activations=quant_activations)
     vocab_size = loaded.hf_config.vocab_size
     if vocab_size != target_vocab_size:
         raise ModelLoadError(f"the draft model {path!r} has a vocabulary of {vocab_size} tokens, the target "

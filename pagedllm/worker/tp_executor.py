@@ -77,6 +77,8 @@ class MultiprocTPExecutor(Executor):
     """(max_loras, max_lora_rank, max_cpu_loras) for the ranks' LoRA managers when LoRA is on, else None."""
     batch_invariant: bool = False
     """DeviceConfig.batch_invariant, for the ranks' runners."""
+    quant_activations: str = "auto"
+    """ModelConfig.quant_activations, for the ranks' loads."""
 
     def __init__(self, model_config: ModelConfig, device_config: DeviceConfig, lora: LoRAConfig | None,
                  parallel_config: ParallelConfig, dtype: torch.dtype) -> None:
@@ -87,6 +89,7 @@ class MultiprocTPExecutor(Executor):
         self.gguf_path = None if gguf is None else str(gguf.resolve())
         self.lora_slots = None if lora is None else (lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras)
         self.batch_invariant = device_config.batch_invariant
+        self.quant_activations = model_config.quant_activations
         self.parallel_config = parallel_config
         self.seed = device_config.seed
         self.model_name = model_config.model
@@ -189,7 +192,8 @@ class MultiprocTPExecutor(Executor):
         init = proto.InitWorkerMsg(model_dir=model_dir, dtype=dtype, num_blocks=num_blocks,
                                    num_host_blocks=num_host_blocks, block_size=kv_spec.block_size,
                                    seed=seed, timeout_s=self.timeout_s, gguf_path=self.gguf_path,
-                                   lora_slots=self.lora_slots, batch_invariant=self.batch_invariant)
+                                   lora_slots=self.lora_slots, batch_invariant=self.batch_invariant,
+                                   quant_activations=self.quant_activations)
         self._broadcast(proto.encoder.encode(init))
         ready: set[int] = set()
         windows: set[int | None] = set()

@@ -88,6 +88,9 @@ class InitWorkerMsg(msgspec.Struct, tag="init"):
     batch_invariant: bool = False
     """EngineArgs.batch_invariant: each rank runs the mode's kernels (model/batch_invariant.py), the compiled
     attention op and the rank-order all-reduce."""
+    quant_activations: str = "auto"
+    """EngineArgs.quant_activations: the activations of each rank's quantized linears (model/activation_format.py);
+    a row-parallel shard quantizes its own 32-wide blocks of x, the blocks one rank would."""
 
 
 class ReadyMsg(msgspec.Struct, tag="ready"):

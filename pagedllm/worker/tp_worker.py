@@ -169,7 +169,8 @@ def run_worker(args: argparse.Namespace) -> int:
         dtype = getattr(torch, init.dtype)
         gguf_path = None if init.gguf_path is None else Path(init.gguf_path)
         with batch_invariant.building(init.batch_invariant):  # the layers choose their kernels when built
-            loaded = load_hf_dir(init.model_dir, dtype, gguf_path=gguf_path)  # only this rank's shard is built and read
+            # only this rank's shard is built and read
+            loaded = load_hf_dir(init.model_dir, dtype, gguf_path=gguf_path, quant_activations=init.quant_activations)
         model = loaded.model
         kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, init.block_size, dtype)
         runner = ModelRunner(model, vocab_size=loaded.hf_config.vocab_size, kv_spec=kv_spec,

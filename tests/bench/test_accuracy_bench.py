@@ -43,3 +43,14 @@ def test_kernel_errors_are_float32_sized_on_every_shape_and_type():
         int8 = [r["int8_activations_rel_err"] for r in rows if r["type"] in ("Q8_0", "Q4_0", "Q4_1")]
         assert all(1e-4 < e < 3e-2 for e in int8), int8
         assert all(r["int8_activations_rel_err"] is None for r in rows if r["type"].endswith("_K"))
+
+
+@pytest.mark.skipif(not quantized.int8_kernel_available(), reason="int8-activation kernel unavailable")
+def test_layer_errors_of_int8_activations_are_small_and_not_zero():
+    from pagedllm.bench.accuracy import layer_errors
+
+    result = layer_errors(None, {"max_model_len": 256}, num_prompts=2, max_tokens=32)
+    assert result["tokens"] == 32 + 16 and len(result["per_layer"]) == 30  # the default model's 30 layers
+    # not zero: two kernels; a few percent: the activations' rounding (docs/int8-activations.md has the figures)
+    assert all(0 < e < 0.2 for e in result["per_layer"]), result["per_layer"]
+    assert result["max"] == max(result["per_layer"]) and result["mean"] <= result["max"]

@@ -103,7 +103,8 @@ def test_logprobs_bitwise_equal_alone_and_in_batches(tiny, tp):
 
 
 def test_default_model_tp3_quantized():
-    """The Q4_1 default model (9 query / 3 KV heads: tp 3) with its quantized kernels on each rank; at
+    """The Q4_1 default model (9 query / 3 KV heads: tp 3) with its quantized kernels on each rank (int8
+    activations, the default: each rank's int8 kernel is invariant as it is); at
     3 ranks the row-parallel sums go through the rank-order all-reduce (gloo's ring order, planted
     back, fails this test)."""
     target = _prompt(random.Random(3), 45, vocab=40000)

@@ -55,7 +55,8 @@ def test_moe_tp2_matches_unsharded_and_hf(kind, tmp_path):
 @pytest.mark.skipif(not quantized.kernel_available(), reason="compiled quantized kernel unavailable")
 def test_quantized_moe_gguf_tp2_matches_unsharded(tmp_path, monkeypatch):
     """Mixtral's experts of intermediate 128: each rank's 64 gate/up rows and 64 down columns are
-    whole Q8_0 blocks, so every rank keeps its expert slices quantized."""
+    whole Q8_0 blocks, so every rank keeps its expert slices quantized (and quantizes its own 32-wide
+    blocks of x for the int8 kernel)."""
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny-mixtral-Q8_0.gguf"
     write_converted_gguf(make_hf_model("mixtral", seed=4, sliding_window=None), path, GGMLQuantizationType.Q8_0)
@@ -63,6 +64,8 @@ def test_quantized_moe_gguf_tp2_matches_unsharded(tmp_path, monkeypatch):
     single = LLM(model=str(path), num_kv_blocks=64)
     moe = single.engine.core.executor.runner.model.model.layers[0].mlp
     assert moe.experts.quant[0] is not None and moe.experts.quant[1] is not None
+    if quantized.int8_kernel_available():  # the default: the experts take int8 activations, on every rank too
+        assert moe.experts.quant[0][0].kernel_type == quantized.INT8_KERNEL_TYPE[quantized.Q8_0]
     expected = engine_greedy(single, prompts, MAX_NEW_TOKENS)
     del single
     sharded = LLM(model=str(path), tensor_parallel_size=2, num_kv_blocks=64, distributed_timeout=60)

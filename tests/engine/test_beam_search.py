@@ -72,7 +72,7 @@ DEFAULT_CASES = [
 
 @pytest.fixture(scope="module")
 def default_setup():
-    llm = LLM()
+    llm = LLM(quant_activations="none")  # the exact mode: compared with transformers
     tokenizer = llm.get_tokenizer()
     prompts = [
         llm.encode_chat([{"role": "user", "content": "What is 2+2?"}]),  # answers and ends with EOS early

@@ -93,7 +93,7 @@ DEFAULT_PROMPTS = [
 # The default model is the slow tier's: loading it and running HF beside it takes most of a minute.
 @pytest.fixture(scope="module")
 def default_setup():
-    llm = LLM()  # the embedded default model, converted once into the cache
+    llm = LLM(quant_activations="none")  # the embedded default model (exact mode), converted once into the cache
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
     prompts.insert(0, [tokenizer.encode("Hello")[0]])  # a one-token prompt
@@ -137,7 +137,7 @@ def test_default_model_matches_hf_through_the_greedy_head(default_setup, monkeyp
 @pytest.mark.slow
 def test_default_model_matches_hf_under_pressure(default_setup, engine_kwargs):
     _, prompts, references = default_setup
-    llm = LLM(**engine_kwargs)
+    llm = LLM(quant_activations="none", **engine_kwargs)
     _check_all(llm, prompts, references, f"default model {engine_kwargs}")
     if "num_kv_blocks" in engine_kwargs:
         assert llm.engine.core.scheduler.num_preemptions > 0, "the run was meant to preempt"

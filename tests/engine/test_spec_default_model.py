@@ -43,12 +43,12 @@ NGRAM4 = {"method": "ngram", "num_speculative_tokens": 4}
 # unchanged, and speculation acts in the decode steps, which run whatever the prefill found cached.
 @pytest.fixture(scope="module")
 def plain_llm():
-    return LLM(max_model_len=512)
+    return LLM(max_model_len=512, quant_activations="none")
 
 
 @pytest.fixture(scope="module")
 def ngram4_llm():
-    return LLM(max_model_len=512, speculative_config=NGRAM4)
+    return LLM(max_model_len=512, speculative_config=NGRAM4, quant_activations="none")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,8 @@ def reference(plain_llm):
     (5, dict(num_kv_blocks=20, block_size=8, preemption_mode="recompute", enable_prefix_caching=False)),
 ])
 def test_default_model_greedy_identical(reference, k, config):
-    llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **config)
+    llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": k},
+              quant_activations="none", **config)
     assert _run(llm, GREEDY) == reference
     stats = llm.engine.core.stats()
     assert stats.spec_num_accepted_tokens > 0
@@ -106,7 +107,7 @@ def default_drafts(tmp_path_factory):
 ])
 def test_default_model_with_a_draft_model_greedy_identical(reference, default_drafts, k, layers, config):
     llm = LLM(max_model_len=512, speculative_config={"method": "draft_model", "model": default_drafts[layers],
-                                                     "num_speculative_tokens": k}, **config)
+                                                     "num_speculative_tokens": k}, quant_activations="none", **config)
     assert _run(llm, GREEDY) == reference
     stats = llm.engine.core.stats()
     assert stats.spec_num_draft_tokens > 0
@@ -118,6 +119,6 @@ def test_default_model_with_a_draft_model_greedy_identical(reference, default_dr
 
 def test_default_model_with_a_draft_model_parallel_samples(reference, default_drafts):
     params = SamplingParams(n=2, temperature=0, max_tokens=40)
-    llm = LLM(max_model_len=512, enable_prefix_caching=True,
+    llm = LLM(max_model_len=512, enable_prefix_caching=True, quant_activations="none",
               speculative_config={"method": "draft_model", "model": default_drafts[4], "num_speculative_tokens": 3})
     assert _run(llm, params) == [seqs * 2 for seqs in reference]

@@ -14,7 +14,7 @@ from pagedllm.errors import InvalidRequestError
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=512)
+    return LLM(max_model_len=512, quant_activations="none")  # the exact mode: prompt logprobs vs transformers
 
 
 def _assert_idle_without_leaks(llm):

@@ -30,7 +30,7 @@ def test_rope_freqs_file_matches_hf_llama3_rope(qtype, tmp_path):
 
     config = load_model(str(path)).hf_config
     assert np.array_equal(np.array(config.rope_freq_factors, dtype=np.float32), factors)
-    llm = LLM(model=str(path), max_num_batched_tokens=37)
+    llm = LLM(model=str(path), max_num_batched_tokens=37, quant_activations="none")
     prompts = [list(range(3, 3 + n)) for n in (1, 20, 90)]  # 90 + 12 positions: past the original 64
     for prompt, (ids, logprobs) in zip(prompts, engine_greedy(llm, prompts, 12)):
         ref = hf_greedy(hf_model, prompt, 12)
@@ -43,7 +43,7 @@ def test_without_its_factors_the_file_would_not_match(tmp_path):
     hf_model.generation_config.eos_token_id = None
     path = tmp_path / "plain.gguf"
     hf_model.load_state_dict(write_llama_gguf(hf_model, path, GGMLQuantizationType.F32))
-    llm = LLM(model=str(path), max_num_batched_tokens=37)
+    llm = LLM(model=str(path), max_num_batched_tokens=37, quant_activations="none")
     prompt = list(range(3, 93))
     (ids, _), = engine_greedy(llm, [prompt], 12)
     ref = hf_greedy(hf_model, prompt, 12)

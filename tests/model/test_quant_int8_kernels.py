@@ -157,13 +157,17 @@ def test_layout_is_replaced_and_other_types_keep_the_float_path():
     assert k_weight.kernel_type == quantized.QX and torch.equal(k_weight.packed, packed)
 
 
-def test_engine_args_refuse_the_combinations_it_lacks():
+def test_engine_args_default_to_auto_and_refuse_an_int8_that_cannot_run():
     from pagedllm.config import EngineArgs
 
-    with pytest.raises(ValueError, match="quant_activations 'int8' and batch_invariant"):
-        EngineArgs(quant_activations="int8", batch_invariant=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineArgs(quant_activations="int8", tensor_parallel_size=2)
+    assert EngineArgs().quant_activations == "auto"
+    # batch invariance and tensor parallelism take int8 activations (tests/engine, tests/model/test_quant_tp.py)
+    EngineArgs(quant_activations="int8", batch_invariant=True)
+    EngineArgs(quant_activations="int8", tensor_parallel_size=2)
+    EngineArgs(dtype="bfloat16")  # auto falls back to float activations there, quietly
+    with pytest.raises(ValueError, match="quant_activations 'int8' applies to float32 CPU models"):
+        EngineArgs(quant_activations="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match="quant_activations 'int8' applies to float32 CPU models"):
+        EngineArgs(quant_activations="int8", device="cuda")
     with pytest.raises(ValueError, match="quant_activations"):
         EngineArgs(quant_activations="int4")
-    assert EngineArgs().quant_activations == "none"

@@ -26,7 +26,8 @@ parallel shard) in whole 32-wide blocks. Embedding tables stay quantized too: a 
 dequantizes only the looked-up rows (``dequantize_rows``, plain torch); a tied LM head multiplies
 by the embedding's ``QuantizedWeight`` (found on the shared parameter).
 
-With ``--quant-activations int8`` the loader switches each linear's Q8_0 / Q4_0 / Q4_1 weight to the
+With int8 activations (``--quant-activations``, by default for a GGUF's quantized weights: the loader's
+``apply_activation_format``) the loader switches each linear's Q8_0 / Q4_0 / Q4_1 weight to the
 int8-activation kernel (``QuantizedWeight.use_int8_activations``): the same panels, each block's quant bytes
 reordered in place (``to_int8_layout``, csrc/quant_gemm_int8.h), and the op quantizes x per 32-block to int8.
 
@@ -70,10 +71,11 @@ ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
 INT8_KERNEL_TYPE = {Q4_0: 112, Q4_1: 113, Q8_0: 118}
 """The int8-activation kernel's types (csrc/quant_gemm_int8.h) by kernel type: the same panels with
 each block's quant bytes reordered (``to_int8_layout``)."""
-ACTIVATION_FORMATS = ("none", "int8")
-"""``--quant-activations``: none keeps the activations float32 (the weights dequantized in registers);
-int8 quantizes them per 32-wide block of a row (one float32 scale each, as Q8_0) for integer dot
-products with the linears' Q8_0 / Q4_0 / Q4_1 weights."""
+ACTIVATION_FORMATS = ("auto", "none", "int8")
+"""``--quant-activations``: int8 quantizes the activations per 32-wide block of a row (one float32 scale
+each, as Q8_0) for integer dot products with the linears' quantized weights (the types in
+``INT8_KERNEL_TYPE``); none keeps them float32 (the weights dequantized in registers, the exact mode);
+auto, the default, is int8 for a GGUF's quantized weights where the int8 kernel runs, else none."""
 
 
 class QuantTensor:
