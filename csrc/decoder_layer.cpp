@@ -53,6 +53,7 @@
 
 #include "fused_ops.h"
 #include "quant_gemm_int8.h"
+#include "quant_gemm_kq.h"
 
 namespace pagedllm {
 namespace {
@@ -198,9 +199,9 @@ struct Lora {
 at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                   const int64_t* info, bool invariant, const Lora* lora) {
   const c10::optional<at::Tensor> b = bias.numel() > 0 ? c10::optional<at::Tensor>(bias) : c10::nullopt;
-  // The int8-activation kernels are batch-invariant as they are (each row quantized on its own, its
-  // integer sums exact, its float sum block by block): they have no separate invariant call.
-  const bool invariant_call = invariant && !quant::is_int8_type(info[0]);
+  // The int8-activation kernels (K-quants too) are batch-invariant as they are (each row quantized on its
+  // own, its integer sums exact, its float sum block by block): they have no separate invariant call.
+  const bool invariant_call = invariant && !quant::is_int8_type(info[0]) && !quant::is_kq_type(info[0]);
   at::Tensor y = info[0] < 0 ? (invariant ? o.gemm_invariant : o.gemm).call(x, weight, b, info[1])
                              : (invariant_call ? o.quant_gemm_invariant : o.quant_gemm)
                                    .call(x, weight, info[0], info[1], b, info[2]);

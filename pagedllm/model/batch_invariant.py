@@ -80,9 +80,11 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
 def quant_gemm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """A GGUF-quantized weight's product (``x`` 2-D float32, dense rows) in the invariant order; a weight on
     the int8-activation kernel takes its one call, invariant as it is (module docstring)."""
+    from pagedllm.model.layers.kquant import GGUF_TYPE as KQUANT_INT8_TYPES
     from pagedllm.model.layers.quantized import INT8_KERNEL_TYPE
 
-    invariant = INVARIANT_KERNELS and weight.kernel_type not in INT8_KERNEL_TYPE.values()
+    int8 = weight.kernel_type in INT8_KERNEL_TYPE.values() or weight.kernel_type in KQUANT_INT8_TYPES
+    invariant = INVARIANT_KERNELS and not int8
     op = torch.ops.pagedllm.quant_gemm_invariant_cpu if invariant else torch.ops.pagedllm.quant_gemm_cpu
     return op(x, weight.packed, weight.kernel_type, weight.n, bias, weight.isa)
 
