@@ -1,7 +1,8 @@
 """The batch-invariant mode with int8 activations (the default for a GGUF's quantized weights): a
 request's tokens and logprobs are bitwise equal alone and in batches of 4 and 16 random neighbours, with
 its prompt chunked, at 1 and 2 threads, on tiny Q4_0 and Q8_0 GGUFs whose linears run the int8
-kernel (the default model, Q4_1, runs the same comparisons in test_batch_invariance.py).
+kernel (the default model, Q4_1, runs the same comparisons in test_batch_invariance.py), and, for the
+exact mode's quantized invariant call, the Q4_0 one with ``quant_activations="none"``.
 
 The int8 kernel has no separate invariant call: each row is quantized on its own and summed in a fixed
 order (model/batch_invariant.py). ``test_a_batch_dependent_activation_scale_is_caught`` plants the
@@ -50,18 +51,23 @@ def _llm(model: str, **kwargs) -> LLM:
     llm = LLM(model=model, batch_invariant=True, enable_prefix_caching=False, **{"block_size": 16, **kwargs})
     kinds = {m.quant_weight.kernel_type for m in llm.engine.core.executor.runner.model.modules()
              if isinstance(m, LinearBase)}
-    assert kinds and kinds <= set(quantized.INT8_KERNEL_TYPE.values()), kinds  # the default: int8 activations
+    int8 = set(quantized.INT8_KERNEL_TYPE.values())
+    if kwargs.get("quant_activations", "auto") == "none":  # the float32-activation kernels' invariant call
+        assert kinds and not kinds & int8, kinds
+    else:
+        assert kinds and kinds <= int8, kinds  # the default: int8 activations
     return llm
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-def test_batches_and_chunks(write_gguf, qtype):
+@pytest.mark.parametrize("qtype, activations", [("Q4_0", "auto"), ("Q8_0", "auto"), ("Q4_0", "none")])
+def test_batches_and_chunks(write_gguf, qtype, activations):
     gguf = write_gguf(qtype)
-    reference = _logprobs(_llm(gguf, num_threads=1))
-    llm = _llm(gguf, num_threads=2, max_num_batched_tokens=37)  # the target's prompt in 2-3 chunks, with others
+    reference = _logprobs(_llm(gguf, num_threads=1, quant_activations=activations))
+    # the target's prompt in 2-3 chunks, with others
+    llm = _llm(gguf, num_threads=2, max_num_batched_tokens=37, quant_activations=activations)
     for size in (1, 4, 16):
         assert _logprobs(llm, neighbours=size - 1, seed=size) == reference, f"batch of {size}"
-    short = _llm(gguf, num_threads=1, max_num_batched_tokens=5)
+    short = _llm(gguf, num_threads=1, max_num_batched_tokens=5, quant_activations=activations)
     assert _logprobs(short, neighbours=2, seed=5) == reference, "chunks of 5"
 
 

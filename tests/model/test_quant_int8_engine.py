@@ -1,6 +1,7 @@
-"""``--quant-activations int8`` end to end: the embedded default model (SmolLM2-135M, Q4_1) with its
-linears on the int8-activation kernel scores a real text close to the float32-activation path (the
-quantized weights either way), and the fallback (no linear it can take) runs the float path unchanged."""
+"""int8 activations end to end: the embedded default model (SmolLM2-135M, Q4_1) with its linears on the
+int8-activation kernel (the default; ``--quant-activations none`` is the float32-activation path) scores a
+real text close to the float32-activation path (the quantized weights either way), and the fallback (no
+linear it can take) runs the float path unchanged."""
 
 import logging
 import math
