@@ -75,7 +75,7 @@ class UniprocExecutor(Executor):
         """The draft model of speculative 'draft_model' (loaded before CUDA profiling counts the weights)."""
         if speculative is not None and speculative.method == "draft_model":
             self.draft_loaded = load_draft_model(speculative.model, self.model_info.vocab_size, dtype, str(device),
-                                                 engine_args.quant_activations)
+                                                 model_config.quant_activations)
         self.kv_spec: KVCacheSpec | None = None
         self.runner: ModelRunner | None = None
 

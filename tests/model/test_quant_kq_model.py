@@ -100,16 +100,18 @@ def test_without_the_int8_kernel_k_quants_keep_the_float_path(kquant_gguf, monke
     path, _ = kquant_gguf
     expected, _ = greedy(load_model(str(path)).model, IDS, 4)
     monkeypatch.setattr(quantized, "int8_kernel_available", lambda: False)
-    model = load_model(str(path), quant_activations="int8").model
+    model = load_model(str(path), quant_activations="auto").model  # the default falls back quietly
     assert {layer.quant_weight.kernel_type for layer in linears(model)} == {quantized.QX}
     assert greedy(model, IDS, 4)[0] == expected
+    with pytest.raises(ValueError, match="int8-activation kernel does not run here"):  # asked for by name: refused
+        load_model(str(path), quant_activations="int8")
 
 
 def test_without_the_compiled_op_k_quants_load_dequantized(kquant_gguf, monkeypatch):
     path, _ = kquant_gguf
     monkeypatch.setenv(cpu_op.DISABLE_ENV, "1")
     monkeypatch.setattr(cpu_op, "_state", {})
-    model = load_model(str(path), quant_activations="int8").model
+    model = load_model(str(path), quant_activations="auto").model
     assert all(layer.quant_weight is None for layer in linears(model))
     dense = load_model(str(path), gguf_dequantize=True).model
     assert greedy(model, IDS, 4)[0] == greedy(dense, IDS, 4)[0]
