@@ -80,6 +80,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
 def quant_gemm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """A GGUF-quantized weight's product (``x`` 2-D float32, dense rows) in the invariant order; a weight on
     the int8-activation kernel takes its one call, invariant as it is (module docstring)."""
+    if getattr(weight, "groups", None) is not None:  # several row groups, each its own kernel
+        return weight.matmul(x, bias, product=quant_gemm)
     from pagedllm.model.layers.kquant import GGUF_TYPE as KQUANT_INT8_TYPES
     from pagedllm.model.layers.quantized import INT8_KERNEL_TYPE
 

@@ -216,6 +216,8 @@ def _linear_entry(linear, bias_allowed: bool) -> tuple[torch.Tensor, torch.Tenso
         return "a bias that is not contiguous float32"
     empty = torch.empty(0)
     quant = linear.quant_weight
+    if quant is not None and quant.packed is None:
+        return "a weight whose rows hold several quantization types (layers/quant_groups.py)"
     if quant is not None:
         return quant.packed, bias if bias is not None else empty, [int(quant.kernel_type), int(quant.n), int(quant.isa)]
     if linear.gemm_weight is not None:

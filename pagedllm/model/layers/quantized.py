@@ -403,6 +403,27 @@ def _repackable(param: nn.Parameter, shards: list) -> int | None:
     return None
 
 
+def _row_groups(param: nn.Parameter, shards: list):
+    """Shards covering ``param``'s rows in order, of several types: one ``QuantizedWeight`` per run of one type
+    (layers/quant_groups.py); None where they do not cover the rows or the kernel does not run here."""
+    from pagedllm.model.layers.quant_groups import QuantizedRowGroups
+
+    if any(isinstance(s[1], QuantizedWeight) for s in shards) or not shards or not kernel_available():
+        return None
+    shards.sort(key=lambda s: s[0])
+    contiguous = shards[0][0] == 0 and all(a[0] + a[1].shape[0] == b[0] for a, b in zip(shards, shards[1:]))
+    if not contiguous or sum(s[1].shape[0] for s in shards) != param.shape[0]:
+        return None
+    runs: list[list] = []
+    for shard in shards:
+        if runs and runs[-1][0][1].qtype == shard[1].qtype:
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    int8 = param.__dict__.get("int8_activations", False)
+    return QuantizedRowGroups([QuantizedWeight(run[0][1].qtype, _joined(run), param.shape[1], int8) for run in runs])
+
+
 def _joined(shards: list) -> torch.Tensor:
     return torch.cat([s[1].raw for s in shards]) if len(shards) > 1 else shards[0][1].raw
 
@@ -438,6 +459,11 @@ def finalize(param: nn.Parameter) -> QuantizedWeight | None:
         param.data = torch.empty(rows, 0)
         param.quant = quant
         return quant
+    grouped = _row_groups(param, shards)
+    if grouped is not None:
+        param.data = torch.empty(rows, 0)
+        param.quant = grouped
+        return grouped
     covered = sum(s[1].shape[0] for s in shards)
     qtypes = {s[1].qtype for s in shards}
     reason = "the compiled kernel is unavailable" if len(qtypes) == 1 and covered == rows else "mixed shard types"
