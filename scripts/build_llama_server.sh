@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` from the llama.cpp vendored in the llama-cpp-python
+# Build llama.cpp's `llama-server` (and `llama-quantize`, for K-quant bench files) from the llama.cpp vendored in the llama-cpp-python
 # source package on PyPI (GitHub is not reachable from the bench machines; PyPI is).
 # The binary is cached under ~/.cache/pagedllm/llama-server/<version>/ and the build is
 # skipped when it is already there. A bench step only: never part of `make setup` or tests.
@@ -54,8 +54,9 @@ cmake -S "$SRC" -B "$WORK/build" -G Ninja \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
-nice -n "$NICE" cmake --build "$WORK/build" --target llama-server -j "$JOBS"
+nice -n "$NICE" cmake --build "$WORK/build" --target llama-server llama-quantize -j "$JOBS"
 cp "$WORK/build/bin/llama-server" "$BIN"
+cp "$WORK/build/bin/llama-quantize" "$CACHE/"  # bench llamacpp --random-qtype Q4_K_M requantizes with it
 echo "$ISA" > "$CACHE/isa"
 end=$(date +%s)
 echo "built $BIN ($ISA) in $((end - start)) s"
