@@ -7,9 +7,9 @@ For each shape, a random-weight sentence-transformers model is saved in a tempor
 (embed_models.py) and both systems embed the same batch of texts of mixed lengths: `LLM.embed` (runner
 'pooling') and `SentenceTransformer.encode`, at the same torch thread count. Each system runs in its own
 phase, the phases alternate for `--rounds` rounds (the machine's other load then hits both alike), after
-one untimed warm-up call each; best and median rates are reported. Reranking: `LLM.score` on query/document
-pairs vs `CrossEncoder.predict` on a one-label BertForSequenceClassification, the same way. The vectors and
-scores of the two systems are compared too (a rate of wrong answers would mean nothing).
+an untimed warm-up call each on a few texts; best and median rates are reported. Reranking: `LLM.score`
+on query/document pairs vs `CrossEncoder.predict` on a one-label BertForSequenceClassification, the same
+way. The vectors and scores of the two systems are compared too (a rate of wrong answers means nothing).
 
 Generation mixed with embeddings is not measured: an engine serves one runner ('generate' or 'pooling'),
 so embedding requests cannot share a generating engine's batches; two engines on one CPU would only
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pagedllm.bench.common import bench_subparser, format_table, write_result
 
+WARMUP_INPUTS = 8
 MIXED_LOAD_SKIPPED = ("not measured: an engine runs one runner ('generate' or 'pooling'), so embedding requests "
                       "cannot be mixed into a generating engine's batches; two engines on one CPU would only "
                       "measure how the operating system shares the cores")
@@ -39,6 +40,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rerank-shape", default="minilm",
                    help="the cross-encoder's shape (an encoder: minilm, bert-tiny); 'none' skips reranking")
     p.add_argument("--num-texts", type=int, default=256, help="texts in the batch (and pairs to rerank)")
+    p.add_argument("--decoder-num-texts", type=int, default=None,
+                   help="texts in a decoder shape's batch (default: --num-texts; a 0.6B decoder is ~40x MiniLM's work)")
     p.add_argument("--min-len", type=int, default=8, help="shortest text, in tokens")
     p.add_argument("--max-len", type=int, default=256, help="longest text, in tokens")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each system, alternating")
@@ -53,20 +56,24 @@ def _rates(seconds: list[float], num_items: int) -> dict:
             "median_per_s": num_items / statistics.median(seconds)}
 
 
-def _alternate(systems: dict, rounds: int, threads: int) -> dict[str, list[float]]:
-    """Time each system's call `rounds` times, one phase each per round, after one untimed warm-up call."""
+def _alternate(systems: dict, inputs: list, rounds: int, threads: int) -> tuple[dict[str, list[float]], dict]:
+    """Time each system on `inputs` `rounds` times, one phase each per round, after an untimed warm-up call
+    on a few inputs (weights paged in, kernels picked); returns the seconds and each system's last answer."""
     import torch
 
     seconds: dict[str, list[float]] = {name: [] for name in systems}
-    for round_index in range(rounds + 1):
+    answers = {}
+    for name, run in systems.items():
+        torch.set_num_threads(threads)
+        run(inputs[:WARMUP_INPUTS])
+    for _ in range(rounds):
         for name, run in systems.items():
             torch.set_num_threads(threads)
             gc.collect()
             start = time.perf_counter()
-            run()
-            if round_index:  # round 0 is the warm-up
-                seconds[name].append(time.perf_counter() - start)
-    return seconds
+            answers[name] = run(inputs)
+            seconds[name].append(time.perf_counter() - start)
+    return seconds, answers
 
 
 def _compare(ours, reference) -> dict:
@@ -95,17 +102,18 @@ def bench_embedder(shape_name: str, root: Path, args, threads: int) -> dict:
     start = time.perf_counter()
     path = build_embedder(shape_name, root, args.seed)
     build_s = time.perf_counter() - start
-    lengths = mixed_lengths(args.num_texts, args.min_len, args.max_len, args.seed)
+    num_texts = args.num_texts
+    if SHAPES[shape_name].kind != "bert" and args.decoder_num_texts is not None:
+        num_texts = args.decoder_num_texts
+    lengths = mixed_lengths(num_texts, args.min_len, args.max_len, args.seed)
     texts = texts_of_lengths(SHAPES[shape_name], lengths, args.seed)
     llm = _engine(path, args, threads)
     st = SentenceTransformer(str(path), device="cpu")
-    vectors = {}
     systems = {
-        "pagedllm": lambda: vectors.__setitem__("pagedllm", llm.embed(texts)),
-        "sentence-transformers": lambda: vectors.__setitem__("sentence-transformers", st.encode(
-            texts, batch_size=args.st_batch_size, convert_to_numpy=True)),
+        "pagedllm": llm.embed,
+        "sentence-transformers": lambda batch: st.encode(batch, batch_size=args.st_batch_size, convert_to_numpy=True),
     }
-    seconds = _alternate(systems, args.rounds, threads)
+    seconds, vectors = _alternate(systems, texts, args.rounds, threads)
     num_tokens = sum(len(ids) for ids in llm.get_tokenizer()(texts)["input_ids"])
     result = {"shape": shape_name, "num_texts": len(texts), "num_tokens": num_tokens, "build_s": build_s,
               "systems": {name: _rates(s, len(texts)) for name, s in seconds.items()},
@@ -128,13 +136,11 @@ def bench_rerank(shape_name: str, root: Path, args, threads: int) -> dict:
                                  args.seed)
     llm = _engine(path, args, threads)
     ce = CrossEncoder(str(path), device="cpu")
-    scores = {}
     systems = {
-        "pagedllm": lambda: scores.__setitem__("pagedllm", llm.score(queries, documents)),
-        "sentence-transformers": lambda: scores.__setitem__("sentence-transformers", ce.predict(
-            list(zip(queries, documents)), batch_size=args.st_batch_size, convert_to_numpy=True)),
+        "pagedllm": lambda pairs: llm.score([q for q, _ in pairs], [d for _, d in pairs]),
+        "sentence-transformers": lambda pairs: ce.predict(pairs, batch_size=args.st_batch_size, convert_to_numpy=True),
     }
-    seconds = _alternate(systems, args.rounds, threads)
+    seconds, scores = _alternate(systems, list(zip(queries, documents)), args.rounds, threads)
     result = {"shape": shape_name, "num_pairs": len(documents),
               "systems": {name: _rates(s, len(documents)) for name, s in seconds.items()},
               "agreement": _compare(scores["pagedllm"], scores["sentence-transformers"])}
@@ -163,7 +169,7 @@ def bench_embed(args, engine_args: dict) -> dict:
         raise SystemExit(f"need 1 <= --min-len <= --max-len <= 480 (texts and pairs within 512 tokens), "
                          f"got {args.min_len}..{args.max_len}")
     threads = args.threads or torch.get_num_threads()
-    result: dict = {"threads": threads, "num_texts": args.num_texts, "lengths": [args.min_len, args.max_len],
+    result: dict = {"threads": threads, "lengths": [args.min_len, args.max_len],
                     "rounds": args.rounds, "st_batch_size": args.st_batch_size, "weights": "random",
                     "embed": [], "rerank": None, "mixed_load": MIXED_LOAD_SKIPPED}
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-embed-") as tmp:
@@ -189,7 +195,7 @@ def format_rows(rows: list[dict], unit: str) -> str:
 
 
 def format_result(r: dict) -> str:
-    lines = [f"{r['threads']} threads, {r['num_texts']} texts of {r['lengths'][0]}..{r['lengths'][1]} tokens, "
+    lines = [f"{r['threads']} threads, texts of {r['lengths'][0]}..{r['lengths'][1]} tokens, "
              f"{r['rounds']} rounds, random weights", "", "embeddings (LLM.embed vs SentenceTransformer.encode):",
              format_rows(r["embed"], "texts")]
     if r["rerank"]:

@@ -16,13 +16,14 @@ from pagedllm.entrypoints.cli import main
 def test_embed_bench_smoke(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--log-level", "WARNING", "bench", "embed", "--out", str(out), "--shapes", "bert-tiny,qwen3-tiny",
-            "--rerank-shape", "bert-tiny", "--num-texts", "6", "--max-len", "64", "--rounds", "2", "--threads", "1"]
+            "--rerank-shape", "bert-tiny", "--num-texts", "6", "--decoder-num-texts", "4", "--max-len", "64", "--rounds", "2", "--threads", "1"]
     assert main(argv) == 0
     result = json.loads((out / "embed.json").read_text())
     assert result["threads"] == 1 and result["weights"] == "random"
     assert [e["shape"] for e in result["embed"]] == ["bert-tiny", "qwen3-tiny"]
     # every text is exactly its drawn length once the tokenizer adds [CLS]/[SEP] (encoder) or EOS (decoder)
-    expected_tokens = sum(mixed_lengths(6, 8, 64, seed=0))
+    expected = {"bert-tiny": (6, sum(mixed_lengths(6, 8, 64, seed=0))),
+                "qwen3-tiny": (4, sum(mixed_lengths(4, 8, 64, seed=0)))}
     for entry in [*result["embed"], result["rerank"]]:
         ours, theirs = entry["systems"]["pagedllm"], entry["systems"]["sentence-transformers"]
         assert len(ours["seconds"]) == len(theirs["seconds"]) == 2
@@ -30,12 +31,12 @@ def test_embed_bench_smoke(tmp_path, capsys):
         assert entry["ratio_median"] == pytest.approx(ours["median_per_s"] / theirs["median_per_s"])
         assert entry["agreement"]["max_abs_diff"] < 1e-4, entry
     for entry in result["embed"]:
-        assert entry["num_texts"] == 6 and entry["num_tokens"] == expected_tokens
+        assert (entry["num_texts"], entry["num_tokens"]) == expected[entry["shape"]]
         assert entry["agreement"]["min_cosine"] > 0.9999
     assert result["rerank"]["num_pairs"] == 6
     assert result["mixed_load"] == MIXED_LOAD_SKIPPED
     printed = capsys.readouterr().out
-    assert "| bert-tiny | 6 |" in printed and "| qwen3-tiny | 6 |" in printed and "ratio best" in printed
+    assert "| bert-tiny | 6 |" in printed and "| qwen3-tiny | 4 |" in printed and "ratio best" in printed
     assert "reranking (LLM.score vs CrossEncoder.predict)" in printed
 
 
