@@ -48,6 +48,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads of both systems (default: torch's)")
     p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch size (its default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm's step budget (default: its own)")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="pagedllm's KV cache for a decoder shape (a pooled request holds its blocks for one step)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -87,10 +89,12 @@ def _compare(ours, reference) -> dict:
     return result
 
 
-def _engine(model: Path, args, threads: int):
+def _engine(model: Path, args, threads: int, is_decoder: bool):
     from pagedllm import LLM
 
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    if is_decoder:  # an encoder keeps no K/V
+        extra["kv_cache_memory"] = args.kv_cache_memory
     return LLM(str(model), runner="pooling", num_threads=threads, **extra)
 
 
@@ -107,7 +111,7 @@ def bench_embedder(shape_name: str, root: Path, args, threads: int) -> dict:
         num_texts = args.decoder_num_texts
     lengths = mixed_lengths(num_texts, args.min_len, args.max_len, args.seed)
     texts = texts_of_lengths(SHAPES[shape_name], lengths, args.seed)
-    llm = _engine(path, args, threads)
+    llm = _engine(path, args, threads, SHAPES[shape_name].kind != "bert")
     st = SentenceTransformer(str(path), device="cpu")
     systems = {
         "pagedllm": llm.embed,
@@ -134,7 +138,7 @@ def bench_rerank(shape_name: str, root: Path, args, threads: int) -> dict:
     queries = texts_of_lengths(shape, mixed_lengths(args.num_texts, 8, 32, args.seed + 1), args.seed + 1)
     documents = texts_of_lengths(shape, mixed_lengths(args.num_texts, args.min_len, args.max_len, args.seed),
                                  args.seed)
-    llm = _engine(path, args, threads)
+    llm = _engine(path, args, threads, is_decoder=False)
     ce = CrossEncoder(str(path), device="cpu")
     systems = {
         "pagedllm": lambda pairs: llm.score([q for q, _ in pairs], [d for _, d in pairs]),
