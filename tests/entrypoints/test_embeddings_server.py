@@ -88,6 +88,36 @@ def test_bad_embedding_requests_are_400(server, client):
     server.wait_idle_without_leaks()
 
 
+BAD_INPUTS = [  # (body, what the 400's message must say): each names the field at fault
+    ({"input": ""}, "input is an empty string"),
+    ({"input": ["hello", ""]}, "input[1] is an empty string"),
+    ({"input": [[5, 6], []]}, "input[1] is an empty list of token ids"),
+    ({"input": 5}, "input: Input should be str or list[str]"),
+    ({"input": None}, "input: Input should be"),
+    ({}, "input: Field required"),
+    ({"input": [{"text": "hello"}]}, "input.0: Input should be a valid string"),
+    ({"input": [["hello", "world"]]}, "input.0.0: Input should be a valid integer"),
+    ({"input": ["hello", 5]}, "input.1: Input should be a valid string"),
+    ({"input": [True, 5]}, "input.0: Input should be a valid"),  # not token 1
+    ({"input": ["a"] * 2049}, "input has 2049 items; at most 2048"),
+    ({"input": "hi", "dimensions": "all"}, "dimensions: Input should be a valid integer"),
+    ({"input": "hi", "dimensions": 0}, "dimensions"),
+    ({"input": "hi", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
+    ({"input": [[-1]]}, "vocabulary"),
+]
+
+
+@pytest.mark.parametrize("body, needle", BAD_INPUTS, ids=[n for _, n in BAD_INPUTS])
+def test_bad_embedding_input_is_400_naming_the_field(server, body, needle):
+    response = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"], response.text
+    # the server stays up and serves the next request; nothing was left queued or holding blocks
+    ok = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hello"}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 32
+    server.wait_idle_without_leaks()
+
+
 def test_cli_embed_prints_json(model_dir):
     result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "embed",
                              *TEXTS[:2], "--model", str(model_dir), "--num-kv-blocks", "64"],

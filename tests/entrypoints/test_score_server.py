@@ -63,11 +63,22 @@ def test_score_and_rerank_equal_cross_encoder(server, model_dir):
 def test_bad_score_requests_are_400(server):
     for path, body, needle in [
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_1"),
-        ("/v1/rerank", {"query": QUERY, "documents": []}, "nothing to score"),
+        ("/v1/rerank", {"query": QUERY, "documents": []}, "documents is empty"),
+        ("/v1/score", {"text_1": QUERY, "text_2": []}, "text_2 is empty"),
         ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
+        ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n must be an integer >= 1, got -1"),
+        ("/v1/rerank", {"query": QUERY, "documents": ["paris"] * 1025}, "documents has 1025 documents"),
+        ("/v1/rerank", {"query": QUERY, "documents": [{"text": "paris"}]}, "documents.0: Input should be a valid string"),
+        ("/v1/rerank", {"query": QUERY, "documents": "paris"}, "documents: Input should be a valid list"),
+        ("/v1/rerank", {"query": 5, "documents": DOCS}, "query: Input should be a valid string"),
+        ("/v1/rerank", {"documents": DOCS}, "query: Field required"),
+        ("/v1/score", {"text_1": QUERY, "text_2": 5}, "text_2: Input should be str or list[str]"),
         ("/v1/embeddings", {"input": "hello"}, "cross-encoder"),
         ("/v1/completions", {"prompt": "hello", "max_tokens": 2}, "does not generate"),
     ]:
         response = post(server, path, body)
         assert response.status_code == 400 and needle in response.json()["error"]["message"], (path, response.text)
+    # the server stays up and still ranks
+    ok = post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 1})
+    assert ok.status_code == 200 and len(ok.json()["results"]) == 1, ok.text
     server.wait_idle_without_leaks()

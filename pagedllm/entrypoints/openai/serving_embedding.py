@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import StrictInt
 
 from pagedllm.entrypoints.openai.context import ServingContext, new_id
 from pagedllm.entrypoints.openai.errors import APIError, internal_error
@@ -29,7 +29,8 @@ MAX_EMBEDDING_INPUTS = 2048
 
 class EmbeddingRequest(OpenAIModel):
     model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    # strict: a token id is a JSON integer (true, 1.0 or "1" is a 400, not token 1)
+    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
@@ -71,6 +72,11 @@ async def create_embedding(request: EmbeddingRequest, raw_request: Request, ctx:
     if len(inputs) > MAX_EMBEDDING_INPUTS:
         raise APIError(400, f"input has {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} are allowed",
                        param="input")
+    empty = next((i for i, item in enumerate(inputs) if len(item) == 0), None)
+    if empty is not None:  # refused as OpenAI does, whatever the tokenizer would add to an empty text
+        where = "input" if isinstance(request.input, str) else f"input[{empty}]"
+        kind = "an empty string" if isinstance(inputs[empty], str) else "an empty list of token ids"
+        raise APIError(400, f"{where} is {kind}; give a non-empty text or at least one token id", param="input")
     params = request.to_pooling_params()
     salt = ctx.cache_salt(raw_request, request.cache_salt)
     streams = await open_streams(ctx, new_id("embd"), inputs, params, salt, False, request.priority)

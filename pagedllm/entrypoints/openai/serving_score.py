@@ -48,7 +48,7 @@ def add_score_routes(app: FastAPI, ctx: ServingContext, body, require_engine) ->
             pairs = score_pairs(request.text_1, request.text_2)
         except ValueError as e:
             raise APIError(400, str(e), param="text_1") from None
-        outputs = await _score(ctx, raw_request, pairs, request.priority)
+        outputs = await _score(ctx, raw_request, pairs, request.priority, "text_2")
         return JSONResponse({
             "id": new_id("score"), "object": "list", "created": now_s(), "model": model,
             "data": [{"index": i, "object": "score", "score": o.data[0]} for i, o in enumerate(outputs)],
@@ -62,7 +62,8 @@ def add_score_routes(app: FastAPI, ctx: ServingContext, body, require_engine) ->
         model = ctx.check_model(request.model)
         if request.top_n is not None and request.top_n < 1:
             raise APIError(400, f"top_n must be an integer >= 1, got {request.top_n}", param="top_n")
-        outputs = await _score(ctx, raw_request, [(request.query, d) for d in request.documents], request.priority)
+        outputs = await _score(ctx, raw_request, [(request.query, d) for d in request.documents], request.priority,
+                               "documents")
         order = sorted(range(len(outputs)), key=lambda i: outputs[i].data[0], reverse=True)[: request.top_n]
         results = []
         for i in order:
@@ -76,11 +77,14 @@ def add_score_routes(app: FastAPI, ctx: ServingContext, body, require_engine) ->
 
 
 async def _score(ctx: ServingContext, raw_request: Request, pairs: list[tuple[str, str]],
-                 priority: int) -> list[PoolingRequestOutput]:
+                 priority: int, field: str) -> list[PoolingRequestOutput]:
+    """Score each pair; `field` names the request's list of documents in an error."""
     if not pairs:
-        raise APIError(400, "there is nothing to score: give at least one document (text_2)")
+        raise APIError(400, f"{field} is empty: there is nothing to score; give at least one document",
+                       param=field)
     if len(pairs) > MAX_PAIRS:
-        raise APIError(400, f"{len(pairs)} pairs to score; at most {MAX_PAIRS} are allowed")
+        raise APIError(400, f"{field} has {len(pairs)} documents to score; at most {MAX_PAIRS} are allowed",
+                       param=field)
     streams = await open_streams(ctx, new_id("score"), pairs, PoolingParams(), None, False, priority)
     outputs = await final_outputs(raw_request, streams)
     for output in outputs:

@@ -1,0 +1,45 @@
+"""`pagedllm bench embed` in a smoke size: tiny random encoder and decoder embedders and a tiny cross-encoder,
+both systems timed on texts of exactly the lengths asked for, their vectors and scores in agreement, the
+ratios in the JSON result and the printed table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.bench.embed import MIXED_LOAD_SKIPPED
+from pagedllm.bench.embed_models import mixed_lengths
+from pagedllm.entrypoints.cli import main
+
+
+def test_embed_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--log-level", "WARNING", "bench", "embed", "--out", str(out), "--shapes", "bert-tiny,qwen3-tiny",
+            "--rerank-shape", "bert-tiny", "--num-texts", "6", "--decoder-num-texts", "4", "--max-len", "64", "--rounds", "2", "--threads", "1"]
+    assert main(argv) == 0
+    result = json.loads((out / "embed.json").read_text())
+    assert result["threads"] == 1 and result["weights"] == "random"
+    assert [e["shape"] for e in result["embed"]] == ["bert-tiny", "qwen3-tiny"]
+    # every text is exactly its drawn length once the tokenizer adds [CLS]/[SEP] (encoder) or EOS (decoder)
+    expected = {"bert-tiny": (6, sum(mixed_lengths(6, 8, 64, seed=0))),
+                "qwen3-tiny": (4, sum(mixed_lengths(4, 8, 64, seed=0)))}
+    for entry in [*result["embed"], result["rerank"]]:
+        ours, theirs = entry["systems"]["pagedllm"], entry["systems"]["sentence-transformers"]
+        assert len(ours["seconds"]) == len(theirs["seconds"]) == 2
+        assert entry["ratio_best"] == pytest.approx(ours["best_per_s"] / theirs["best_per_s"])
+        assert entry["ratio_median"] == pytest.approx(ours["median_per_s"] / theirs["median_per_s"])
+        assert entry["agreement"]["max_abs_diff"] < 1e-4, entry
+    for entry in result["embed"]:
+        assert (entry["num_texts"], entry["num_tokens"]) == expected[entry["shape"]]
+        assert entry["agreement"]["min_cosine"] > 0.9999
+    assert result["rerank"]["num_pairs"] == 6
+    assert result["mixed_load"] == MIXED_LOAD_SKIPPED
+    printed = capsys.readouterr().out
+    assert "| bert-tiny | 6 |" in printed and "| qwen3-tiny | 4 |" in printed and "ratio best" in printed
+    assert "reranking (LLM.score vs CrossEncoder.predict)" in printed
+
+
+def test_embed_bench_refuses_unknown_shape(tmp_path):
+    with pytest.raises(SystemExit, match="unknown shape 'bert-huge'"):
+        main(["bench", "embed", "--out", str(tmp_path), "--shapes", "bert-huge"])
