@@ -84,8 +84,10 @@ stream_max_retries = 0
 [analytics]
 enabled = false
 
+[agents]
+enabled = false
+
 [features]
-multi_agent = false
 goals = false
 apps = false
 plugins = false
