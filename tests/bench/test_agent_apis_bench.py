@@ -73,3 +73,25 @@ def test_summary_ratios_to_chat():
     assert summary["messages"]["decode_vs_chat"] == pytest.approx(1.1)
     table = agent_apis_table({"summary": summary})
     assert table.startswith("| API |") and "| responses | 96.0 | 0.960 |" in table
+
+
+@pytest.mark.slow  # a real server in a subprocess
+def test_agent_apis_bench_smoke(tmp_path):
+    import json
+
+    from pagedllm.entrypoints.cli import main
+    from tests.engine.tiny_llama_dir import build_tiny_llama_dir
+
+    model = build_tiny_llama_dir(tmp_path / "tiny", max_position_embeddings=1024)
+    out = tmp_path / "out"
+    argv = ["--log-level", "WARNING", "bench", "agent-apis", "--no-progress", "--out", str(out), "--model", str(model),
+            "--max-model-len", "512", "--num-kv-blocks", "96", "--max-num-seqs", "4", "--rounds", "2",
+            "--max-tokens", "24", "--concurrency", "2"]
+    assert main(argv) == 0
+    result = json.loads((out / "agent_apis.json").read_text())
+    assert [r["api"] for r in result["runs"]] == [*APIS, *APIS[1:], APIS[0]]  # alternating, rotated
+    for api, s in result["summary"].items():
+        assert s["output_tokens"] == [24], api  # ignore_eos: every API generated exactly max_tokens
+        assert s["output_tok_s"] > 0 and s["output_vs_chat"] > 0, api
+    assert all(len(r["streams"]) == 2 for r in result["runs"])
+    assert (out / "agent_apis.md").read_text().startswith("| API |")
