@@ -62,7 +62,10 @@ export NO_PROXY=127.0.0.1,localhost HTTPS_PROXY=http://127.0.0.1:9 HTTP_PROXY=ht
 run_codex() {
     local codex_home="$HOME_DIR/codex"
     mkdir -p "$codex_home"
-    printf '%s\n' 'You are a coding agent in a terminal. To run a shell command, call the exec_command tool with {"cmd": "..."}. When its output comes back, answer the user in one sentence.' > "$codex_home/instructions.md"
+    # A 135M model needs the call written out once to copy it (the hermes format the server parses).
+    printf '%s\n' 'You are a coding agent in a terminal. To run a shell command, call the exec_command tool. For example, to list files, reply exactly:' \
+        '<tool_call>' '{"name": "exec_command", "arguments": {"cmd": "ls"}}' '</tool_call>' \
+        'When the output comes back, answer the user in one sentence.' > "$codex_home/instructions.md"
     # The default tool set and instructions fill ~10K tokens (past SmolLM2's 8K context) and include tools
     # the server does not serve (web_search, namespaced multi-agent tools): keep the shell tools only.
     cat > "$codex_home/config.toml" <<TOML
@@ -104,6 +107,12 @@ TOML
         > "$OUT/codex.jsonl" 2> "$OUT/codex.stderr" < /dev/null)
 }
 
+CLAUDE_SYSTEM='You are a coding agent. To run a shell command, call the Bash tool. For example, to list files, reply exactly:
+<tool_call>
+{"name": "Bash", "arguments": {"command": "ls"}}
+</tool_call>
+When the output comes back, answer the user in one sentence.'
+
 run_claude() {
     (cd "$WORK" && HOME="$HOME_DIR" ANTHROPIC_BASE_URL="http://127.0.0.1:$PROXY_PORT" ANTHROPIC_API_KEY="$KEY" \
         ANTHROPIC_MODEL="$NAME" ANTHROPIC_DEFAULT_OPUS_MODEL="$NAME" ANTHROPIC_DEFAULT_SONNET_MODEL="$NAME" \
@@ -111,7 +120,7 @@ run_claude() {
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 DISABLE_TELEMETRY=1 \
         DISABLE_ERROR_REPORTING=1 CLAUDE_CODE_MAX_OUTPUT_TOKENS=512 timeout 900 \
         "$BIN/claude" -p "$TASK" --bare --model "$NAME" --tools Bash --allowedTools 'Bash(ls:*)' \
-            --system-prompt 'You are a coding agent. To run a shell command, call the Bash tool. When its output comes back, answer the user in one sentence.' \
+            --system-prompt "$CLAUDE_SYSTEM" \
             --max-turns 3 --output-format stream-json --verbose --no-session-persistence \
             --debug-file "$OUT/claude.debug.log" \
         > "$OUT/claude.jsonl" 2> "$OUT/claude.stderr" < /dev/null)
