@@ -15,6 +15,7 @@
     pagedllm bench data-parallel --replicas 2   (least-loaded vs prefix-affinity routing; 1 vs 2 replicas)
     pagedllm bench speculative --batch-sizes 1,4,16   (n-gram speculative decoding vs none)
     pagedllm bench tools --repeats 5 --max-tokens 64   (TTFT, decode tok/s: free text vs JSON schema vs tool calls)
+    pagedllm bench agent-apis --rounds 5 --concurrency 4   (streamed tok/s: /v1/responses, /v1/messages vs chat)
     pagedllm bench accuracy   (quantized kernels vs float32 and float64 per layer shape; perplexity per weight path)
     pagedllm bench moe --batch-sizes 1,16,64   (MoE decode: grouped experts vs all experts dense vs the ideal)
     pagedllm bench llamacpp --rounds 5 --concurrency 64   (beside llama.cpp's server on the same GGUF)
@@ -52,6 +53,7 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.data_parallel",
     "pagedllm.bench.speculative",
     "pagedllm.bench.tools",
+    "pagedllm.bench.agent_apis",  # agent-apis (not in `bench all`)
     "pagedllm.bench.accuracy",
     "pagedllm.bench.moe",
     "pagedllm.bench.cli_llamacpp",  # llamacpp (not in `bench all`)

@@ -353,3 +353,27 @@ def test_responses_truncation_auto_drops_oldest_turns(oai):
     assert r.status in ("completed", "incomplete") and r.truncation == "auto"
     # what is left is the last turn: the same text as chat gives for it alone
     assert r.output_text == chat_text(oai, [{"role": "user", "content": "Name a river."}], 8)
+
+
+def test_messages_claude_code_shaped_request(server):
+    """The body Claude Code sends (captured from its 2.1 release): max_tokens far past this server's 2048-token
+    context, adaptive thinking, context_management, output_config.effort, cache_control on system blocks and
+    `?beta=true`. The max_tokens is a ceiling, so the answer is a 200 stream, not a 400."""
+    body = {"model": MODEL, "max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"}, "metadata": {"user_id": "u"}, "stop_sequences": [" ", "\n"],
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "tools": [{"name": "Bash", "description": "execute shell commands", "input_schema": {
+                "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+                "properties": {"command": {"type": "string"}}, "required": ["command"]}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello.",
+                                                       "cache_control": {"type": "ephemeral"}}]}]}
+    with httpx.stream("POST", f"{server.url}/v1/messages?beta=true", json=body, timeout=60,
+                      headers={"x-api-key": KEY_A, "anthropic-version": "2023-06-01",
+                               "anthropic-beta": "claude-code-20250219"}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "error" not in kinds, kinds
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert delta["delta"]["stop_reason"] in ("end_turn", "stop_sequence", "tool_use", "max_tokens"), delta

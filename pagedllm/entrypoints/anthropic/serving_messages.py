@@ -119,7 +119,7 @@ class MessageBuilder:
 async def create_message(request: MessagesRequest, raw_request: Request, ctx: ServingContext):
     chat = chat_request(request.chat_body())
     message_id = new_id("msg").replace("-", "_")
-    reader = await TurnReader.start(ctx, raw_request, chat, message_id)
+    reader = await TurnReader.start(ctx, raw_request, chat, message_id, max_tokens_is_ceiling=True)
     builder = MessageBuilder(message_id, reader.turn.model, reader.num_prompt_tokens)
     if request.stream:
         return SSEResponse(reader.turn.streams, lambda outputs: _events(reader, builder, request, outputs),

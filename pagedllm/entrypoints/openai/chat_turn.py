@@ -82,8 +82,8 @@ class TurnReader:
 
     @classmethod
     async def start(cls, ctx: ServingContext, raw_request: Request, request: ChatCompletionRequest,
-                    request_id: str) -> TurnReader:
-        return cls(ctx, await start_chat(request, raw_request, ctx, request_id))
+                    request_id: str, max_tokens_is_ceiling: bool = False) -> TurnReader:
+        return cls(ctx, await start_chat(request, raw_request, ctx, request_id, max_tokens_is_ceiling))
 
     @property
     def num_prompt_tokens(self) -> int:

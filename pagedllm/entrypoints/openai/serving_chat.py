@@ -96,8 +96,13 @@ class ChatTurn:
 
 
 async def start_chat(request: ChatCompletionRequest, raw_request: Request, ctx: ServingContext,
-                     request_id: str) -> ChatTurn:
-    """Plan the tools, apply the chat template and queue the request (one engine request per choice set)."""
+                     request_id: str, max_tokens_is_ceiling: bool = False) -> ChatTurn:
+    """Plan the tools, apply the chat template and queue the request (one engine request per choice set).
+
+    With `max_tokens_is_ceiling`, a max_tokens past what the context leaves after the prompt is lowered to
+    that room instead of answering 400: Anthropic's max_tokens is only a ceiling, and Claude Code sends
+    32000 whatever the model's context.
+    """
     model = ctx.check_model(request.model)
     engine = ctx.engine
     config = ctx.config
@@ -109,6 +114,8 @@ async def start_chat(request: ChatCompletionRequest, raw_request: Request, ctx: 
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
                                            request.add_generation_prompt, plan, template, template_kwargs)
     room = engine.max_model_len - len(prompt_ids)
+    if max_tokens_is_ceiling and params.max_tokens is not None and params.max_tokens > room > 0:
+        params.max_tokens = room
     if params.max_tokens is None and 0 < room < params.min_tokens:
         # max_tokens resolves to what is left of the context; min_tokens must fit in it
         raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds the {room} tokens this conversation "
