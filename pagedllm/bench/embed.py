@@ -94,7 +94,8 @@ def _engine(model: Path, args, threads: int, is_decoder: bool):
 
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     if is_decoder:  # an encoder keeps no K/V
-        extra["kv_cache_memory"] = args.kv_cache_memory
+        # no prefix cache: every round embeds the same texts, which would be cache hits but the last token
+        extra.update(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
     return LLM(str(model), runner="pooling", num_threads=threads, **extra)
 
 

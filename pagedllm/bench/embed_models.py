@@ -104,8 +104,8 @@ def _config(shape: Shape, num_labels: int | None = None):
         config = Qwen3Config(num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                              max_position_embeddings=MAX_LEN, pad_token_id=0, eos_token_id=2,
                              tie_word_embeddings=True, **common)
-    if num_labels is not None:  # large weights: scores far apart, so comparing the two systems' scores means something
-        config.num_labels, config.initializer_range = num_labels, 0.5
+    if num_labels is not None:
+        config.num_labels = num_labels
     return config
 
 
@@ -117,6 +117,10 @@ def _save_transformer(shape: Shape, path: Path, seed: int, num_labels: int | Non
     config = _config(shape, num_labels)
     model = AutoModelForSequenceClassification.from_config(config) if num_labels is not None \
         else AutoModel.from_config(config)
+    if num_labels is not None:
+        # a large head spreads the scores (compared between the two systems) away from sigmoid's 0.5; large
+        # weights everywhere would saturate attention, where float rounding alone then flips scores
+        torch.nn.init.normal_(model.classifier.weight, std=0.5)
     model.save_pretrained(path)
     _save_tokenizer(shape, path)
     return path
