@@ -29,11 +29,13 @@
 // updated in place): through the dispatcher, each with its own output allocation, those 120 small ops
 // cost 3-5 us each at batch 1, several times their arithmetic.
 //
-// Weights: 10 tensors per layer, in this order:
-//   input_norm, qkv, qkv_bias, o, o_bias, post_attention_norm, gate_up, gate_up_bias, down, down_bias
-// a bias being a 0-element tensor where there is none; and 3 ints per linear (12 per layer):
-//   kind (-1 = float32 panels for gemm_packed_cpu, else the quantized kernel type for
-//   quant_gemm_cpu), n (output features), isa (quant_gemm_cpu's isa argument; unused for float32).
+// Weights: 18 tensors per layer, in this order:
+//   input_norm, qkv[3], qkv_bias, o[3], o_bias, post_attention_norm, gate_up[3], gate_up_bias, down[3], down_bias
+// A linear's weight is up to 3 row groups (a Q4_K_M file's q and k in Q4_K, v in Q6_K: each group its own
+// kernel, its rows side by side in the output, as layers/quant_groups.py multiplies them), unused slots and a
+// missing bias being 0-element tensors; and 10 ints per linear (40 per layer): the number of groups, then
+// per group kind (-1 = float32 panels for gemm_packed_cpu, else the quantized kernel type for
+// quant_gemm_cpu), n (its output features), isa (quant_gemm_cpu's isa argument; unused for float32).
 // pagedllm/model/layers/fused_decoder.py builds these lists once, into a DecoderPlan with the model's
 // constants, and decides when the call applies.
 //
@@ -48,6 +50,7 @@
 #include <torch/library.h>
 
 #include <chrono>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -129,9 +132,15 @@ std::vector<double> decoder_layers_clock_cpu(bool on) {
   return read;
 }
 
-constexpr int64_t kWeightsPerLayer = 10;
-constexpr int64_t kIntsPerLinear = 3;
+constexpr int64_t kMaxGroups = 3;
+constexpr int64_t kWeightsPerLinear = kMaxGroups + 1;  // the groups, then the bias
+constexpr int64_t kWeightsPerLayer = 2 + 4 * kWeightsPerLinear;
+constexpr int64_t kIntsPerGroup = 3;
+constexpr int64_t kIntsPerLinear = 1 + kMaxGroups * kIntsPerGroup;
 constexpr int64_t kIntsPerLayer = 4 * kIntsPerLinear;
+// Where each linear's weights start in a layer's list (qkv, o, gate_up, down), and the two norms.
+constexpr int64_t kLinearAt[4] = {1, 1 + kWeightsPerLinear, 2 + 2 * kWeightsPerLinear, 2 + 3 * kWeightsPerLinear};
+constexpr int64_t kInputNormAt = 0, kPostNormAt = 1 + 2 * kWeightsPerLinear;
 constexpr int64_t kLoraWeightsPerLinear = 3;
 constexpr int64_t kLoraIntsPerLinear = 4;
 
@@ -180,8 +189,19 @@ struct DecoderPlan : torch::CustomClassHolder {
                       w.numel() == hidden, "DecoderPlan: norm weights must be contiguous float32 [hidden]");
     };
     for (int64_t l = 0; l < num_layers; ++l) {
-      check_norm(weights[l * kWeightsPerLayer]);
-      check_norm(weights[l * kWeightsPerLayer + 5]);
+      check_norm(weights[l * kWeightsPerLayer + kInputNormAt]);
+      check_norm(weights[l * kWeightsPerLayer + kPostNormAt]);
+      for (int64_t j = 0; j < 4; ++j) {
+        const int64_t* info = linear_info.data() + l * kIntsPerLayer + j * kIntsPerLinear;
+        TORCH_CHECK(info[0] >= 1 && info[0] <= kMaxGroups, "DecoderPlan: 1 to ", kMaxGroups,
+                    " row groups per linear expected, got ", info[0]);
+        const at::Tensor& bias = weights[l * kWeightsPerLayer + kLinearAt[j] + kMaxGroups];
+        int64_t n = 0;
+        for (int64_t g = 0; g < info[0]; ++g) n += info[1 + g * kIntsPerGroup + 1];
+        TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 1 && bias.numel() == n && bias.is_contiguous() &&
+                                          bias.scalar_type() == at::kFloat),
+                    "DecoderPlan: a bias must be contiguous float32 [the linear's output features]");
+      }
     }
     if (final_norm.numel() > 0) check_norm(final_norm);
   }
@@ -196,15 +216,50 @@ struct Lora {
   at::IntArrayRef segments;
 };
 
-at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                  const int64_t* info, bool invariant, const Lora* lora) {
-  const c10::optional<at::Tensor> b = bias.numel() > 0 ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+// One row group's product (x @ W^T + bias), by the kernel the per-op path calls for it.
+at::Tensor group_product(const Ops& o, const at::Tensor& x, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& b, const int64_t* group, bool invariant) {
   // The int8-activation kernels (K-quants too) are batch-invariant as they are (each row quantized on its
   // own, its integer sums exact, its float sum block by block): they have no separate invariant call.
-  const bool invariant_call = invariant && !quant::is_int8_type(info[0]) && !quant::is_kq_type(info[0]);
-  at::Tensor y = info[0] < 0 ? (invariant ? o.gemm_invariant : o.gemm).call(x, weight, b, info[1])
-                             : (invariant_call ? o.quant_gemm_invariant : o.quant_gemm)
-                                   .call(x, weight, info[0], info[1], b, info[2]);
+  const bool invariant_call = invariant && !quant::is_int8_type(group[0]) && !quant::is_kq_type(group[0]);
+  return group[0] < 0 ? (invariant ? o.gemm_invariant : o.gemm).call(x, weight, b, group[1])
+                      : (invariant_call ? o.quant_gemm_invariant : o.quant_gemm)
+                            .call(x, weight, group[0], group[1], b, group[2]);
+}
+
+at::Tensor view_of(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset);
+
+// weights: the linear's kMaxGroups group slots, then its bias; info: its kIntsPerLinear ints.
+at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor* weights, const int64_t* info, bool invariant,
+                  const Lora* lora) {
+  const at::Tensor& bias = weights[kMaxGroups];
+  const int64_t num_groups = info[0];
+  at::Tensor y;
+  if (num_groups == 1) {
+    const c10::optional<at::Tensor> b = bias.numel() > 0 ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+    y = group_product(o, x, weights[0], b, info + 1, invariant);
+  } else {  // each group's columns of the output in turn, as QuantizedRowGroups.matmul's cat lays them out
+    const int64_t rows = x.size(0);
+    int64_t n = 0;
+    for (int64_t g = 0; g < num_groups; ++g) n += info[1 + g * kIntsPerGroup + 1];
+    y = at::empty({rows, n}, x.options());
+    float* out = y.data_ptr<float>();
+    int64_t start = 0;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t* group = info + 1 + g * kIntsPerGroup;
+      const int64_t cols = group[1];
+      const c10::optional<at::Tensor> b =
+          bias.numel() > 0 ? c10::optional<at::Tensor>(view_of(bias, {cols}, {1}, start)) : c10::nullopt;
+      const at::Tensor part = group_product(o, x, weights[g], b, group, invariant);
+      TORCH_CHECK(part.scalar_type() == at::kFloat && part.dim() == 2 && part.size(0) == rows &&
+                      part.size(1) == cols && part.stride(1) == 1,
+                  "decoder_layers_cpu: a row group's product of an unexpected layout");
+      const float* src = part.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(out + r * n + start, src + r * part.stride(0), cols * sizeof(float));
+      start += cols;
+    }
+  }
   if (lora != nullptr && lora->info[0] > 0) {
     o.lora_sgmv.call(x, y, lora->weights[0], lora->weights[1], lora->weights[2],
                      at::IntArrayRef(lora->info + 1, lora->info[0]), lora->segments, 0);
@@ -281,14 +336,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
                       p.lora_info.data() + (l * 4 + j) * kLoraIntsPerLinear, lora_segments};
     const Lora* lora = with_lora ? loras : nullptr;
     if (l == 0) {  // the residual stream starts as the input itself (read from `hidden` until the first add)
-      fused::rms_norm_rows(hidden.data_ptr<float>(), width, w[0].data_ptr<float>(), eps, lanes, hp, num_tokens, width);
+      fused::rms_norm_rows(hidden.data_ptr<float>(), width, w[kInputNormAt].data_ptr<float>(), eps, lanes, hp,
+                           num_tokens, width);
     } else {
       check_float_rows(x, width, "a down projection's output");
-      fused::add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), rp, width, w[0].data_ptr<float>(), eps, lanes, hp,
-                               rp, num_tokens, width);
+      fused::add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), rp, width, w[kInputNormAt].data_ptr<float>(), eps,
+                               lanes, hp, rp, num_tokens, width);
     }
     timer.lap(other_s);
-    at::Tensor qkv = linear(o, h, w[1], w[2], info, p.invariant, lora);  // [T, (H + 2 Hkv) D]
+    at::Tensor qkv = linear(o, h, w + kLinearAt[0], info, p.invariant, lora);  // [T, (H + 2 Hkv) D]
     timer.lap(linear_s);
     check_float_rows(qkv, qkv_cols, "the qkv projection's output");
     const int64_t qs = qkv.stride(0);
@@ -307,15 +363,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
     TORCH_CHECK(attn.is_contiguous() && attn.numel() == num_tokens * num_heads * head_dim,
                 "decoder_layers_cpu: attention output of an unexpected layout");
     const at::Tensor attn_rows = view_of(attn, {num_tokens, num_heads * head_dim}, {num_heads * head_dim, 1}, 0);
-    const at::Tensor out = linear(o, attn_rows, w[3], w[4], info + kIntsPerLinear, p.invariant,
+    const at::Tensor out = linear(o, attn_rows, w + kLinearAt[1], info + kIntsPerLinear, p.invariant,
                                   lora ? lora + 1 : nullptr);
     timer.lap(linear_s);
     check_float_rows(out, width, "the o projection's output");
     fused::add_rms_norm_rows(out.data_ptr<float>(), out.stride(0), l == 0 ? hidden.data_ptr<float>() : rp, width,
-                             w[5].data_ptr<float>(), eps, lanes, hp, rp, num_tokens, width);
+                             w[kPostNormAt].data_ptr<float>(), eps, lanes, hp, rp, num_tokens, width);
     timer.lap(other_s);
     const at::Tensor gate_up =
-        linear(o, h, w[6], w[7], info + 2 * kIntsPerLinear, p.invariant, lora ? lora + 2 : nullptr);
+        linear(o, h, w + kLinearAt[2], info + 2 * kIntsPerLinear, p.invariant, lora ? lora + 2 : nullptr);
     timer.lap(linear_s);
     TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
                     gate_up.size(0) == num_tokens && gate_up.size(1) % 2 == 0,
@@ -325,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
     fused::silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), num_tokens, d,
                          p.silu_block);
     timer.lap(other_s);
-    x = linear(o, act, w[8], w[9], info + 3 * kIntsPerLinear, p.invariant, lora ? lora + 3 : nullptr);
+    x = linear(o, act, w + kLinearAt[3], info + 3 * kIntsPerLinear, p.invariant, lora ? lora + 3 : nullptr);
     timer.lap(linear_s);
   }
   check_float_rows(x, width, "a down projection's output");

@@ -130,6 +130,42 @@ def test_quantized_fused_equals_per_op(qtype, isa, tmp_path, monkeypatch):
     assert_fused_equals_per_op(model, monkeypatch)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_mixed_type_weights_take_the_fused_call_group_by_group(int8, tmp_path, monkeypatch):
+    """A Q4_K_M-like file (q/k and gate/up in Q4_K, v and down in Q6_K): the fused q/k/v is held as row groups
+    (layers/quant_groups.py), and the fused call runs each group's kernel into one output, bit for bit the
+    per-op path's, in the exact float mode and with int8 activations."""
+    import numpy as np
+
+    from pagedllm.model.layers import quantized
+    from pagedllm.model.layers.quant_groups import QuantizedRowGroups
+    from tests.model.test_quant_kernels import random_k_quant
+
+    if not quantized.kernel_available():
+        pytest.skip("compiled quantized kernel unavailable")
+    if int8 and not quantized.int8_kernel_available():
+        pytest.skip("the int8-activation kernel is unavailable")
+    hf = make_hf_model("llama_tied", seed=6, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64)
+    rng = np.random.default_rng(6)
+    override = {}
+    for i in range(hf.config.num_hidden_layers):
+        for name, qtype, rows, cols in (("attn_q", quantized.Q4_K, 256, 256), ("attn_k", quantized.Q4_K, 128, 256),
+                                        ("attn_v", quantized.Q6_K, 128, 256), ("attn_output", quantized.Q4_K, 256, 256),
+                                        ("ffn_gate", quantized.Q4_K, 512, 256), ("ffn_up", quantized.Q4_K, 512, 256),
+                                        ("ffn_down", quantized.Q6_K, 256, 512)):
+            override[f"blk.{i}.{name}.weight"] = (random_k_quant(qtype, rows, cols, rng, scale=(1e-3, 3e-3)),
+                                                  GGMLQuantizationType(qtype))
+    path = tmp_path / "mixed.gguf"
+    write_llama_gguf(hf, path, GGMLQuantizationType.Q8_0, override=override)
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    args = {"quant_activations": "int8" if int8 else "none"}
+    model = with_cpu_backend(load_model(str(path), **args).model)
+    qkv = model.model.layers[0].self_attn.qkv_proj.quant_weight
+    assert isinstance(qkv, QuantizedRowGroups) and [g.n for g in qkv.groups] == [384, 128]
+    assert assert_fused_equals_per_op(model, monkeypatch)[0].isfinite().all()
+
+
 def test_not_covered_models_take_the_per_op_path(tmp_path, monkeypatch):
     counter = Counter(monkeypatch)
     for kind in ("qwen3", "mistral_window", "gemma2"):
@@ -277,12 +313,14 @@ def test_the_plan_and_the_call_check_their_arguments(tmp_path):
     ints = [attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim, 16, 32, 0, 0, 0]
     floats = [0.125, 1e-5, 1e-5]
     norm = model.model.norm.weight
-    weights = [w for layer in model.model.layers for w in (layer.input_layernorm.weight, torch.empty(0), torch.empty(0),
-                                                           torch.empty(0), torch.empty(0),
-                                                           layer.post_attention_layernorm.weight, torch.empty(0),
-                                                           torch.empty(0), torch.empty(0), torch.empty(0))]
-    info = [0] * (12 * len(model.model.layers))
+    empty = [torch.empty(0)] * 8  # two linears: up to 3 row groups and a bias each
+    weights = [w for layer in model.model.layers
+               for w in (layer.input_layernorm.weight, *empty, layer.post_attention_layernorm.weight, *empty)]
+    one_group = [1] + [0] * 9  # the number of row groups, then (kind, n, isa) for each of 3
+    info = one_group * (4 * len(model.model.layers))
     torch.classes.pagedllm.DecoderPlan(weights, info, [], [], norm, ints, floats)  # well-formed
+    with pytest.raises(RuntimeError, match="row groups per linear"):
+        torch.classes.pagedllm.DecoderPlan(weights, [4] + info[1:], [], [], norm, ints, floats)
     with pytest.raises(RuntimeError, match="weights per layer"):
         torch.classes.pagedllm.DecoderPlan(weights[:-1], info, [], [], norm, ints, floats)
     with pytest.raises(RuntimeError, match="ints per layer"):

@@ -15,7 +15,8 @@ change between steps (the weights, ints and the model's constants) goes to the o
 
 Covered (checked once, when the model's first step builds the weight lists): CPU float32
 activations, tensor-parallel size 1, every linear either float32 panels of the compiled GEMM or a
-GGUF-quantized weight of the compiled quantized kernel, q/k/v and gate/up biases (o and down
+GGUF-quantized weight of the compiled quantized kernel (or up to three row groups of such weights, a
+Q4_K_M file's q/k in Q4_K beside v in Q6_K: layers/quant_groups.py), q/k/v and gate/up biases (o and down
 without), LoRA adapter slots (``pagedllm/lora/layers.py``: each linear's deltas for the step's
 segments by the op the per-op path calls, ``lora_sgmv_cpu``, so a LoRA step adds the same sums),
 plain RMSNorm pre-norm layers (Llama, Mistral and Qwen2 without sliding windows, SmolLM2), SiLU, one
@@ -200,9 +201,15 @@ def _direct(overload):
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _linear_entry(linear, bias_allowed: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]] | str:
-    """(weight, bias or an empty tensor, [kind, n, isa]) for one linear, or why it is not covered."""
+MAX_ROW_GROUPS = 3
+"""A linear's weight as the compiled call takes it: up to 3 row groups of one kernel each (csrc/decoder_layer.cpp)."""
+
+
+def _linear_entry(linear, bias_allowed: bool) -> tuple[list[torch.Tensor], list[int]] | str:
+    """([the row groups' weights, padded to MAX_ROW_GROUPS with empty tensors, then the bias or an empty tensor],
+    [number of groups, then kind, n, isa per group, padded]) for one linear, or why it is not covered."""
     from pagedllm.model.layers.linear import LinearBase, RowParallelLinear
+    from pagedllm.model.layers.quant_groups import QuantizedRowGroups
 
     # Exactly the forwards the per-op path runs (a subclass or a wrapper may add to the product).
     if type(linear).forward not in (LinearBase.forward, RowParallelLinear.forward):
@@ -216,14 +223,23 @@ def _linear_entry(linear, bias_allowed: bool) -> tuple[torch.Tensor, torch.Tenso
         return "a bias that is not contiguous float32"
     empty = torch.empty(0)
     quant = linear.quant_weight
-    if quant is not None and quant.packed is None:
-        return "a weight whose rows hold several quantization types (layers/quant_groups.py)"
-    if quant is not None:
-        return quant.packed, bias if bias is not None else empty, [int(quant.kernel_type), int(quant.n), int(quant.isa)]
-    if linear.gemm_weight is not None:
-        n = int(linear._parameters["weight"].shape[0])
-        return linear.gemm_weight, bias if bias is not None else empty, [-1, n, 0]
-    return "a linear without the compiled GEMM (MKL / F.linear)"
+    if isinstance(quant, QuantizedRowGroups):  # a mixed-type fused weight: each group by its own kernel
+        groups = quant.groups
+        if len(groups) > MAX_ROW_GROUPS or any(g.packed is None for g in groups):
+            return f"a weight in more than {MAX_ROW_GROUPS} row groups"
+        entries = [(g.packed, [int(g.kernel_type), int(g.n), int(g.isa)]) for g in groups]
+    elif quant is not None:
+        if quant.packed is None:
+            return "a quantized weight without the compiled kernel's packing"
+        entries = [(quant.packed, [int(quant.kernel_type), int(quant.n), int(quant.isa)])]
+    elif linear.gemm_weight is not None:
+        entries = [(linear.gemm_weight, [-1, int(linear._parameters["weight"].shape[0]), 0])]
+    else:
+        return "a linear without the compiled GEMM (MKL / F.linear)"
+    padding = MAX_ROW_GROUPS - len(entries)
+    weights = [w for w, _ in entries] + [empty] * padding + [bias if bias is not None else empty]
+    info = [len(entries)] + [i for _, ints in entries for i in ints] + [0, 0, 0] * padding
+    return weights, info
 
 
 def _refusal(model):
@@ -300,9 +316,8 @@ def _refusal(model):
             if isinstance(linear, RowParallelLinear) and linear._parameters.get("bias") is not None:
                 return "a row-parallel bias"
             entries.append(entry)
-        (qkv_w, qkv_b, qkv_i), (o_w, o_b, o_i), (gu_w, gu_b, gu_i), (d_w, d_b, d_i) = entries
-        weights += [norms[0]._parameters["weight"], qkv_w, qkv_b, o_w, o_b, norms[1]._parameters["weight"],
-                    gu_w, gu_b, d_w, d_b]
+        (qkv_w, qkv_i), (o_w, o_i), (gu_w, gu_i), (d_w, d_i) = entries
+        weights += [norms[0]._parameters["weight"], *qkv_w, *o_w, norms[1]._parameters["weight"], *gu_w, *d_w]
         info += qkv_i + o_i + gu_i + d_i
     has_lora = any(lora_info[i] for i in range(0, len(lora_info), 4))
     return (weights, info, ops.norm_lanes, ops.silu_block, embed, (lora_weights, lora_info) if has_lora else None,

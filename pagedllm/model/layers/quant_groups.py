@@ -5,8 +5,8 @@ in Q6_K (and ffn_down in Q6_K in some layers), while pagedllm fuses q, k and v i
 contiguous run of rows of one type stays its own ``QuantizedWeight`` (at the file's size, on its own
 kernel), and the product is the parts' products side by side, each row's sums exactly the ones the part's
 kernel forms: so the result is what the separate projections give, and batch invariance holds as it
-does for each part. The one-call fused decoder takes single-type weights only; a model with a grouped
-weight runs op by op (model/layers/fused_decoder.py says so once).
+does for each part. The one-call fused decoder (model/layers/fused_decoder.py) takes up to three groups a
+linear and runs them the same way, group by group into one output.
 
     rows:   [ q (Q4_K) | k (Q4_K) | v (Q6_K) ]   ->   groups: [(0, Q4_K part of q+k), (q+k, Q6_K part of v)]
 """
@@ -19,7 +19,7 @@ import torch
 class QuantizedRowGroups:
     """``[n, k]`` as consecutive row groups, each a ``QuantizedWeight`` of one type."""
 
-    packed = None  # no single panel tensor: nothing that needs one (the fused decoder) takes this weight
+    packed = None  # no single panel tensor: each group has its own
 
     def __init__(self, groups: list) -> None:
         self.groups = groups
