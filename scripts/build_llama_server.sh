@@ -9,8 +9,9 @@
 #
 # Instruction sets are explicit (GGML_NATIVE=OFF) so the binary does not depend on the
 # build host, and match what pagedllm's own kernels may use on the bench machine
-# (AVX2/FMA/F16C, and AVX-512 with VNNI and BF16 where the CPU has it; AMX off: the bench CPUs
-# have none).
+# (AVX2/FMA/F16C, and AVX-512 with VNNI and BF16 where the CPU has it). AMX off: on a Xeon with AMX
+# (amx_int8 in /proc/cpuinfo) this llama.cpp's AMX matmul died of SIGILL at its first tile instruction
+# (tilezero in ggml_backend_amx_mul_mat, on an OpenMP worker), so its AVX-512 VNNI path is its best one there.
 set -euo pipefail
 
 VERSION="${1:-0.3.36}"
