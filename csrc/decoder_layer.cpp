@@ -219,11 +219,8 @@ struct Lora {
 // One row group's product (x @ W^T + bias), by the kernel the per-op path calls for it.
 at::Tensor group_product(const Ops& o, const at::Tensor& x, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& b, const int64_t* group, bool invariant) {
-  // The int8-activation kernels (K-quants too) are batch-invariant as they are (each row quantized on its
-  // own, its integer sums exact, its float sum block by block): they have no separate invariant call.
-  const bool invariant_call = invariant && !quant::is_int8_type(group[0]) && !quant::is_kq_type(group[0]);
   return group[0] < 0 ? (invariant ? o.gemm_invariant : o.gemm).call(x, weight, b, group[1])
-                      : (invariant_call ? o.quant_gemm_invariant : o.quant_gemm)
+                      : (invariant ? o.quant_gemm_invariant : o.quant_gemm)
                             .call(x, weight, group[0], group[1], b, group[2]);
 }
 

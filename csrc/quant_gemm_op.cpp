@@ -6,16 +6,27 @@
 // through the same op (so the fused decoder layer calls them as any other kind): x is quantized
 // first (rows over the pool), then the panels as above; so do the K-quant types (quant_gemm_kq.h), whose
 // panels hold 256-wide super-blocks.
+//
+// On a CPU with AMX-BF16 tiles, a call of many rows on an int8-activation type takes the bf16 path instead
+// (quant_dequant_bf16.h): the weight unpacked to bf16 a few MiB at a time, each part multiplied by oneDNN's
+// AMX matmul (at::mm on bf16), the product rounded to bf16 and returned as float32. Prefill steps are bound by
+// the int8 kernels' arithmetic, and the tiles do that arithmetic several times faster. Its rounding is not
+// the int8 kernels', so the batch-invariant call (quant_gemm_invariant_cpu) never takes it: there a row's
+// result must not depend on how many rows share the call.
 #include <ATen/ATen.h>
+#include <ATen/cpu/Utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <tuple>
 
 #include "bf16_gemm.h"
 #include "quant_gemm.h"
 #include "quant_gemm_int8.h"
+#include "quant_dequant_bf16.h"
 #include "quant_gemm_kq.h"
 #include "thread_pool.h"
 
@@ -128,6 +139,87 @@ at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
   return y;
 }
 
+bool cpu_has(const std::unordered_map<std::string, c10::IValue>& caps, const char* key) {
+  const auto it = caps.find(key);
+  return it != caps.end() && it->second.isBool() && it->second.toBool();
+}
+
+bool has_avx512_bf16() {
+  static const bool has = cpu_has(at::cpu::get_cpu_capabilities(), "avx512_bf16");
+  return has;
+}
+
+// Rows from which an int8-activation call takes the bf16 path; 0 = never. Where the CPU has AMX-BF16 (and
+// AVX-512 BF16 for the unpacking), PAGEDLLM_BF16_PREFILL_ROWS or 128 (pagedllm/envs.py validates the
+// variable before the library loads); elsewhere 0. quant_gemm_bf16_rows changes it (tests, A/B runs).
+constexpr int64_t kDefaultBf16Rows = 128;
+std::atomic<int64_t> g_bf16_rows{[] {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  if (!(cpu_has(caps, "amx_bf16") && cpu_has(caps, "amx_tile") && cpu_has(caps, "avx512_bf16"))) return int64_t{0};
+  const char* text = std::getenv("PAGEDLLM_BF16_PREFILL_ROWS");
+  return text != nullptr && *text != '\0' ? static_cast<int64_t>(std::atoll(text)) : kDefaultBf16Rows;
+}()};
+
+int64_t quant_gemm_bf16_rows(int64_t rows) {
+  if (rows < 0) return g_bf16_rows.load();
+  TORCH_CHECK(rows == 0 || has_avx512_bf16(), "quant_gemm_bf16_rows: the bf16 path needs AVX-512 BF16");
+  return g_bf16_rows.exchange(rows);
+}
+
+// Bytes of bf16 weight unpacked at a time: a part stays in cache while its product is formed.
+constexpr int64_t kBf16ScratchBytes = 8 << 20;
+
+at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                          const c10::optional<at::Tensor>& bias, at::Tensor y) {
+  const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
+  const at::Tensor xb = x.to(at::kBFloat16);
+  const int64_t part_panels = std::max<int64_t>(1, kBf16ScratchBytes / (quant::kPanelRows * k * 2));
+  thread_local at::Tensor scratch;  // reused by every call of this thread
+  const int64_t scratch_rows = std::min(part_panels, num_panels) * quant::kPanelRows;
+  if (!scratch.defined() || scratch.numel() < scratch_rows * k)
+    scratch = at::empty({scratch_rows * k}, x.options().dtype(at::kBFloat16));
+  at::Tensor yb = at::empty({m, n}, x.options().dtype(at::kBFloat16));
+  uint16_t* out = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+  const uint8_t* weight = packed.data_ptr<uint8_t>();
+  for (int64_t p0 = 0; p0 < num_panels; p0 += part_panels) {
+    const int64_t p1 = std::min(num_panels, p0 + part_panels);
+    const int64_t row0 = p0 * quant::kPanelRows, rows = std::min(n, p1 * quant::kPanelRows) - row0;
+    parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
+      quant::dequant_bf16_panels_avx512(static_cast<int>(qtype), weight, k, n,
+                                        out + (begin - p0) * quant::kPanelRows * k, begin, end);
+    });
+    at::Tensor part = scratch.narrow(0, 0, rows * k).view({rows, k});
+    at::Tensor dst = yb.narrow(1, row0, rows);
+    at::mm_out(dst, xb, part.t());
+  }
+  y.copy_(yb);
+  if (bias.has_value() && bias->defined()) y.add_(bias->unsqueeze(0));
+  return y;
+}
+
+// The weight of an int8-activation type as bf16 rows [n, K] (what the bf16 path multiplies; tests read it).
+at::Tensor dequant_bf16_cpu(const at::Tensor& packed, int64_t qtype, int64_t n) {
+  TORCH_CHECK(quant::is_int8_type(qtype) || quant::is_kq_type(qtype), "dequant_bf16_cpu: not an int8-activation "
+              "type: ", qtype);
+  TORCH_CHECK(has_avx512_bf16(), "dequant_bf16_cpu: needs AVX-512 BF16");
+  const bool is_kq = quant::is_kq_type(qtype);
+  const int64_t bb = is_kq ? quant::kq_block_bytes(qtype) : quant::int8_block_bytes(qtype);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.is_contiguous() && packed.size(2) == bb, "dequant_bf16_cpu: packed must be contiguous uint8 "
+              "[panels, blocks, ", bb, "]");
+  const int64_t num_panels = packed.size(0);
+  TORCH_CHECK(n > (num_panels - 1) * quant::kPanelRows && n <= num_panels * quant::kPanelRows,
+              "dequant_bf16_cpu: n = ", n, " does not fit ", num_panels, " panels");
+  const int64_t k = packed.size(1) * (is_kq ? quant::kSuperK : quant::kBlockK);
+  at::Tensor w = at::empty({n, k}, packed.options().dtype(at::kBFloat16));
+  uint16_t* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    quant::dequant_bf16_panels_avx512(static_cast<int>(qtype), packed.data_ptr<uint8_t>(), k, n,
+                                      out + begin * quant::kPanelRows * k, begin, end);
+  });
+  return w;
+}
+
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                       const c10::optional<at::Tensor>& bias, int64_t isa, bool invariant) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
@@ -136,8 +228,6 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   const bool is_bf16 = qtype == bf16::kBF16;  // bf16 weights: same panels, no scales (bf16_gemm.h)
   const bool is_kq = quant::is_kq_type(qtype);  // K-quants, int8 activations (quant_gemm_kq.h)
   const bool is_int8 = quant::is_int8_type(qtype) || is_kq;  // int8 activations (quant_gemm_int8.h)
-  TORCH_CHECK(!(is_int8 && invariant), "quant_gemm_invariant_cpu: no batch-invariant kernel for the int8-activation "
-              "type ", qtype);
   const int64_t bb = is_bf16    ? bf16::kBlockBytes
                      : is_kq   ? quant::kq_block_bytes(qtype)
                      : is_int8 ? quant::int8_block_bytes(qtype)
@@ -165,6 +255,11 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   if (m == 0) return y;
   if (k == 0) return bias_p != nullptr ? y.copy_(bias->unsqueeze(0).expand({m, n})) : y.zero_();
   if (is_bf16) return bf16::gemm(x, packed, n, bias_p, chosen);
+  // The int8-activation kernels are batch-invariant as they are (each row quantized on its own, its sums in
+  // one fixed order): the invariant call runs them, never the bf16 path.
+  if (is_int8 && !invariant && g_bf16_rows.load(std::memory_order_relaxed) > 0 &&
+      m >= g_bf16_rows.load(std::memory_order_relaxed))
+    return bf16_gemm_path(x, packed, qtype, n, bias, y);
   if (is_kq) return kq_gemm(x, packed, qtype, n, bias_p, isa, y);
   if (is_int8) return int8_gemm(x, packed, qtype, n, bias_p, isa, y);
   const quant::Args args{static_cast<int>(qtype), x.data_ptr<float>(), x.stride(0), packed.data_ptr<uint8_t>(),
@@ -221,10 +316,13 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quantize_act_cpu(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_gemm_cpu(Tensor x, Tensor packed, int qtype, int n, Tensor? bias, int isa) -> Tensor");
   m.def("quant_gemm_invariant_cpu(Tensor x, Tensor packed, int qtype, int n, Tensor? bias, int isa) -> Tensor");
+  m.def("quant_gemm_bf16_rows(int rows) -> int", &pagedllm::quant_gemm_bf16_rows);
+  m.def("dequant_bf16_cpu(Tensor packed, int qtype, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("quant_gemm_cpu", &pagedllm::quant_gemm_cpu);
   m.impl("quantize_act_cpu", &pagedllm::quantize_act_cpu);
   m.impl("quant_gemm_invariant_cpu", &pagedllm::quant_gemm_invariant_cpu);
+  m.impl("dequant_bf16_cpu", &pagedllm::dequant_bf16_cpu);
 }

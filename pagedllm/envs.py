@@ -8,7 +8,7 @@ Each attribute is read from ``os.environ`` when it is asked for, not at import, 
 An unset or empty variable has its default. A switch takes 1/true/yes/on or 0/false/no/off; any
 other value, or a number that is not one, raises ValueError naming the variable and what it takes.
 
-Three variables are read by the compiled library itself (``csrc/``, when it starts); they are
+Four variables are read by the compiled library itself (``csrc/``, when it starts); they are
 declared here too, and ``check_compiled_op_env()`` (called before the library loads) refuses a
 value the C++ would misread.
 """
@@ -128,9 +128,14 @@ VARIABLES: dict[str, Variable] = {
     "PAGEDLLM_ATTN_PF": Variable(
         "dist[,mode[,hint]]: the CPU attention op's prefetch (0 = none), for A/B runs; csrc/paged_attention_op.cpp.",
         _prefetch),
+    "PAGEDLLM_BF16_PREFILL_ROWS": Variable(
+        "Rows (0-1000000, default 128; 0 = never) from which a quantized linear with int8 activations multiplies "
+        "through bf16 AMX tiles instead, on CPUs with AMX-BF16 only; csrc/quant_gemm_op.cpp.",
+        _int_in(0, 1_000_000), 128),
 }
 
-COMPILED_OP_VARIABLES = ("PAGEDLLM_DISABLE_OP_POOL", "PAGEDLLM_POOL_SPIN_US", "PAGEDLLM_ATTN_PF")
+COMPILED_OP_VARIABLES = ("PAGEDLLM_DISABLE_OP_POOL", "PAGEDLLM_POOL_SPIN_US", "PAGEDLLM_ATTN_PF",
+                         "PAGEDLLM_BF16_PREFILL_ROWS")
 """Read by the compiled library, not by Python; checked before it loads."""
 
 

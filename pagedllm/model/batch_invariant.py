@@ -78,16 +78,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
 
 
 def quant_gemm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """A GGUF-quantized weight's product (``x`` 2-D float32, dense rows) in the invariant order; a weight on
-    the int8-activation kernel takes its one call, invariant as it is (module docstring)."""
+    """A GGUF-quantized weight's product (``x`` 2-D float32, dense rows) in the invariant order; for a weight on
+    the int8-activation kernel the invariant call is that kernel as it is (module docstring), never the bf16
+    prefill path the plain call takes for many rows on an AMX CPU (csrc/quant_gemm_op.cpp)."""
     if getattr(weight, "groups", None) is not None:  # several row groups, each its own kernel
         return weight.matmul(x, bias, product=quant_gemm)
-    from pagedllm.model.layers.kquant import GGUF_TYPE as KQUANT_INT8_TYPES
-    from pagedllm.model.layers.quantized import INT8_KERNEL_TYPE
-
-    int8 = weight.kernel_type in INT8_KERNEL_TYPE.values() or weight.kernel_type in KQUANT_INT8_TYPES
-    invariant = INVARIANT_KERNELS and not int8
-    op = torch.ops.pagedllm.quant_gemm_invariant_cpu if invariant else torch.ops.pagedllm.quant_gemm_cpu
+    op = torch.ops.pagedllm.quant_gemm_invariant_cpu if INVARIANT_KERNELS else torch.ops.pagedllm.quant_gemm_cpu
     return op(x, weight.packed, weight.kernel_type, weight.n, bias, weight.isa)
 
 

@@ -51,12 +51,12 @@ SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attentio
            "quant_gemm_int8_avx2.cpp", "quant_gemm_int8_avx512.cpp",
            "quant_gemm_kq_avx2.cpp", "quant_gemm_kq_avx512.cpp",
            "decoder_layer.cpp", "bf16_gemm_op.cpp", "bf16_gemm_avx2.cpp", "bf16_gemm_avx512.cpp", "step_ops.cpp",
-           "lora_sgmv_op.cpp", "lora_sgmv_avx2.cpp", "lora_sgmv_avx512.cpp")
+           "lora_sgmv_op.cpp", "lora_sgmv_avx2.cpp", "lora_sgmv_avx512.cpp", "quant_dequant_bf16.cpp")
 HEADERS = ("fused_ops.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
            "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "quant_gemm_int8.h",
            "quant_gemm_int8_kernel.h", "int8_simd_avx2.h", "int8_simd_avx512.h", "quant_gemm_kq.h",
            "quant_gemm_kq_kernel.h", "panel_tiles.h", "bf16_gemm.h", "bf16_gemm_kernel.h",
-           "lora_sgmv.h", "lora_sgmv_kernel.h")
+           "lora_sgmv.h", "lora_sgmv_kernel.h", "quant_dequant_bf16.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile
 # time only: at::parallel_for is an inline `#pragma omp parallel`, which without it runs on one
@@ -131,7 +131,7 @@ def load() -> bool:
         return bool(_state["loaded"])
     if envs.PAGEDLLM_DISABLE_CPU_OP:
         return _unavailable(f"{DISABLE_ENV} is set")
-    envs.check_compiled_op_env()  # the library reads three variables itself: refuse a value it would misread
+    envs.check_compiled_op_env()  # the library reads four variables itself: refuse a value it would misread
     if not hasattr(torch.ops.pagedllm, "paged_attention_cpu"):
         path = library_path()
         if path is None:

@@ -1,0 +1,143 @@
+// quant_dequant_bf16.h for AVX-512 with BF16 (every CPU with AMX has both; the op calls it only there, or where
+// a test asks and the CPU has AVX-512 BF16). Per panel of 16 rows and per block, each row's weights are
+// unpacked 16 at a time into a vector of int32, formed in float32 by the GGUF formula, and rounded by
+// vcvtneps2bf16.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+#include "quant_dequant_bf16.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "quant_gemm.h"
+#include "quant_gemm_int8.h"
+#include "quant_gemm_kq.h"
+
+namespace pagedllm {
+namespace quant {
+namespace {
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline void store16(__m512 w, uint16_t* out) {
+  const __m256bh h = _mm512_cvtneps_pbh(w);
+  std::memcpy(out, &h, 32);
+}
+
+// Row r's 16 bytes of a [group g: 4][row: 16][byte i: 4] run: bytes 4g + i.
+inline __m128i row_bytes(const uint8_t* q, int r) {
+  int32_t d[4];
+  for (int g = 0; g < 4; ++g) std::memcpy(&d[g], q + g * 64 + r * 4, 4);
+  return _mm_setr_epi32(d[0], d[1], d[2], d[3]);
+}
+
+inline __m512 to_float(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+inline __m128i low4(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(15)); }
+inline __m128i high4(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)); }
+
+// One 32-block of one row of a Q4_0 / Q4_1 / Q8_0 int8 panel (quant_gemm_int8.h) into out[0, 32).
+template <int QT>
+inline void int8_block_row(const uint8_t* blk, int r, uint16_t* out) {
+  const __m512 d = _mm512_set1_ps(half(blk + 2 * r));
+  if constexpr (QT == kQ8_0_I8) {
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+    for (int h = 0; h < 2; ++h) {  // k 0..15 (groups 0-3), 16..31 (groups 4-7); stored + 128
+      const __m128i q = _mm_xor_si128(row_bytes(blk + 32 + h * 256, r), flip);
+      store16(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))), out + 16 * h);
+    }
+  } else {
+    const __m128i bytes = row_bytes(blk + (QT == kQ4_1_I8 ? 64 : 32), r);
+    if constexpr (QT == kQ4_1_I8) {
+      const __m512 m = _mm512_set1_ps(half(blk + 32 + 2 * r));
+      store16(_mm512_add_ps(_mm512_mul_ps(d, to_float(low4(bytes))), m), out);
+      store16(_mm512_add_ps(_mm512_mul_ps(d, to_float(high4(bytes))), m), out + 16);
+    } else {
+      const __m512 eight = _mm512_set1_ps(8.0f);
+      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(low4(bytes)), eight)), out);
+      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(high4(bytes)), eight)), out + 16);
+    }
+  }
+}
+
+// One 256-weight super-block of one row of a K-quant panel (quant_gemm_kq.h's layout and formulas) into
+// out[0, 256).
+template <int QT>
+inline void kq_superblock_row(const uint8_t* sbp, int r, uint16_t* out) {
+  const float d = half(sbp + 2 * r);
+  constexpr int64_t nibbles = QT == kQ4_K_I8 ? 320 : QT == kQ5_K_I8 ? 832 : 1312;
+  for (int b = 0; b < 8; ++b) {
+    const __m128i bytes = row_bytes(sbp + nibbles + b * 256, r);
+    __m128i lo = low4(bytes), hi = high4(bytes);  // k 0..15 and 16..31 of the 32-block
+    if constexpr (QT == kQ5_K_I8) {  // bit 2u / 2u + 1 of the quad's byte: bit 4 of k / k + 16
+      const __m128i h = row_bytes(sbp + 320 + (b / 4) * 256, r);
+      const int u = b % 4;
+      const __m128i one = _mm_set1_epi8(1);
+      lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(2 * u)), one), 4));
+      hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(2 * u + 1)), one), 4));
+    } else if constexpr (QT == kQ6_K_I8) {  // bits 4u..4u+1 / 4u+2..4u+3 of the pair's byte: bits 4-5
+      const __m128i h = row_bytes(sbp + 288 + (b / 2) * 256, r);
+      const int u = b % 2;
+      const __m128i three = _mm_set1_epi8(3);
+      lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(4 * u)), three), 4));
+      hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(4 * u + 2)), three), 4));
+    }
+    uint16_t* ob = out + 32 * b;
+    if constexpr (QT == kQ6_K_I8) {
+      const __m512 s0 = _mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(sbp[32 + (2 * b) * 16 + r])));
+      const __m512 s1 = _mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(sbp[32 + (2 * b + 1) * 16 + r])));
+      const __m512 off = _mm512_set1_ps(32.0f);
+      store16(_mm512_mul_ps(s0, _mm512_sub_ps(to_float(lo), off)), ob);
+      store16(_mm512_mul_ps(s1, _mm512_sub_ps(to_float(hi), off)), ob + 16);
+    } else {
+      const __m512 scale = _mm512_set1_ps(d * static_cast<float>(sbp[64 + b * 16 + r]));
+      const __m512 min = _mm512_set1_ps(half(sbp + 32 + 2 * r) * static_cast<float>(sbp[192 + b * 16 + r]));
+      store16(_mm512_sub_ps(_mm512_mul_ps(scale, to_float(lo)), min), ob);
+      store16(_mm512_sub_ps(_mm512_mul_ps(scale, to_float(hi)), min), ob + 16);
+    }
+  }
+}
+
+template <int QT>
+void dequant_panels(const uint8_t* packed, int64_t k, int64_t n, uint16_t* out, int64_t p_begin, int64_t p_end) {
+  constexpr bool kq = is_kq_type(QT);
+  constexpr int64_t block_k = kq ? kSuperK : kBlockK;
+  const int64_t bb = kq ? kq_block_bytes(QT) : int8_block_bytes(QT);
+  const int64_t nb = k / block_k;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const int rows = static_cast<int>(n - p * kPanelRows < kPanelRows ? n - p * kPanelRows : kPanelRows);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = packed + (p * nb + b) * bb;
+      for (int r = 0; r < rows; ++r) {
+        uint16_t* row_out = out + ((p - p_begin) * kPanelRows + r) * k + b * block_k;
+        if constexpr (kq) {
+          kq_superblock_row<QT>(blk, r, row_out);
+        } else {
+          int8_block_row<QT>(blk, r, row_out);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void dequant_bf16_panels_avx512(int qtype, const uint8_t* packed, int64_t k, int64_t n, uint16_t* out,
+                                int64_t p_begin, int64_t p_end) {
+  switch (qtype) {
+    case kQ4_0_I8: dequant_panels<kQ4_0_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ4_1_I8: dequant_panels<kQ4_1_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ8_0_I8: dequant_panels<kQ8_0_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ4_K_I8: dequant_panels<kQ4_K_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ5_K_I8: dequant_panels<kQ5_K_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ6_K_I8: dequant_panels<kQ6_K_I8>(packed, k, n, out, p_begin, p_end); break;
+    default: break;
+  }
+}
+
+}  // namespace quant
+}  // namespace pagedllm

@@ -1,0 +1,20 @@
+// A quantized weight's panels (the int8-activation layouts: quant_gemm_int8.h's Q4_0 / Q4_1 / Q8_0 and
+// quant_gemm_kq.h's Q4_K / Q5_K / Q6_K) dequantized to bf16 rows [n, K], for the prefill path of CPUs with
+// AMX-BF16 tiles: there a step of many rows multiplies faster as bf16 through oneDNN's AMX matmul (after
+// unpacking the weight, a part at a time, into a small scratch) than through the int8 dot products, whose
+// per-block float scaling bounds them. Each weight is w = its GGUF formula in float32, then rounded to the
+// nearest bf16 (ties to even), as torch's .to(torch.bfloat16) rounds the dequantized float32 weight.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedllm {
+namespace quant {
+
+// Panels [p_begin, p_end) of `packed` (kernel type `qtype`, K columns) into out [rows of those panels
+// below n, K] (row stride K), out's row 0 being panel p_begin's row 0. Needs AVX-512 F/BW and BF16.
+void dequant_bf16_panels_avx512(int qtype, const uint8_t* packed, int64_t k, int64_t n, uint16_t* out,
+                                int64_t p_begin, int64_t p_end);
+
+}  // namespace quant
+}  // namespace pagedllm
