@@ -97,18 +97,25 @@ def process_label(report: dict, server_pid: int) -> str:
 
 
 def summarize(reports: dict[int, dict], idle: dict[int, dict], server_pid: int, package: Path = PACKAGE) -> list[dict]:
-    """Per process: its label and its files in order of first entry, each with its counts."""
+    """Per process: its label and its files in order of first entry, each with its counts.
+
+    A file's place is its first entry by a function the idle window did not enter: long-lived loops (the
+    output handler, uvicorn's server) wake on their own timers and would otherwise head the list."""
     processes = []
     for pid, report in sorted(reports.items()):
-        idle_files = set(idle.get(pid, {}).get("files", {}))
+        idle_files = idle.get(pid, {}).get("files", {})
         files = []
-        for path, entry in sorted(report["files"].items(), key=lambda item: item[1]["order"]):
+        for path, entry in report["files"].items():
+            idle_names = set(idle_files.get(path, {}).get("functions", {}))
+            ranks = {**entry["generated"], **entry["bodies"], **entry["functions"]}
+            own = [rank for name, rank in entry["functions"].items() if name not in idle_names]
             files.append({
-                "file": str(Path(path).relative_to(package)), "functions": len(entry["functions"]),
-                "generated": len(entry["generated"]), "bodies": len(entry["bodies"]),
-                "lines": len(Path(path).read_text().splitlines()), "logic": bool(entry["functions"]),
-                "idle": path in idle_files, "names": entry["functions"],
+                "file": str(Path(path).relative_to(package)), "place": min(own or ranks.values()),
+                "functions": len(entry["functions"]), "generated": len(entry["generated"]),
+                "bodies": len(entry["bodies"]), "lines": len(Path(path).read_text().splitlines()),
+                "logic": bool(entry["functions"]), "idle": path in idle_files, "names": sorted(entry["functions"]),
             })
+        files.sort(key=lambda f: f["place"])
         processes.append({"pid": pid, "process": process_label(report, server_pid), "files": files})
     return processes
 
@@ -120,6 +127,7 @@ def totals(files: list[dict]) -> tuple[int, int, int]:
 
 def print_tables(kind: str, seconds: float, processes: list[dict], markdown: bool) -> None:
     print(f"\n## {kind} ({seconds:.2f} s)")
+    row_format = "| {} | `{}` | {} | {} | {} |" if markdown else "{:>3} {:<48} {:>7} {:>6}  {}"
     union: dict[str, dict] = {}
     for proc in processes:
         if not proc["files"]:
@@ -132,7 +140,7 @@ def print_tables(kind: str, seconds: float, processes: list[dict], markdown: boo
             note = ", ".join(n for n, on in (("data only", not f["logic"]), ("idle too", f["idle"])) if on)
             row = (i, f["file"], f["functions"] if f["logic"] else f"0 (+{f['generated'] + f['bodies']})",
                    f["lines"], note)
-            print("| {} | `{}` | {} | {} | {} |".format(*row) if markdown else "{:>3} {:<48} {:>5} {:>6}  {}".format(*row))
+            print(row_format.format(*row))
             union.setdefault(f["file"], f)
         num_files, num_functions, num_lines = totals(proc["files"])
         print(f"\n{proc['process']}: {num_files} files with logic, {num_functions} functions, {num_lines} lines")

@@ -10,10 +10,11 @@ threading.setprofile for threads started later) and two signal handlers:
 
 and writes OUT/ready.<pid> so the tool knows which processes may be sent those signals (an unhooked
 process would die of them). While recording, each "call" event (a function entered, or a generator or
-coroutine resumed) whose code lies under REQUEST_PATH_PACKAGE is kept: per file, the order of first
-entry and the qualified names entered. Methods that dataclasses generate (their code's file is
-"<string>") are kept under the module whose globals they run in, as "generated": a file entered only
-that way holds data, not logic. Module and class bodies are kept apart as "bodies" for the same reason.
+coroutine resumed) whose code lies under REQUEST_PATH_PACKAGE is kept: per file, the qualified names
+entered, each with its rank in the process's order of first entries. Methods that dataclasses generate
+(their code's file is "<string>") are kept under the module whose globals they run in, as "generated":
+a file entered only that way holds data, not logic. Module and class bodies are kept apart as "bodies"
+for the same reason.
 
 Standard library only, and nothing runs while recording is off but one test per event.
 """
@@ -31,10 +32,11 @@ _OUT = os.environ.get("REQUEST_PATH_OUT")
 _PACKAGE = os.environ.get("REQUEST_PATH_PACKAGE", "")
 _recording = False
 _next_order = 0
-_files: dict[str, dict] = {}
+_files: dict[str, dict[str, dict[str, int]]] = {}  # file -> kind -> qualified name -> rank of first entry
 
 
 def _record(frame, event, arg):
+    global _next_order
     if not _recording or event != "call":
         return
     code = frame.f_code
@@ -54,10 +56,10 @@ def _record(frame, event, arg):
         return
     entry = _files.get(path)
     if entry is None:
-        global _next_order
-        entry = _files[path] = {"order": _next_order, "functions": set(), "generated": set(), "bodies": set()}
+        entry = _files[path] = {"functions": {}, "generated": {}, "bodies": {}}
+    if name not in entry[kind]:
+        entry[kind][name] = _next_order
         _next_order += 1
-    entry[kind].add(name)
 
 
 def _write(name: str, text: str) -> None:
@@ -81,10 +83,8 @@ def _dump(signum, frame) -> None:
     _recording = False
     import multiprocessing
 
-    files = {path: {"order": e["order"], **{k: sorted(e[k]) for k in ("functions", "generated", "bodies")}}
-             for path, e in _files.items()}
     report = {"pid": os.getpid(), "process_name": multiprocessing.current_process().name, "command": sys.orig_argv,
-              "files": files}
+              "files": _files}
     _write(f"{os.getpid()}.json", json.dumps(report, indent=1))
 
 

@@ -87,13 +87,19 @@ def test_the_hook_records_functions_entered_in_the_window_and_the_tool_counts_fi
     files = report["files"]
     logic, data = str(package / "logic.py"), str(package / "data.py")
     assert set(files) == {logic, data}
-    assert files[logic]["functions"] == ["during", "in_thread", "walk"]   # not `before`: outside the window
-    assert files[logic]["order"] == 0 and files[data]["order"] == 1
-    assert files[data] == {"order": 1, "functions": [], "generated": ["Point.__init__"], "bodies": []}
+    # Ranks of first entry: not `before` (outside the window); `walk` resumed; `in_thread` in another thread.
+    assert files[logic] == {"functions": {"during": 0, "walk": 1, "in_thread": 3}, "generated": {}, "bodies": {}}
+    assert files[data] == {"functions": {}, "generated": {"Point.__init__": 2}, "bodies": {}}
 
     tool = load_tool()
     [proc] = tool.summarize({pid: report}, {}, server_pid=pid, package=package)
     assert proc["process"] == "API server"
-    assert [(f["file"], f["functions"], f["logic"]) for f in proc["files"]] == [("logic.py", 3, True),
-                                                                                 ("data.py", 0, False)]
+    assert [(f["file"], f["functions"], f["logic"], f["idle"]) for f in proc["files"]] == [
+        ("logic.py", 3, True, False), ("data.py", 0, False, False)]
     assert tool.totals(proc["files"]) == (1, 3, len(LOGIC.splitlines()))
+
+    # Functions an idle window entered too do not place their file: logic.py's first own entry is then
+    # `in_thread` (3), after data.py's (2).
+    idle = {pid: {"files": {logic: {"functions": {"during": 0, "walk": 1}, "generated": {}, "bodies": {}}}}}
+    [proc] = tool.summarize({pid: report}, idle, server_pid=pid, package=package)
+    assert [(f["file"], f["idle"]) for f in proc["files"]] == [("data.py", False), ("logic.py", True)]
