@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python scripts/request_path.py                 # tables for a plain and a streamed request
     PYTHONPATH=$PWD python scripts/request_path.py --json path.json --markdown
+    PYTHONPATH=$PWD python scripts/request_path.py --body '{"temperature": 0}'   # fields added to the request
     PYTHONPATH=$PWD python scripts/request_path.py -- --max-num-seqs 8   # after --: flags for `pagedllm serve`
 
 It starts `pagedllm serve` (the embedded default model unless the flags after -- name another) with
@@ -69,9 +70,9 @@ def record(server_pid: int, out_dir: Path, action) -> tuple[dict[int, dict], flo
     return {pid: json.loads((out_dir / f"{pid}.json").read_text()) for pid in pids}, seconds
 
 
-def chat(url: str, model: str, stream: bool, max_tokens: int) -> str:
+def chat(url: str, model: str, stream: bool, max_tokens: int, extra: dict) -> str:
     """One chat completion, read to its end; the answer's text."""
-    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens}
+    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens, **extra}
     if not stream:
         response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
         response.raise_for_status()
@@ -152,6 +153,8 @@ def print_tables(kind: str, seconds: float, processes: list[dict], markdown: boo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--body", type=json.loads, default={},
+                        help="a JSON object of request fields added to the chat request (default: none)")
     parser.add_argument("--json", type=Path, help="also write every process's files, with function names, here")
     parser.add_argument("--markdown", action="store_true", help="Markdown tables")
     parser.add_argument("--keep", type=Path, help="keep the hook's raw files and the server log in this directory")
@@ -173,14 +176,16 @@ def main() -> int:
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
         for kind, stream in (("non-streamed", False), ("streamed", True)):
-            chat(server.url, model, stream, args.max_tokens)  # warm-up: lazy imports, first-call caches
+            def one_request() -> str:
+                return chat(server.url, model, stream, args.max_tokens, args.body)
+
+            one_request()  # warm-up: lazy imports, first-call caches
             answers = []
-            reports, seconds = record(server.proc.pid, out_dir,
-                                      lambda: answers.append(chat(server.url, model, stream, args.max_tokens)))
+            reports, seconds = record(server.proc.pid, out_dir, lambda: answers.append(one_request()))
             idle, _ = record(server.proc.pid, out_dir, lambda: time.sleep(seconds))
             processes = summarize(reports, idle, server.proc.pid)
-            print_tables(f"POST /v1/chat/completions, {kind}, max_tokens={args.max_tokens}", seconds, processes,
-                         args.markdown)
+            fields = ", ".join(f"{k}={v}" for k, v in {"max_tokens": args.max_tokens, **args.body}.items())
+            print_tables(f"POST /v1/chat/completions, {kind}, {fields}", seconds, processes, args.markdown)
             print(f"(answer: {answers[0]!r})")
             results[kind] = {"seconds": seconds, "processes": processes}
     finally:
