@@ -58,8 +58,11 @@ def record(server_pid: int, out_dir: Path, action) -> tuple[dict[int, dict], flo
     for pid in pids:
         for stale in (out_dir / f"on.{pid}", out_dir / f"{pid}.json"):
             stale.unlink(missing_ok=True)
-    for pid in pids:
-        os.kill(pid, signal.SIGUSR1)
+    for pid in list(pids):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # exited since the tree was read (a short-lived child)
+            pids.remove(pid)
     wait_for([out_dir / f"on.{pid}" for pid in pids])  # every process records before the request leaves
     start = time.monotonic()
     action()
