@@ -122,7 +122,8 @@ class EngineCore:
         self.num_scheduled_tokens += sched_output.total_num_scheduled_tokens
         for listener in self.step_listeners:
             listener(sched_output, runner_output)
-        return self._step_beam_groups(self.scheduler.update_from_output(sched_output, runner_output))
+        outputs = self.scheduler.update_from_output(sched_output, runner_output)
+        return self._step_beam_groups(outputs) if self.beams.groups else outputs  # no beam calls without beams
 
     def _step_beam_groups(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Let the beam groups choose their next beams from this step's outputs, then have the scheduler
@@ -165,7 +166,7 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_evictions=kv.num_evictions,
             num_beam_groups=len(self.beams.groups),
-            num_beams_running=self.beams.num_beams_running,
+            num_beams_running=self.beams.num_beams_running if self.beams.groups else 0,
             num_beam_kv_blocks=num_beam_blocks,
             num_beam_kv_blocks_saved=num_beam_blocks_unshared - num_beam_blocks,
             num_beam_group_preemptions=self.scheduler.num_beam_group_preemptions,

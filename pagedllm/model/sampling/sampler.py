@@ -73,7 +73,8 @@ class Sampler(nn.Module):
     @staticmethod
     def _process_and_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         x = logits.to(torch.float32, copy=True)  # processed in place from here on
-        x = apply_logits_processors(x, metadata)
+        if metadata.has_logits_processors:
+            x = apply_logits_processors(x, metadata)
 
         if metadata.all_greedy:
             sampled = argmax_rows(x)
