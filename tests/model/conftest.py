@@ -60,3 +60,19 @@ def require_compiled_cpu_ops() -> None:
         if "lacks AVX2" in reason or "_CPU_OP is set" in reason:
             pytest.skip(f"CPU op library unavailable: {reason}")
         pytest.fail(f"the CPU op library was built but does not load: {reason}")
+
+
+@pytest.fixture
+def int8_kernels_only():
+    """The int8-activation kernels for every row count: a CPU with AMX-BF16 sends calls of many rows through
+    the bf16 prefill path instead (csrc/quant_gemm_op.cpp; tests/model/test_bf16_prefill.py tests that)."""
+    import torch
+
+    from pagedllm.model.layers import quantized
+
+    if not (quantized.kernel_available() and hasattr(torch.ops.pagedllm, "quant_gemm_bf16_rows")):
+        yield
+        return
+    previous = int(torch.ops.pagedllm.quant_gemm_bf16_rows(0))
+    yield
+    torch.ops.pagedllm.quant_gemm_bf16_rows(previous)

@@ -17,6 +17,8 @@ from pagedllm.model.layers.quantized import Q4_0, Q4_1, Q4_K, Q8_0, QuantizedWei
 INT8_TYPES = [Q8_0, Q4_0, Q4_1]
 needs_kernel = pytest.mark.skipif(not quantized.int8_kernel_available(), reason="int8-activation kernel unavailable")
 
+pytestmark = pytest.mark.usefixtures("int8_kernels_only")  # the int8 kernels at every row count
+
 
 def isas() -> list[str]:
     if not quantized.int8_kernel_available():
@@ -146,8 +148,9 @@ def test_layout_is_replaced_and_other_types_keep_the_float_path():
     assert torch.equal(weight.packed[..., 64:].view(3, 3, 4, 16, 4), reordered)
     with pytest.raises(NotImplementedError):
         weight.rows(torch.arange(3))
-    with pytest.raises(RuntimeError, match="batch-invariant"):
-        torch.ops.pagedllm.quant_gemm_invariant_cpu(torch.randn(1, 96), weight.packed, weight.kernel_type, 40, None, 0)
+    x = torch.randn(1, 96)  # the invariant call runs the int8 kernel as it is (invariant already)
+    assert torch.equal(torch.ops.pagedllm.quant_gemm_invariant_cpu(x, weight.packed, weight.kernel_type, 40, None, 0),
+                       torch.ops.pagedllm.quant_gemm_cpu(x, weight.packed, weight.kernel_type, 40, None, 0))
     from tests.model.test_quant_kernels import random_k_quant  # a K-quant: no int8 kernel, stays as it is
 
     kq = random_k_quant(Q4_K, 16, 256, np.random.default_rng(8))
