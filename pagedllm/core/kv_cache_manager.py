@@ -235,6 +235,11 @@ class KVCacheManager:
         """Block-table entries of `req_id` replaced by copy-on-write since the last call: index -> new block id."""
         return self._replaced.pop(req_id, {})
 
+    def forget_replaced_blocks(self, req_id: str) -> None:
+        """Drop the record of `req_id`'s replaced entries: its whole table goes to the runner (a new or resumed
+        request), so there is nothing to patch."""
+        self._replaced.pop(req_id, None)
+
     def _copy_on_write(self, req_id: str, blocks: list[KVBlock]) -> None:
         shared = blocks[-1]
         (private,) = self.pool.get_new_blocks(1)
