@@ -25,6 +25,7 @@ from pagedllm.model.forward_context import get_lora_segments
 from pagedllm.model.layers import fused_decoder
 from pagedllm.model.layers.activation import gated_activation
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.model.layers.greedy_head import GreedyFallback
 from pagedllm.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -349,11 +350,12 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | GreedyFallback:
         """[N, hidden] -> [N] int64, each row's argmax of compute_logits computed without the float32
-        logits (layers/greedy_head.py), or None where that does not apply: call compute_logits."""
-        if self.final_softcap is not None:  # tanh keeps the order but may round near logits into a tie
-            return None
+        logits (layers/greedy_head.py), or why that does not apply (``sampling/greedy.py`` then takes
+        the argmax of compute_logits)."""
+        if self.final_softcap is not None:
+            return GreedyFallback.FINAL_SOFTCAP
         return self.lm_head.greedy_token_ids(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
