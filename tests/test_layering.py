@@ -3,7 +3,7 @@ modules import each other in a circle.
 
 Imports inside functions count like the others: a lazy import hides a circle from Python at import time, not from the
 design (the two modules still cannot be understood, tested or moved apart). So do imports under ``TYPE_CHECKING``. The
-few deliberate exceptions are edges named in ``ALLOWED``, each with its reason.
+few deliberate exceptions are edges named in ``ALLOWED``, each with its reason. And no file passes 400 lines.
 """
 
 from __future__ import annotations
@@ -235,6 +235,27 @@ def test_the_checker_finds_a_circle_and_names_it():
     assert circles(graph) == [["a", "b", "c"]]
     assert one_cycle(["a", "b", "c"], graph) == "a -> b -> c -> a"
     assert circles({"x": {"y"}, "y": set()}) == []
+
+
+MAX_FILE_LINES = 400
+"""No file of the package is longer: one grown past it is split by responsibility (docs/design.md's file map)."""
+
+
+def files_over(root: Path, max_lines: int) -> list[str]:
+    """``path: lines`` of every .py file under ``root`` longer than ``max_lines``, longest first."""
+    counted = [(len(path.read_text().splitlines()), path.relative_to(root).as_posix()) for path in root.rglob("*.py")]
+    return [f"{name}: {n}" for n, name in sorted(counted, reverse=True) if n > max_lines]
+
+
+def test_no_file_passes_400_lines():
+    assert files_over(PACKAGE, MAX_FILE_LINES) == []
+
+
+def test_the_line_count_sees_a_long_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "long.py").write_text("x = 1\n" * 401)
+    (tmp_path / "short.py").write_text("x = 1\n" * 400)
+    assert files_over(tmp_path, 400) == ["sub/long.py: 401"]
 
 
 def test_the_api_server_module_imports_no_grammar_engine():

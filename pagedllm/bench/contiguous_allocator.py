@@ -338,6 +338,9 @@ class ContiguousKVCacheManager:
     def take_replaced_blocks(self, req_id: str) -> dict[int, int]:
         return {}
 
+    def forget_replaced_blocks(self, req_id: str) -> None:
+        pass  # no copy-on-write, no window: nothing is ever replaced
+
     def swap_out(self, request: Request) -> None:
         return None  # not supported: the scheduler falls back to recomputation
 

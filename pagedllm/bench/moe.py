@@ -178,7 +178,9 @@ class IdealMatmuls:
     def rest(self) -> None:
         for module, n in self.linears:
             module(self.inputs[n])
-        if self.model.greedy_token_ids(self.head_x) is None:
+        from pagedllm.model.layers.greedy_head import GreedyFallback
+
+        if isinstance(self.model.greedy_token_ids(self.head_x), GreedyFallback):
             self.model.compute_logits(self.head_x)
 
     def time(self) -> tuple[float, float]:

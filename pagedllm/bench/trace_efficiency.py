@@ -208,6 +208,8 @@ def _grid(max_rows: int) -> list[int]:
 @torch.inference_mode()
 def time_matmul_grid(model, max_tokens: int, max_sampled: int, repeats: int = 3) -> dict:
     """Seconds of linear(M) and head(M) at a grid of M (see the module docstring)."""
+    from pagedllm.model.layers.greedy_head import GreedyFallback
+
     linears = linear_modules(model)
     assert linears, "no linear layers found in the model"
     moes = moe_layers(model)
@@ -233,7 +235,7 @@ def time_matmul_grid(model, max_tokens: int, max_sampled: int, repeats: int = 3)
         # As a greedy step runs the head (the benchmarks' traces are greedy): the exact greedy
         # head where the model has one for m rows (layers/greedy_head.py), else the logits.
         greedy = getattr(model, "greedy_token_ids", None)
-        head = greedy if greedy is not None and greedy(x) is not None else model.compute_logits
+        head = greedy if greedy is not None and not isinstance(greedy(x), GreedyFallback) else model.compute_logits
         out["head"][m] = _best_of(lambda: head(x), repeats)
     return out
 

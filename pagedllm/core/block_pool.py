@@ -16,10 +16,14 @@ gauges costs nothing, however large the pool):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedllm.core.block_hash import BlockHash
+
+_REF_CNT = operator.attrgetter("ref_cnt")
+_NUM_TOKENS = operator.attrgetter("num_tokens")
 
 
 @dataclass(slots=True, eq=False)
@@ -170,6 +174,30 @@ class BlockPool:
         self.num_filled_slots += num_tokens - block.num_tokens
         block.num_tokens = num_tokens
 
+    def fill_table(self, blocks: list[KVBlock], first: int, num_tokens: int, block_size: int) -> None:
+        """Blocks `first`.. of a block table hold the tokens up to `num_tokens` (the rest of the table is ahead).
+        On every request's every step: set_num_tokens inlined."""
+        bs = block_size
+        for i in range(first, min(len(blocks), -(-num_tokens // bs))):
+            block = blocks[i]
+            filled = num_tokens - i * bs
+            if filled > bs:
+                filled = bs
+            if block.num_tokens < filled:
+                self.num_filled_slots += filled - block.num_tokens
+                block.num_tokens = filled
+
+    def unfill_after_rollback(self, kept: list[KVBlock], num_tokens: int, block_size: int) -> None:
+        """Speculative rollback: the kept blocks of a table hold exactly the first `num_tokens` slots. Only the last
+        private blocks can be off (proposals write nowhere else), so walk back until one agrees."""
+        bs = block_size
+        for i in range(len(kept) - 1, -1, -1):
+            filled = max(0, min(bs, num_tokens - i * bs))
+            block = kept[i]
+            if block.num_tokens == filled or block.ref_cnt != 1:  # shared, or the null block
+                break
+            self.set_num_tokens(block, filled)
+
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the given order (the first freed is evicted first)."""
         for block in blocks:
@@ -197,6 +225,13 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
         self.num_evictions += 1
+
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """Every block's ref_cnt and the slots holding KV (index = block id; a cached free block holds a full
+        block's), and the free blocks still holding a cached prefix: a full walk, for a picture of the pool (the
+        dashboard), not for gauges."""
+        cached = sorted(b.block_id for b in self.cached_blocks.values() if not b.ref_cnt)
+        return list(map(_REF_CNT, self.blocks)), list(map(_NUM_TOKENS, self.blocks)), cached
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is held."""

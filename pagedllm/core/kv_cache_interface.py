@@ -84,7 +84,11 @@ class KVCacheManagerProtocol(Protocol):
 
     def take_block_copies(self) -> list[tuple[int, int]]: ...
 
-    def take_replaced_blocks(self, req_id: str) -> dict[int, int]: ...
+    def take_replaced_blocks(self, req_id: str) -> dict[int, int]:
+        """Entries of the request's table replaced since the last call (index -> new block id), then forgotten."""
+
+    def forget_replaced_blocks(self, req_id: str) -> None:
+        """Forget the request's replaced entries unread: its whole table is sent instead."""
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's KV to host blocks; None if it cannot (the scheduler then recomputes)."""

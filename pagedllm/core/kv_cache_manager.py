@@ -19,18 +19,14 @@ op (it starts at the window); the torch reference gathers it as zeros and masks 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 from pagedllm.core.block_hash import extend_block_hashes, prefix_extra_keys
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.host_swap import NULL_ENTRY, HostSwapSpace
 from pagedllm.core.kv_disk_tier import DiskTier
 from pagedllm.core.kv_stats import KVCacheStats
 from pagedllm.core.request import Request
-
-
-_REF_CNT = operator.attrgetter("ref_cnt")
-_NUM_TOKENS = operator.attrgetter("num_tokens")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,10 +61,8 @@ class KVCacheManager:
         # Copy-on-write results, drained by the scheduler into the step's output.
         self._pending_copies: list[tuple[int, int]] = []
         self._replaced: dict[str, dict[int, int]] = {}
-        # Swap space: host blocks holding preempted requests' KV.
-        self.num_host_blocks = num_host_blocks
-        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
-        self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.host = HostSwapSpace(num_host_blocks)
+        """Swap space: host blocks holding preempted requests' KV (core/host_swap.py)."""
         self.disk_tier: DiskTier | None = None
         """Where evicted cached blocks go and prefix misses look next (core/kv_disk_tier.py); None: memory only."""
         self.num_refs_by_priority: dict[int, int] = {}
@@ -82,6 +76,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         """Blocks free or holding only evictable cached KV: what an allocation can take now."""
         return self.pool.num_free_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Swap space, in blocks (0: preemption recomputes)."""
+        return self.host.num_blocks
 
     @property
     def usage(self) -> float:
@@ -182,7 +181,8 @@ class KVCacheManager:
         if len(new_blocks) > num_null_hits:
             self._count_refs(request, len(new_blocks) - num_null_hits)
         # Proposals' slots are written this step too; a rollback (`trim`) unfills the rejected ones.
-        self._set_filled(blocks, num_computed // self.block_size, num_computed + num_new_tokens + num_lookahead_tokens)
+        self.pool.fill_table(blocks, num_computed // self.block_size,
+                             num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [block.block_id for block in new_blocks]
@@ -198,7 +198,7 @@ class KVCacheManager:
         if not blocks:
             return 0
         num_keep = self.num_blocks_for_tokens(num_tokens)
-        self._refill_after_rollback(blocks[:num_keep], num_tokens)
+        self.pool.unfill_after_rollback(blocks[:num_keep], num_tokens, self.block_size)
         tail = blocks[num_keep:]
         if not tail:
             return len(blocks)
@@ -235,6 +235,11 @@ class KVCacheManager:
         """Block-table entries of `req_id` replaced by copy-on-write since the last call: index -> new block id."""
         return self._replaced.pop(req_id, {})
 
+    def forget_replaced_blocks(self, req_id: str) -> None:
+        """Drop the record of `req_id`'s replaced entries: its whole table goes to the runner (a new or resumed
+        request), so there is nothing to patch."""
+        self._replaced.pop(req_id, None)
+
     def _copy_on_write(self, req_id: str, blocks: list[KVBlock]) -> None:
         shared = blocks[-1]
         (private,) = self.pool.get_new_blocks(1)
@@ -253,17 +258,16 @@ class KVCacheManager:
         The device blocks are freed (shared ones only lose this request's reference).
         """
         blocks = self.req_to_blocks.get(request.req_id, [])
-        num_null = self._num_null.get(request.req_id, 0)  # the null block is not swapped: -1 stands for it
-        if len(blocks) - num_null > len(self.free_host_blocks):
+        num_null = self._num_null.get(request.req_id, 0)  # the null block is not swapped
+        if not self.host.fits(len(blocks) - num_null):
             return None
-        host_blocks = [-1] * num_null + [self.free_host_blocks.pop() for _ in blocks[num_null:]]
-        self.req_to_host_blocks[request.req_id] = host_blocks
+        host_blocks = self.host.take(request.req_id, num_null, len(blocks) - num_null)
         mapping = [(block.block_id, host) for block, host in zip(blocks[num_null:], host_blocks[num_null:])]
         self.free(request, keep_host_blocks=True)
         return mapping
 
     def is_swapped_out(self, request: Request) -> bool:
-        return request.req_id in self.req_to_host_blocks
+        return self.host.holds(request.req_id)
 
     def swap_in(self, request: Request, num_new_tokens: int,
                 num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None:
@@ -272,8 +276,8 @@ class KVCacheManager:
         Returns the (host block, device block) copies, or None (nothing changed) if it does not
         fit while leaving `num_headroom_blocks` free.
         """
-        host_blocks = self.req_to_host_blocks[request.req_id]
-        num_null = host_blocks.count(-1)
+        host_blocks = self.host.tables[request.req_id]
+        num_null = host_blocks.count(NULL_ENTRY)
         num_needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens) - num_null
         if num_needed + num_headroom_blocks > self.pool.num_free_blocks:
             return None
@@ -283,19 +287,16 @@ class KVCacheManager:
         if num_null:
             self._num_null[request.req_id] = num_null
         self._count_refs(request, len(device_blocks))
-        self._set_filled(table, num_null, request.num_computed_tokens)
+        self.pool.fill_table(table, num_null, request.num_computed_tokens, self.block_size)
         mapping = [(host, block.block_id) for host, block in zip(host_blocks[num_null:], device_blocks)]
-        self._release_host_blocks(request.req_id)
+        self.host.release(request.req_id)
         assert self.allocate_slots(request, num_new_tokens) is not None
         return mapping
-
-    def _release_host_blocks(self, req_id: str) -> None:
-        self.free_host_blocks.extend(h for h in reversed(self.req_to_host_blocks.pop(req_id, [])) if h >= 0)
 
     def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         """Release every block of the request, tail first so its tail is evicted before shared heads."""
         if not keep_host_blocks:
-            self._release_host_blocks(request.req_id)
+            self.host.release(request.req_id)
         blocks = self.req_to_blocks.pop(request.req_id, [])[self._num_null.pop(request.req_id, 0):]
         self._num_cached_blocks.pop(request.req_id, None)
         self._replaced.pop(request.req_id, None)
@@ -343,17 +344,15 @@ class KVCacheManager:
             num_cached_blocks=pool.num_cached_free_blocks,
             num_empty_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
             num_filled_slots=pool.num_filled_slots, num_shared_blocks=pool.num_shared_blocks,
-            num_block_refs=pool.num_block_refs, num_host_blocks=self.num_host_blocks,
-            num_swapped_blocks=self.num_host_blocks - len(self.free_host_blocks),
+            num_block_refs=pool.num_block_refs, num_host_blocks=self.host.num_blocks,
+            num_swapped_blocks=self.host.num_used_blocks,
             blocks_by_priority=dict(self.num_refs_by_priority))
 
     def block_states(self) -> tuple[list[int], list[int], list[int]]:
         """Every block's ref_cnt and the slots holding KV (index = block id; a cached free block holds a full
         block's), and the free blocks still holding a cached prefix: a full walk of the pool, for a picture of
         it (the dashboard), not for gauges."""
-        blocks = self.pool.blocks
-        cached = sorted(b.block_id for b in self.pool.cached_blocks.values() if not b.ref_cnt)
-        return list(map(_REF_CNT, blocks)), list(map(_NUM_TOKENS, blocks)), cached
+        return self.pool.block_states()
 
     def _count_refs(self, request: Request, delta: int) -> None:
         if not delta:
@@ -363,31 +362,6 @@ class KVCacheManager:
             self.num_refs_by_priority[request.priority] = num
         else:
             del self.num_refs_by_priority[request.priority]
-
-    def _set_filled(self, blocks: list[KVBlock], first: int, num_tokens: int) -> None:
-        """Blocks `first`.. of a table hold the tokens up to `num_tokens` (the rest of the table is ahead).
-        On every request's every step: BlockPool.set_num_tokens inlined."""
-        bs = self.block_size
-        pool = self.pool
-        for i in range(first, min(len(blocks), -(-num_tokens // bs))):
-            block = blocks[i]
-            filled = num_tokens - i * bs
-            if filled > bs:
-                filled = bs
-            if block.num_tokens < filled:
-                pool.num_filled_slots += filled - block.num_tokens
-                block.num_tokens = filled
-
-    def _refill_after_rollback(self, kept: list[KVBlock], num_tokens: int) -> None:
-        """Speculative rollback: the kept blocks hold exactly the first `num_tokens` slots. Only the last
-        private blocks can be off (proposals write nowhere else), so walk back until one agrees."""
-        bs = self.block_size
-        for i in range(len(kept) - 1, -1, -1):
-            filled = max(0, min(bs, num_tokens - i * bs))
-            block = kept[i]
-            if block.num_tokens == filled or block.ref_cnt != 1:  # shared, or the null block
-                break
-            self.pool.set_num_tokens(block, filled)
 
     def _update_block_hashes(self, request: Request) -> None:
         lora = request.lora_request
@@ -420,6 +394,4 @@ class KVCacheManager:
             problems.append(f"blocks with nonzero ref_cnt: {held[:20]}")
         if self.pool.num_free_blocks != self.pool.num_blocks:
             problems.append(f"{self.pool.num_blocks - self.pool.num_free_blocks} blocks missing from the free queue")
-        if self.req_to_host_blocks or len(self.free_host_blocks) != self.num_host_blocks:
-            problems.append(f"host (swap) blocks still held: {sorted(self.req_to_host_blocks)}")
-        return problems
+        return problems + self.host.problems()

@@ -154,7 +154,6 @@ class Scheduler:
             for member, num_new, new_block_ids in entries:
                 step.add(member.req_id, num_new)
                 if self.forks.take_unsent(member.req_id):
-                    self.kv.take_replaced_blocks(member.req_id)  # the full table goes out below
                     step.new_reqs.append(self._new_request_data(member))
                 else:
                     step.cached_reqs.append(CachedRequestData(
@@ -314,7 +313,7 @@ class Scheduler:
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         """The whole of a request the runner has no state for (computed tokens before this step's)."""
-        self.kv.take_replaced_blocks(request.req_id)  # the full table goes out: nothing to patch later
+        self.kv.forget_replaced_blocks(request.req_id)  # the full table goes out: nothing to patch later
         return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id), self.forks.samples_of(request))
 
     def _start_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,

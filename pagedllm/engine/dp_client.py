@@ -19,11 +19,8 @@ replica is up and none is being restarted: until then the server keeps serving w
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import enum
-import functools
-import itertools
 import logging
 
 import msgspec
@@ -33,6 +30,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.request import EngineCoreRequest, RequestStatus
 from pagedllm.engine.core_client import MPCoreClient
 from pagedllm.engine.dp_router import DPRouter, NoReplicaUpError
+from pagedllm.engine.dp_stats import STATS_MERGE, StatsMerge, merge_stats, retire, retired_counters  # noqa: F401
 from pagedllm.engine.protocol import (
     CoreMessage,
     EngineStatsMsg,
@@ -43,54 +41,6 @@ from pagedllm.engine.protocol import (
 from pagedllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-
-
-
-class StatsMerge(enum.Enum):
-    """How one EngineStatsMsg field of the replicas becomes the engine-wide total."""
-
-    GAUGE_SUM = "gauge_sum"
-    """A level now (requests, beams, blocks): summed over the live replicas; a dead one's leaves with it."""
-    COUNTER_SUM = "counter_sum"
-    """Cumulative: summed over every incarnation of every replica, so the total never goes backwards."""
-    COUNTER_SUM_PER_POSITION = "counter_sum_per_position"
-    """Cumulative lists indexed by position: summed position by position (a shorter list counts 0 past its end)."""
-    MEAN_WEIGHTED_BY_BLOCKS = "mean_weighted_by_blocks"
-    """A fraction of a replica's KV blocks: the mean weighted by each live replica's block count."""
-    GAUGE_SUM_PER_KEY = "gauge_sum_per_key"
-    """Levels by key (priority -> blocks): summed key by key over the live replicas."""
-    PER_REPLICA = "per_replica"
-    """Not merged (the block map): the total carries None; each replica's reaches the metrics under its label."""
-
-
-_G, _C, _P = StatsMerge.GAUGE_SUM, StatsMerge.COUNTER_SUM, StatsMerge.COUNTER_SUM_PER_POSITION
-STATS_MERGE: dict[str, StatsMerge] = {
-    "num_running": _G, "num_waiting": _G, "kv_cache_usage": StatsMerge.MEAN_WEIGHTED_BY_BLOCKS,
-    "num_preemptions": _C, "prefix_cache_queries": _C, "prefix_cache_hits": _C, "num_evictions": _C,
-    "num_kv_leaks": _G, "num_swap_outs": _C,
-    "kv_disk_hit_tokens": _C, "kv_disk_miss_blocks": _C, "kv_disk_stored_blocks": _C, "kv_disk_corrupt_blocks": _C,
-    "kv_disk_load_seconds": _C, "kv_disk_store_seconds": _C, "kv_disk_blocks": _G, "kv_disk_bytes": _G,
-    "num_beam_groups": _G, "num_beams_running": _G, "num_beam_kv_blocks": _G, "num_beam_kv_blocks_saved": _G,
-    "num_beam_group_preemptions": _C,
-    "spec_num_steps": _C, "spec_num_draft_tokens": _C, "spec_num_accepted_tokens": _C, "spec_num_bonus_tokens": _C,
-    "spec_accepted_per_position": _P, "spec_proposed_per_position": _P,
-    "num_steps": _C, "num_scheduled_tokens": _C,
-    "kv_num_blocks": _G, "kv_num_used_blocks": _G, "kv_num_cached_blocks": _G, "kv_num_empty_blocks": _G,
-    "kv_num_filled_slots": _G, "kv_num_allocated_slots": _G, "kv_num_shared_blocks": _G, "kv_num_saved_blocks": _G,
-    "kv_saved_bytes": _G, "kv_num_host_blocks": _G, "kv_num_swapped_blocks": _G,
-    "kv_blocks_by_priority": StatsMerge.GAUGE_SUM_PER_KEY, "kv_map": StatsMerge.PER_REPLICA,
-}
-"""Every field of EngineStatsMsg and how it merges. Checked against the struct's own fields at import, so a new
-field without a rule fails loudly instead of reading 0 on /metrics whenever -dp > 1."""
-if set(STATS_MERGE) != set(EngineStatsMsg.__struct_fields__):
-    raise TypeError("STATS_MERGE must name every EngineStatsMsg field exactly once; missing: "
-                    f"{sorted(set(EngineStatsMsg.__struct_fields__) - set(STATS_MERGE))}, "
-                    f"unknown: {sorted(set(STATS_MERGE) - set(EngineStatsMsg.__struct_fields__))}")
-_CUMULATIVE = (StatsMerge.COUNTER_SUM, StatsMerge.COUNTER_SUM_PER_POSITION)
-
-
-def _add_per_position(a: list[int], b: list[int]) -> list[int]:
-    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
 
 class ReplicaDeadError(EngineDeadError):
@@ -137,9 +87,7 @@ class DPCoreClient:
         self.states = [ReplicaState.STARTING] * self.num_replicas
         self.ready_msgs: list[ReadyMsg | None] = [None] * self.num_replicas
         self.replica_stats: list[EngineStatsMsg | None] = [None] * self.num_replicas
-        self._retired: dict[str, int | list[int]] = {
-            name: [] if how is StatsMerge.COUNTER_SUM_PER_POSITION else 0
-            for name, how in STATS_MERGE.items() if how in _CUMULATIVE}
+        self._retired = retired_counters()
         """Counters of replica incarnations that died: totals never go backwards."""
         self._inflight: dict[str, _InFlight] = {}
         self._seq_owner: dict[str, str] = {}
@@ -313,10 +261,7 @@ class DPCoreClient:
         self._set_metric_up(i, False)
         last = self.replica_stats[i]
         if last is not None:
-            for name, retired in self._retired.items():
-                value = getattr(last, name)
-                self._retired[name] = (_add_per_position(retired, value) if isinstance(retired, list)
-                                       else retired + value)
+            retire(self._retired, last)
         self.replica_stats[i] = None
         lost = [entry for entry in self._inflight.values() if entry.replica == i]
         for entry in lost:
@@ -379,25 +324,9 @@ class DPCoreClient:
         return ", ".join(f"replica {i} {s.value}" for i, s in enumerate(self.states))
 
     def total_stats(self) -> EngineStatsMsg:
-        """The engine-wide view: every field merged over the replicas as STATS_MERGE says."""
+        """The engine-wide view: every field merged over the replicas as STATS_MERGE says (dp_stats.py)."""
         live = [(s, self.ready_msgs[i].num_blocks) for i, s in enumerate(self.replica_stats) if s is not None]
-        num_blocks = sum(n for _, n in live)
-        total = {}
-        for name, how in STATS_MERGE.items():
-            values = [getattr(s, name) for s, _ in live]
-            if how is StatsMerge.GAUGE_SUM:
-                total[name] = sum(values)
-            elif how is StatsMerge.COUNTER_SUM:
-                total[name] = self._retired[name] + sum(values)
-            elif how is StatsMerge.COUNTER_SUM_PER_POSITION:
-                total[name] = functools.reduce(_add_per_position, values, self._retired[name])
-            elif how is StatsMerge.GAUGE_SUM_PER_KEY:
-                total[name] = dict(functools.reduce(lambda a, b: a + collections.Counter(b), values, collections.Counter()))
-            elif how is StatsMerge.PER_REPLICA:
-                total[name] = None
-            else:  # MEAN_WEIGHTED_BY_BLOCKS
-                total[name] = sum(v * n for v, (_, n) in zip(values, live)) / num_blocks if num_blocks else 0.0
-        return EngineStatsMsg(**total)
+        return merge_stats(live, self._retired)
 
     def _set_metric_up(self, i: int, up: bool) -> None:
         if self.metrics is not None:

@@ -48,7 +48,7 @@ class KVMapMsg(msgspec.Struct):
 class EngineStatsMsg(msgspec.Struct):
     """A snapshot of the core's gauges and cumulative counters.
 
-    A new field also needs its rule in dp_client.STATS_MERGE (how replicas add up; checked at import)."""
+    A new field also needs its rule in dp_stats.STATS_MERGE (how replicas add up; checked at import)."""
 
     num_running: int
     num_waiting: int

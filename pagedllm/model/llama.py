@@ -3,110 +3,32 @@
 ``forward(input_ids [T], positions [T]) -> hidden_states [T, hidden]``; the attention layers find
 the step's metadata and KV caches in the forward context. Llama, Mistral and Qwen2 are this file;
 each other Llama-like architecture is a short file (qwen3.py, gemma.py, phi3.py, moe.py) that
-states its differences as a ``DecoderSpec`` (norms, q/k norm, soft-capping, sliding windows,
-rotary per layer type, embedding scale) and, where needed, its MLP (``make_mlp``) and checkpoint
-names (``hf_weights``). Handled here for all: GQA, ``head_dim`` from the config, q/k/v bias, tied
+states its differences as a ``DecoderSpec`` (decoder_spec.py: norms, q/k norm, soft-capping, sliding
+windows, rotary per layer type, embedding scale) and, where needed, its MLP (``make_mlp``) and checkpoint
+names (``hf_weights``; checkpoint_weights.py fits the named tensors into the fused parameters). Handled here for all: GQA, ``head_dim`` from the config, q/k/v bias, tied
 embeddings, rope scaling, sliding-window layers (Mistral's, Qwen2's ``layer_types``). Tensor
 parallelism comes from pagedllm.distributed (set before the model is built): each rank builds only
 its shard.
 """
 
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.distributed.shapes import check_config_tp_size, head_dim_of as _head_dim
+from pagedllm.model import checkpoint_weights
 from pagedllm.model.attention.layer import Attention
+from pagedllm.model.decoder_spec import DecoderSpec
 from pagedllm.model.forward_context import get_lora_segments
 from pagedllm.model.layers import fused_decoder
 from pagedllm.model.layers.activation import gated_activation
+from pagedllm.model.layers.direct_children import DirectChildren
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.model.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    default_weight_loader,
-)
-from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.greedy_head import GreedyFallback
+from pagedllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model.layers.rotary import RotaryEmbedding
-
-
-class _DirectChildren(nn.Module):
-    """Keeps each child module in the instance ``__dict__`` too, so ``self.child`` in a forward is a
-    plain attribute read: otherwise every such read misses and runs ``nn.Module.__getattr__``
-    (~0.5-0.9 us; about a dozen a layer per step). The child still lives in ``_modules`` (state
-    dicts, ``.to()``, hooks and ``__call__`` are unchanged); assigning, adding or deleting a child
-    refreshes the copy, so it never goes stale."""
-
-    def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        self._refresh_child(name)
-
-    def __delattr__(self, name: str) -> None:
-        super().__delattr__(name)
-        self._refresh_child(name)
-
-    def add_module(self, name: str, module: nn.Module | None) -> None:
-        super().add_module(name, module)
-        self._refresh_child(name)
-
-    register_module = add_module
-
-    def _refresh_child(self, name: str) -> None:
-        modules = self.__dict__.get("_modules")
-        if modules is not None and name in modules:
-            self.__dict__[name] = modules[name]
-        elif modules is not None:
-            child = self.__dict__.get(name)
-            if isinstance(child, nn.Module):  # a stale copy of a removed child
-                del self.__dict__[name]
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """What sets one Llama-like architecture apart, read from its config by the architecture's file
-    (qwen3.py, gemma.py, ...): every field's default is Llama's."""
-
-    qkv_bias: bool = False
-    """q/k/v projections have a bias (Qwen2; Llama's ``attention_bias``)."""
-    o_bias: bool = False
-    """The output projection has a bias (Llama's ``attention_bias``)."""
-    qk_norm: bool = False
-    """RMSNorm over each head's query and key, before rotary (Qwen3, Gemma 3)."""
-    norm: type[RMSNorm] = RMSNorm
-    """Every norm's class (GemmaRMSNorm scales by 1 + w)."""
-    sandwich_norms: bool = False
-    """Gemma 2/3: a norm after attention, and norms before and after the MLP."""
-    activation: str = "silu"
-    """The gated MLP's activation (layers/activation.py ``gated_activation``)."""
-    embed_scale: float | None = None
-    """Embeddings multiplied by this (Gemma: sqrt(hidden_size)); None = 1."""
-    query_scale: float | None = None
-    """Softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
-    attn_softcap: float | None = None
-    """Attention scores soft-capped at this (Gemma 2)."""
-    final_softcap: float | None = None
-    """Logits soft-capped at this (Gemma 2)."""
-    layer_types: tuple[str, ...] | None = None
-    """Per layer, "sliding_attention" or "full_attention"; None = every layer as ``sliding_window`` says."""
-    sliding_window: int | None = None
-    """Keys a windowed layer's query sees, itself included; None = full attention everywhere."""
-    rope_per_layer_type: bool = False
-    """Rotary parameters differ by layer type (Gemma 3's local and global bases)."""
-
-    def window_of(self, layer_idx: int) -> int | None:
-        if self.sliding_window is None:
-            return None
-        if self.layer_types is None:  # Mistral: every layer
-            return self.sliding_window
-        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
-
-    def rope_key_of(self, layer_idx: int) -> str | None:
-        return self.layer_types[layer_idx] if self.rope_per_layer_type else None
 
 
 def llama_spec(config) -> DecoderSpec:
@@ -121,7 +43,7 @@ def llama_spec(config) -> DecoderSpec:
     )
 
 
-class LlamaAttention(_DirectChildren):
+class LlamaAttention(DirectChildren):
     def __init__(self, config, layer_idx: int, spec: DecoderSpec, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -162,7 +84,7 @@ class LlamaAttention(_DirectChildren):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class LlamaMLP(_DirectChildren):
+class LlamaMLP(DirectChildren):
     def __init__(self, config, spec: DecoderSpec, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
@@ -197,7 +119,7 @@ summation order where a kernel blocks by the number of rows
 (bit-equal on the 1B Q4_0 one; docs/benchmarks.md "Memory at the 1B shape")."""
 
 
-class LlamaDecoderLayer(_DirectChildren):
+class LlamaDecoderLayer(DirectChildren):
     """Pre-norm block; with ``sandwich_norms`` (Gemma) the attention and MLP outputs are normed too
     before each joins the residual stream::
 
@@ -249,7 +171,7 @@ class LlamaDecoderLayer(_DirectChildren):
             mlp.gate_up_proj, mlp.act, mlp.down_proj, attn.num_local_heads, attn.num_local_kv_heads, attn.head_dim)
 
 
-class LlamaModel(_DirectChildren):
+class LlamaModel(DirectChildren):
     def __init__(self, config, spec: DecoderSpec, make_mlp):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, get_tp_size(), get_tp_rank())
@@ -349,52 +271,17 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | GreedyFallback:
         """[N, hidden] -> [N] int64, each row's argmax of compute_logits computed without the float32
-        logits (layers/greedy_head.py), or None where that does not apply: call compute_logits."""
-        if self.final_softcap is not None:  # tanh keeps the order but may round near logits into a tie
-            return None
+        logits (layers/greedy_head.py), or why that does not apply (``sampling/greedy.py`` then takes
+        the argmax of compute_logits)."""
+        if self.final_softcap is not None:
+            return GreedyFallback.FINAL_SOFTCAP
         return self.lm_head.greedy_token_ids(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names of our parameters that were set."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for checkpoint_name, checkpoint_tensor in weights:
-            for name, tensor in self.hf_weights(checkpoint_name, checkpoint_tensor):
-                self._load_one(params, loaded, name, tensor)
-        return loaded
-
-    def _load_one(self, params: dict, loaded: set[str], name: str, tensor: torch.Tensor) -> None:
-        if "rotary_emb.inv_freq" in name:
-            return
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return
-        expert = _EXPERT_WEIGHT.match(name)
-        if expert is not None:  # one expert's projection: a slice of the layer's stacked expert weights
-            prefix, index, proj = expert.groups()
-            target, part = (f"{prefix}.w2", None) if proj == "down_proj" else (f"{prefix}.w13", proj == "up_proj")
-            if target not in params:
-                raise KeyError(f"unexpected weight {name!r}")
-            shard_id = (int(index), int(part)) if part is not None else (int(index),)
-            params[target].weight_loader(params[target], tensor, shard_id)
-            loaded.add(f"{target}#{'.'.join(map(str, shard_id))}")
-            return
-        for hf_part, our_part, shard_id in self.stacked_params:
-            if hf_part in name:
-                target = name.replace(hf_part, our_part)
-                if target not in params:
-                    raise KeyError(f"unexpected weight {name!r}")
-                param = params[target]
-                param.weight_loader(param, tensor, shard_id)  # copy_ casts to param.dtype
-                loaded.add(f"{target}#{shard_id}")
-                return
-        if name not in params:
-            raise KeyError(f"unexpected weight {name!r}")
-        param = params[name]
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor)
-        loaded.add(name)
+        return checkpoint_weights.load_weights(self, weights)
 
     def process_weights_after_loading(self) -> None:
         """Lay weights out for the fastest GEMM on their device; call once, after the last weight,
@@ -405,21 +292,4 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_keys(self) -> set[str]:
         """The keys ``load_weights`` returns when every parameter was set."""
-        keys = set()
-        for name, param in self.named_parameters():
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            shard_ids = getattr(param, "shard_ids", None)
-            if shard_ids is not None:  # stacked expert weights: one key per expert (and gate/up half)
-                keys.update(f"{name}#{'.'.join(map(str, s))}" for s in shard_ids)
-            elif ".qkv_proj." in name:
-                keys.update(f"{name}#{s}" for s in "qkv")
-            elif ".gate_up_proj." in name:
-                keys.update(f"{name}#{s}" for s in (0, 1))
-            else:
-                keys.add(name)
-        return keys
-
-
-# ``<layer>.mlp.experts.<index>.<gate|up|down>_proj.weight`` (Qwen3-MoE names; mixtral.py renames its own)
-_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+        return checkpoint_weights.expected_weight_keys(self)

@@ -47,6 +47,28 @@ def test_prefix_cache_hit_reuses_blocks_but_never_the_last_token():
     assert kv.prefix_cache_queries == 12 and kv.prefix_cache_hits == 8
 
 
+def _parent_copied_on_write(kv: KVCacheManager, parent_id: str, child_id: str):
+    """A parent of 11 tokens forked, then writing its 12th into the shared partial block 2: copied first."""
+    parent, child = make_request(11, req_id=parent_id), make_request(11, req_id=child_id)
+    kv.allocate_slots(parent, 11)
+    parent.num_computed_tokens = child.num_computed_tokens = 11
+    kv.fork(parent, child)
+    kv.allocate_slots(parent, 1)
+    return parent, child
+
+
+def test_replaced_entries_are_taken_once_or_forgotten():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    _parent_copied_on_write(kv, "p", "c")
+    assert kv.get_block_ids("p") == [0, 1, 3] and kv.get_block_ids("c") == [0, 1, 2]
+    assert kv.take_replaced_blocks("p") == {2: 3}
+    assert kv.take_replaced_blocks("p") == {}  # taken once: the runner patches its copy once
+    _parent_copied_on_write(kv, "q", "d")
+    kv.forget_replaced_blocks("q")  # its whole table goes out instead
+    assert kv.get_block_ids("q") == [4, 5, 7] and kv.take_replaced_blocks("q") == {}
+    kv.forget_replaced_blocks("nobody")  # a request with nothing replaced: nothing to forget
+
+
 def test_core_calls_only_what_the_protocol_lists():
     """The scheduler and its collaborators reach a KV cache manager only through KVCacheManagerProtocol
     (so the bench baselines, which implement the protocol, plug in): checked on the source."""

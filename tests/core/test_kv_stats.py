@@ -44,7 +44,7 @@ def scan(kv: KVCacheManager, requests) -> KVCacheStats:
         num_empty_blocks=sum(1 for b in blocks if b.ref_cnt == 0 and b.block_hash is None),
         num_filled_slots=sum(fill.values()), num_shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
         num_block_refs=sum(holders.values()), num_host_blocks=kv.num_host_blocks,
-        num_swapped_blocks=sum(len(h) for h in kv.req_to_host_blocks.values()),
+        num_swapped_blocks=sum(len(h) for h in kv.host.tables.values()),
         blocks_by_priority=dict(by_priority))
 
 

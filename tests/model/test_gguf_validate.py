@@ -144,15 +144,15 @@ def test_the_cli_prints_one_line_and_exits_nonzero(tiny, tmp_path):
 def test_a_file_corrupted_after_its_conversion_was_cached_is_still_refused(tiny, tmp_path, monkeypatch):
     """The conversion cache keys a file by its size and its first and last MiB: a tensor description past the
     first MiB (the default model's lie at 1.7 MB) can change without a new conversion. Every load checks again."""
-    from pagedllm.model import loader
+    from pagedllm.model import loader, model_source
 
     source, layout = tiny
     path = tmp_path / "model.gguf"
     path.write_bytes(source.read_bytes())
     load_model(str(path))  # converted and cached
-    key = loader._source_key(path)
+    key = model_source._source_key(path)
     patched(path, path, *_edits(layout, "type widened, data overlaps the next tensor"))
-    monkeypatch.setattr(loader, "_source_key", lambda _: key)  # as if the change lay between the edges
+    monkeypatch.setattr(model_source, "_source_key", lambda _: key)  # as if the change lay between the edges
     for load in (lambda: load_model(str(path)), lambda: loader.prepare_model_dir(str(path), weights=False)):
         with pytest.raises(InvalidModelFileError, match="overlaps tensor 'blk.0.attn_k"):
             load()

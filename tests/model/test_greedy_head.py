@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model.layers import greedy_head
-from pagedllm.model.layers.greedy_head import GreedyHead
+from pagedllm.model.layers.greedy_head import GreedyFallback, GreedyHead
 
 
 def _float32_argmax(hidden, weight):
@@ -49,12 +49,13 @@ def test_exact_ties_pick_the_first_index_like_argmax():
 def test_declines_few_rows_non_finite_and_flat_logits():
     weight = torch.randn(1000, 32)
     head = GreedyHead.build(weight, force=True)
-    assert head.argmax(torch.randn(greedy_head.MIN_ROWS - 1, 32), weight) is None
+    assert head.argmax(torch.randn(greedy_head.MIN_ROWS - 1, 32), weight) is GreedyFallback.FEW_ROWS
+    assert head.argmax(torch.randn(6, 32, dtype=torch.float64), weight) is GreedyFallback.FEW_ROWS
     bad = torch.randn(6, 32)
     bad[2, 0] = float("nan")
-    assert head.argmax(bad, weight) is None
+    assert head.argmax(bad, weight) is GreedyFallback.UNBOUNDED_CANDIDATES
     flat = torch.zeros(1000, 32)  # every token ties: more candidates than worth recomputing
-    assert GreedyHead.build(flat, force=True).argmax(torch.randn(6, 32), flat) is None
+    assert GreedyHead.build(flat, force=True).argmax(torch.randn(6, 32), flat) is GreedyFallback.UNBOUNDED_CANDIDATES
 
 
 def test_build_refuses_non_float32_and_honours_the_switch(monkeypatch):

@@ -2,7 +2,7 @@
 
 * ``AttentionBackend.attend`` (one check, then both ops) against ``write_kv_cache`` + ``forward``,
   and its fall-back to the reference for inputs the compiled ops do not take;
-* ``_DirectChildren``'s plain-attribute copies of child modules never going stale;
+* ``DirectChildren``'s plain-attribute copies of child modules never going stale;
 * ``RotaryEmbedding.cos_sin`` against the cos/sin caches it is built from.
 """
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.model.attention.backend import TORCH_BACKEND, CpuAttentionBackend
 from pagedllm.model.attention.paged import paged_attention, write_kv_cache
-from pagedllm.model.llama import _DirectChildren
+from pagedllm.model.layers.direct_children import DirectChildren
 from tests.model.conftest import require_compiled_cpu_ops
 from tests.model.paged_kv_helpers import build_metadata
 
@@ -69,7 +69,7 @@ def test_base_attend_is_write_then_forward():
     assert torch.equal(kv_cache, ref_cache) and torch.equal(out, expected)
 
 
-class Parent(_DirectChildren):
+class Parent(DirectChildren):
     def __init__(self):
         super().__init__()
         self.child = nn.Linear(2, 2)

@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
 from pagedllm.model import batch_invariant
-from pagedllm.model.layers.greedy_head import GreedyHead
+from pagedllm.model.layers.greedy_head import GreedyFallback, GreedyHead
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.linear import NO_INVARIANT_GEMM, invariant_matmul, pack_for_cpu, packed_linear
 from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
@@ -101,11 +101,11 @@ class LMHead(VocabEmbedding):
             return
         self.greedy_head = GreedyHead.build(self.weight) if self.tp_size == 1 else None
 
-    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of ``compute_logits`` without the float32 logits, or None where that
-        path does not apply (then call compute_logits)."""
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | GreedyFallback:
+        """Each row's argmax of ``compute_logits`` without the float32 logits, or why that path does not
+        apply (then the caller takes the argmax of compute_logits: ``sampling/greedy.py``)."""
         if self.greedy_head is None:
-            return None
+            return GreedyFallback.NO_GREEDY_HEAD
         return self.greedy_head.argmax(hidden_states, self.weight)
 
     batch_invariant: bool = False  # row-count-independent sums: chosen at construction (model/batch_invariant.py)

@@ -339,24 +339,24 @@ def _lora_entry(linear) -> tuple[list[torch.Tensor], list[int]] | str:
 
 def _torch_rows(packed: torch.Tensor, kernel_type: int, ids: torch.Tensor) -> torch.Tensor:
     """quant_rows_cpu's signature over the torch form (bf16 tables)."""
-    from pagedllm.model.layers import quantized
+    from pagedllm.model.layers.quant_layout import dequantize_rows_torch
 
-    return quantized.dequantize_rows_torch(kernel_type, packed, ids)
+    return dequantize_rows_torch(kernel_type, packed, ids)
 
 
 def _embedding_entry(model) -> tuple | str:
     """``FusedDecoder._embed`` for ``model.embed_tokens``, or why its lookup is not covered."""
-    from pagedllm.model.layers import quantized
+    from pagedllm.model.layers import quant_weight
     from pagedllm.model.layers.embedding import VocabEmbedding
 
     embed = model.embed_tokens
     if type(embed) is not VocabEmbedding or embed.tp_size != 1 or model.embed_scale is not None:
         return "a scaled, split or subclassed embedding"
     if embed.quant_weight is not None:
-        rows_op = quantized._rows_op()
+        rows_op = quant_weight._rows_op()
         if rows_op is None:
             return "a quantized embedding without the compiled row lookup"
-        if embed.quant_weight.kernel_type == quantized.BF16_KERNEL:  # the compiled lookup has no bf16 form
+        if embed.quant_weight.kernel_type == quant_weight.BF16_KERNEL:  # the compiled lookup has no bf16 form
             rows_op = _torch_rows
         return rows_op, embed.quant_weight.packed, embed.quant_weight.kernel_type
     weight = embed._parameters["weight"]

@@ -32,6 +32,8 @@ float32 logits.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,16 @@ MIN_ROWS = 4
 MAX_CANDIDATES_PER_ROW = 256
 _UNIT_ROUNDOFF_BF16 = 2.0**-8
 _UNIT_ROUNDOFF_F32 = 2.0**-24
+
+
+class GreedyFallback(enum.Enum):
+    """Why a step's greedy tokens come from the float32 logits rather than from this bfloat16 head."""
+
+    NO_GREEDY_HEAD = "the LM head keeps no bfloat16 copy (quantized, batch-invariant, split over ranks, " \
+        "switched off, or a CPU without fast bfloat16)"
+    FINAL_SOFTCAP = "the logits are soft-capped: tanh keeps their order but may round near ones into a tie"
+    FEW_ROWS = f"under {MIN_ROWS} rows, or not float32: the float32 head reads the weight as fast"
+    UNBOUNDED_CANDIDATES = "a row's candidates could not be bounded (NaN/inf logits) or were too many"
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -97,11 +109,11 @@ class GreedyHead:
             return None
         return cls(weight)
 
-    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | GreedyFallback:
         """``F.linear(hidden, weight).argmax(-1)`` (``weight`` the float32 head this was built from),
-        or None when this call should use the float32 logits instead."""
+        or why this call should use the float32 logits instead."""
         if hidden.shape[0] < MIN_ROWS or hidden.dtype != torch.float32:
-            return None
+            return GreedyFallback.FEW_ROWS
         approx = self._linear(hidden.to(torch.bfloat16)).contiguous()  # [N, V] bfloat16
         # g |h| per row, the part of each logit's error bound that does not depend on the token.
         row_scale = (self.gamma * (1 + 2.0**-20)) * torch.linalg.vector_norm(hidden, dim=1)
@@ -109,5 +121,5 @@ class GreedyHead:
         ids = torch.ops.pagedllm.greedy_select_cpu(approx, hidden, weight, self.row_norms, row_scale,
                                                    u / (1 - u) * (1 + 2.0**-20), MAX_CANDIDATES_PER_ROW)
         if bool((ids < 0).any()):
-            return None
+            return GreedyFallback.UNBOUNDED_CANDIDATES
         return ids
