@@ -7,6 +7,12 @@ Llama-3.2-1B shape (K = 2048; N = 8192 and 2048), and the bytes each weight hold
     PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/kquant_gemm_bench.py --threads 1 \
         --rows 512 2048 --n 2048 --kinds Q4_K:int8 Q6_K:int8 Q4_0:int8      (prefill row counts)
 
+    PYTHONPATH=$PWD .venv/bin/python scripts/kquant_gemm_bench.py --threads 2 --rows 32 64 128 256 1024 \
+        --kinds Q4_K:int8 Q4_K:bf16 Q6_K:int8 Q6_K:bf16 Q4_0:int8 Q4_0:bf16   (the bf16 prefill path, AMX CPUs)
+
+`int8` is the int8-activation kernel at every row count; `bf16` the same weight through the bf16 prefill path
+(csrc/quant_dequant_bf16.cpp) at every row count; `float` the float-activation path.
+
 ms per call, best of interleaved rounds (the kernels alternate, so they share whatever else the machine
 does: read the ratios), and for one row the weight bytes read per second (GB/s, the bytes held).
 """
@@ -70,8 +76,8 @@ def main() -> None:
     for n in args.n:
         for type_name, mode in (kind.split(":") for kind in args.kinds):
             raw, qtype = random_weight(type_name, n, K, rng)
-            w = QuantizedWeight(qtype, torch.from_numpy(raw), K, int8_activations=mode == "int8")
-            if mode == "int8":
+            w = QuantizedWeight(qtype, torch.from_numpy(raw), K, int8_activations=mode in ("int8", "bf16"))
+            if mode in ("int8", "bf16"):
                 assert w.use_int8_activations()
             weights[(n, type_name, mode)] = w
             file_bytes[(n, type_name, mode)] = raw.size
@@ -82,7 +88,10 @@ def main() -> None:
             for rows in args.rows:
                 x = xs[rows]
                 repeats = args.repeats if rows <= 16 else 1
+                # the bf16 path from 1 row, or never (the int8 kernel at every row count)
+                previous = torch.ops.pagedllm.quant_gemm_bf16_rows(1 if key[2] == "bf16" else 0)
                 times.setdefault(key + (rows,), []).append(best_ms(lambda: w.matmul(x), repeats))
+                torch.ops.pagedllm.quant_gemm_bf16_rows(previous)
     print(f"K = {K}, {torch.get_num_threads()} thread(s); ms per call (best of {args.rounds} rounds); "
           "GB/s = bytes held / time at 1 row")
     print(f"{'n':>5s} {'type':5s} {'acts':5s} {'held/file':>9s} " + " ".join(f"{f'M={r} ms':>10s}" for r in args.rows)
