@@ -178,7 +178,6 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
   const int64_t scratch_rows = std::min(part_panels, num_panels) * quant::kPanelRows;
   if (!scratch.defined() || scratch.numel() < scratch_rows * k)
     scratch = at::empty({scratch_rows * k}, x.options().dtype(at::kBFloat16));
-  at::Tensor yb = at::empty({m, n}, x.options().dtype(at::kBFloat16));
   uint16_t* out = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
   const uint8_t* weight = packed.data_ptr<uint8_t>();
   for (int64_t p0 = 0; p0 < num_panels; p0 += part_panels) {
@@ -189,10 +188,8 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
                                         out + (begin - p0) * quant::kPanelRows * k, begin, end);
     });
     at::Tensor part = scratch.narrow(0, 0, rows * k).view({rows, k});
-    at::Tensor dst = yb.narrow(1, row0, rows);
-    at::mm_out(dst, xb, part.t());
+    y.narrow(1, row0, rows).copy_(at::mm(xb, part.t()));  // a part's bf16 product into its float32 columns
   }
-  y.copy_(yb);
   if (bias.has_value() && bias->defined()) y.add_(bias->unsqueeze(0));
   return y;
 }
