@@ -35,9 +35,11 @@ run: setup
 
 # Two pytest workers (pytest-xdist), each taking whole files so a module's shared server starts once:
 # most of the suite waits on server and engine processes starting, so two workers nearly halve the wall
-# time even on 2 cores. TEST_WORKERS=0 runs in one process (what --pdb and -x want).
+# time even on 2 cores. Files go out in the order tests/conftest.py sets (those with slow tests first), not
+# pytest-xdist's (most tests first), so that the workers finish together. TEST_WORKERS=0 runs in one process
+# (what --pdb and -x want).
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: setup
 	$(PY) -m pytest -q $(XDIST) --durations=25 tests

@@ -82,7 +82,7 @@ def test_refuses_kernels_without_an_invariant_call(tmp_path):
         LLM(model=str(path), batch_invariant=True)
 
 
-@pytest.fixture(scope="module", params=["tiny", "default"])
+@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
 def setup(request, tiny_dir):
     """(model, the target's logprobs alone at 1 thread with the whole prompt in one step)."""
     model = tiny_dir if request.param == "tiny" else None

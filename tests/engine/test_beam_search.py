@@ -85,6 +85,7 @@ def default_setup():
     del hf_model
 
 
+@pytest.mark.slow  # Hugging Face beam search on the default model
 @pytest.mark.parametrize("case", DEFAULT_CASES, ids=lambda c: "k{}-T{}-lp{}-{}-es{}".format(
     c[0], c[1], c[2], "ignore_eos" if c[3] else "eos", c[4]))
 def test_default_model_matches_hf(default_setup, case):

@@ -100,6 +100,7 @@ def test_messages_are_typed_msgpack():
         msgspec.msgpack.Decoder(FrontendMessage).decode(encoder.encode({"type": "add", "request": {"req_id": 1}}))
 
 
+@pytest.mark.slow  # an engine core in its own process
 def test_mp_client_matches_inproc_and_cleans_up(engine_args):
     """Greedy tokens over ZMQ equal the in-process core's; rejection, abort and shutdown behave."""
     inproc = EngineCore(engine_args)
@@ -149,6 +150,7 @@ def test_mp_client_matches_inproc_and_cleans_up(engine_args):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # an engine core in its own process
 def test_block_maps_while_watched_and_none_once_unwatched(engine_args):
     """watch_kv_map: a map at once, then with the stats while a request runs and when idle; unwatch_kv_map:
     none after it, though the lease (KV_MAP_LEASE_S) has not run out."""
@@ -190,6 +192,7 @@ def test_block_maps_while_watched_and_none_once_unwatched(engine_args):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # an engine core in its own process
 def test_killed_core_raises_engine_dead_promptly(engine_args):
     async def scenario():
         client = MPCoreClient(engine_args, log_level="WARNING")
@@ -211,6 +214,7 @@ def test_killed_core_raises_engine_dead_promptly(engine_args):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # an engine core in its own process
 def test_failed_model_load_is_reported(tmp_path):
     async def scenario():
         client = MPCoreClient(EngineArgs(model=str(tmp_path / "missing")), log_level="CRITICAL")

@@ -114,6 +114,7 @@ def float32_reference():
     return _run(LLM(max_model_len=512, quant_activations="none"))  # the figures above: float32 activations
 
 
+@pytest.mark.slow  # the default model decoded three times
 @pytest.mark.parametrize("kv_dtype,min_identical,max_dlogprob", [("float16", 7, 0.02), ("bfloat16", 6, 0.1)])
 def test_default_model_greedy_close_to_float32(float32_reference, kv_dtype, min_identical, max_dlogprob):
     llm = LLM(max_model_len=512, kv_cache_dtype=kv_dtype, quant_activations="none")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedllm.bench.subprocess_server import SubprocessServer, child_pids, free_port, pid_alive
 
-__all__ = ["REPO_ROOT", "RemoteServer", "child_pids", "free_port", "pid_alive"]
+__all__ = ["REPO_ROOT", "RemoteServer", "child_pids", "concurrently", "free_port", "pid_alive"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,3 +54,10 @@ class RemoteServer(SubprocessServer):
 
     def stop(self, timeout_s: float = 20.0) -> int:
         return super().stop(timeout_s)
+
+
+def concurrently(*calls):
+    """The results of the calls (functions of no argument, each a request), in order, the requests sent at once:
+    the engine decodes them in one batch, which on a small CPU costs little more than the longest alone."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]

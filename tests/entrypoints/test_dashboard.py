@@ -131,11 +131,20 @@ def test_one_map_per_data_parallel_replica(tmp_path):
     srv = RemoteServer(model_dir, ["--enable-dashboard", "--served-model-name", "tiny", "-dp", "2",
                                    "--num-kv-blocks", "64", "--max-num-seqs", "1", "--max-model-len", "1024"],
                        tmp_path / "server.log")
+    seen = threading.Event()
+
+    def stream_until_seen(prompt: list[int]) -> None:
+        """A long streamed request, cut (the client goes away, the server aborts it) once both maps were seen:
+        waiting for its 900 tokens would only cost time."""
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                if seen.is_set():
+                    break
+
     try:
         # different prompts: the router's prefix affinity would keep two equal ones on one replica
-        threads = [threading.Thread(target=httpx.post, args=(f"{srv.url}/v1/completions",), kwargs=dict(
-            timeout=120, json={"model": "tiny", "prompt": [7 + i] * 30, "max_tokens": 900, "ignore_eos": True}))
-            for i in range(2)]
+        threads = [threading.Thread(target=stream_until_seen, args=([7 + i] * 30,)) for i in range(2)]
 
         def both_busy(events):
             replicas = events[-1]["replicas"]
@@ -144,7 +153,10 @@ def test_one_map_per_data_parallel_replica(tmp_path):
                     t.start()
             return len(replicas) == 2 and all(r["map"]["requests"] for r in replicas)
 
-        events = read_events(f"{srv.url}/dashboard/events", {}, both_busy)
+        try:
+            events = read_events(f"{srv.url}/dashboard/events", {}, both_busy)
+        finally:
+            seen.set()
         replicas = events[-1]["replicas"]
         assert [r["replica"] for r in replicas] == ["0", "1"]
         for replica in replicas:  # each replica's own pool and its own request (one sequence each)

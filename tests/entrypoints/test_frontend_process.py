@@ -10,6 +10,8 @@ import pytest
 
 from tests.entrypoints.server_helpers import RemoteServer
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

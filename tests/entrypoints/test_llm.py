@@ -193,6 +193,7 @@ def test_abort_frees_blocks_immediately(llm):
     assert engine.core.check_kv_leaks() == []
 
 
+@pytest.mark.slow  # the CLI in a subprocess on the default model
 def test_cli_generate_prints_the_completion():
     result = subprocess.run(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "The capital of France is",

@@ -5,6 +5,7 @@ validates; malformed schemas and regexes are 400s naming the problem; the metric
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from pagedllm.model.loader import resolve_hf_dir
-from tests.entrypoints.server_helpers import RemoteServer
+from tests.entrypoints.server_helpers import RemoteServer, concurrently
 from tests.entrypoints.test_structured_outputs_offline import CHOICES, PERSON, PHONE, RATING, TAGS
 
 pytestmark = pytest.mark.slow  # a real server in a subprocess
@@ -44,14 +45,18 @@ def _validate_all(choices, text_of, schema) -> None:
 
 
 def test_chat_response_format_json_schema(client):
+    cases = [(schema, seed) for schema in (PERSON, RATING) for seed in (0, 1)]
+    ask = [{"role": "user", "content": "Give me an example record."}]
+    responses = concurrently(*[functools.partial(client.chat.completions.create, model="smol", messages=ask, n=8,
+                                                 seed=seed, temperature=1.0, max_tokens=96,
+                                                 response_format=_schema_format(schema))
+                               for schema, seed in cases])
     for schema in (PERSON, RATING):
         texts = set()
-        for seed in (0, 1):
-            r = client.chat.completions.create(
-                model="smol", messages=[{"role": "user", "content": "Give me an example record."}], n=8, seed=seed,
-                temperature=1.0, max_tokens=96, response_format=_schema_format(schema))
-            _validate_all(r.choices, lambda c: c.message.content, schema)
-            texts.update(c.message.content for c in r.choices)
+        for (case_schema, _), r in zip(cases, responses):
+            if case_schema is schema:
+                _validate_all(r.choices, lambda c: c.message.content, schema)
+                texts.update(c.message.content for c in r.choices)
         assert len(texts) > 4
 
 

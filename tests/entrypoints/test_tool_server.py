@@ -5,10 +5,12 @@ built from the tools' schemas, so every argument validates (jsonschema) at tempe
 the SDK's own accumulation) and not, with parallel_tool_calls true and false; `auto` is this small model's
 free choice, so it is held only to the contract: calls that parse, or the text as content, never a 500.
 Constrained calls stream their arguments in pieces; one the output ends inside (finish_reason length) keeps the
-arguments written so far, as OpenAI's do."""
+arguments written so far, as OpenAI's do. Requests that do not depend on each other are sent together, so the engine
+batches them. The reasoning parser's server: test_tool_server_reasoning.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -17,7 +19,7 @@ import openai
 import pytest
 
 from pagedllm.model.loader import resolve_hf_dir
-from tests.entrypoints.server_helpers import RemoteServer
+from tests.entrypoints.server_helpers import RemoteServer, concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -68,11 +70,22 @@ CHOICES = [("required", "required", {"get_weather", "add"}),
            ("named", {"type": "function", "function": {"name": "add"}}, {"add"})]
 
 
+@pytest.fixture(scope="module")
+def forced_responses(client) -> dict:
+    """The forced-call response of each (tool choice label, parallel_tool_calls), all requested together."""
+    cases = [(label, tool_choice, parallel) for label, tool_choice, _ in CHOICES for parallel in (True, False)]
+    responses = concurrently(*[
+        functools.partial(client.chat.completions.create, model=MODEL, messages=ASK, tools=TOOLS,
+                          tool_choice=tool_choice, n=4, seed=11, temperature=1.0, max_tokens=300,
+                          parallel_tool_calls=parallel)
+        for _, tool_choice, parallel in cases])
+    return {(label, parallel): r for (label, _, parallel), r in zip(cases, responses)}
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("label,tool_choice,allowed", CHOICES, ids=[c[0] for c in CHOICES])
-def test_forced_calls_validate_against_their_schemas(client, label, tool_choice, allowed, parallel):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, n=4, seed=11,
-                                       temperature=1.0, max_tokens=300, parallel_tool_calls=parallel)
+def test_forced_calls_validate_against_their_schemas(forced_responses, label, tool_choice, allowed, parallel):
+    r = forced_responses[label, parallel]
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None
@@ -172,9 +185,9 @@ def test_a_history_with_tool_results_is_rendered_and_answered(client, server):
 def test_auto_returns_calls_or_text_never_a_500(client):
     """Under auto SmolLM2-135M mostly answers in text; whatever it writes, a call that does not parse is content."""
     num_calls = num_text = 0
-    for seed in range(3):
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", n=4, seed=seed,
-                                           temperature=1.0, max_tokens=120)
+    for r in concurrently(*[functools.partial(client.chat.completions.create, model=MODEL, messages=ASK, tools=TOOLS,
+                                               tool_choice="auto", n=4, seed=seed, temperature=1.0, max_tokens=120)
+                             for seed in range(3)]):
         for choice in r.choices:
             if choice.message.tool_calls:
                 assert choice.finish_reason in ("tool_calls", "length")
@@ -193,9 +206,11 @@ def test_auto_constrains_an_opened_call_and_parallel_false(client):
     constrained, so every call that comes back validates, and parallel_tool_calls false allows one at most."""
     ask = [{"role": "user", "content": "Call get_weather for Zürich in celsius. Answer only with the tool call."}]
     num_calls = 0
-    for parallel in (True, False):
-        r = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="auto", n=8, seed=9,
-                                           temperature=1.0, max_tokens=200, parallel_tool_calls=parallel)
+    responses = concurrently(*[functools.partial(client.chat.completions.create, model=MODEL, messages=ask,
+                                                  tools=TOOLS, tool_choice="auto", n=8, seed=9, temperature=1.0,
+                                                  max_tokens=200, parallel_tool_calls=parallel)
+                                for parallel in (True, False)])
+    for parallel, r in zip((True, False), responses):
         for choice in r.choices:
             calls = choice.message.tool_calls or []
             if not parallel:
@@ -258,37 +273,3 @@ def test_tool_errors_are_400s_naming_the_field(client, extra, messages, param, w
 def test_no_blocks_leak(server):
     server.wait_idle_without_leaks()
 
-
-@pytest.fixture(scope="module")
-def reasoning_server(tmp_path_factory):
-    srv = RemoteServer(resolve_hf_dir(None), ["--max-model-len", "1024", "--served-model-name", MODEL,
-                                             "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "pythonic"],
-                       tmp_path_factory.mktemp("logs") / "reasoning.log")
-    yield srv
-    srv.stop()
-
-
-def test_reasoning_parser_and_auto_needs_its_flag(reasoning_server):
-    """deepseek_r1 reads the output as reasoning until </think>: SmolLM2 never closes it, so all it writes is
-    reasoning_content, streamed as delta.reasoning_content; and without --enable-auto-tool-choice, auto is a 400."""
-    client = openai.OpenAI(base_url=f"{reasoning_server.url}/v1", api_key="none", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, seed=4, temperature=0)
-    message = r.choices[0].message.model_dump()
-    assert message["reasoning_content"] and message["content"] is None
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, seed=4, temperature=0,
-                                            stream=True)
-    streamed = "".join((c.choices[0].delta.model_dump().get("reasoning_content") or "") for c in stream if c.choices)
-    assert streamed == message["reasoning_content"]
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8)
-    assert _param_of(info.value) == "tool_choice" and "--enable-auto-tool-choice" in info.value.response.text
-    # a forced call comes after the reasoning (deepseek_r1: after </think>), in the pythonic format: SmolLM2 is no
-    # reasoning model and may never close its thought; whatever it does, the calls that come validate
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=4, seed=6,
-                                       max_tokens=200)
-    for choice in r.choices:
-        message = choice.message.model_dump()
-        assert message["reasoning_content"] is not None
-        if choice.finish_reason != "length":
-            _check_calls(choice.message.tool_calls, set(SCHEMAS), True)
-    reasoning_server.wait_idle_without_leaks()

@@ -131,6 +131,7 @@ def test_mixed_shard_types_fall_back_to_float():
     assert torch.equal(layer.weight.detach(), expected)
 
 
+@pytest.mark.slow  # the default model, quantized and dequantized
 @needs_kernel
 def test_default_model_runs_from_its_shipped_q4_1_blocks(default_model, monkeypatch):
     loaded, cache, _ = default_model
