@@ -11,16 +11,22 @@ llama-server runs at its best settings for each case, one configuration at a tim
     one user, time to first token   `--parallel 1` (one slot: many slots make one user much slower)
     N at once                       `--parallel N` over a unified KV cache (a slot per request)
 
-pagedllm's one server serves every phase. Also measured, in this process and before the servers start:
+pagedllm's one server serves every phase. The servers run side by side, rounds alternating between them, unless
+the file would not fit in memory twice (twice its size over 90% of the memory available at the start) or
+`--one-at-a-time` asks: then each server runs its phases alone and is stopped before the next starts (pagedllm;
+llama-server --parallel 1; llama-server --parallel N), and a slow spell of the machine is no longer shared. Also measured, in this process and before the servers start:
 the machine's memory read bandwidth (`read_bandwidth`: a sum over 1 GiB, best of several, the same
 threads) and the bytes of weights a decode step reads (every 2-D weight of the file but the embedding
 table, the LM head once), so bandwidth / bytes is the one-user rate no engine can pass on this machine;
-and, unless `--no-weights-held`, the bytes pagedllm holds for the weights once loaded at its defaults.
+and, unless `--no-weights-held`, the bytes pagedllm holds for the weights once loaded at its defaults (in a child
+process, so that its memory is the system's again before the servers start).
 
 KV caches are sized for every request at once: `--concurrency x (prompt + output + 16)` tokens, in
 float32 for pagedllm (its default) and f16 for llama.cpp (its default); the table gives both sizes.
-Random K-quant files (`--random-qtype Q4_K_M`, ...) are made as users make them: a random Q8_0 file
-requantized by llama.cpp's `llama-quantize --allow-requantize` (built beside llama-server).
+Random files (`--random-shape`) are written by bench/random_gguf.py, Q4_K_M included (its blocks written
+directly, each tensor in the type llama.cpp's Q4_K_M gives it); the other K-quant mixes (`--random-qtype Q5_K_M`,
+...) are made as users make them: a random Q8_0 file requantized by llama.cpp's `llama-quantize
+--allow-requantize` (built beside llama-server).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from pathlib import Path
 from pagedllm.bench.common import bench_subparser, format_table, machine_info, write_result
 
 SLACK_TOKENS = 16  # a KV block of slack per request
-LLAMA_QUANTIZE_TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M")
+LLAMA_QUANTIZE_TYPES = ("Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M")
+"""Random file types made by llama-quantize from a random Q8_0 file (the rest random_gguf.py writes itself)."""
+RANDOM_QTYPES = ("Q4_0", "Q8_0", "Q4_K_M")
 
 
 def add_parser(subparsers) -> None:
@@ -44,9 +52,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M Q4_1)")
     p.add_argument("--random-shape", default=None,
                    help="instead of --model: write (once, cached) a random-weight GGUF of this shape "
-                        "(llama-3.2-1b, smollm2-135m, tiny)")
-    p.add_argument("--random-qtype", default="Q4_0", choices=("Q4_0", "Q8_0", *LLAMA_QUANTIZE_TYPES),
-                   help="the random file's type; K-quant mixes are requantized from Q8_0 by llama-quantize")
+                        "(llama-3.2-1b, smollm2-135m, qwen3-30b-a3b, tiny, tiny-qwen3moe)")
+    p.add_argument("--random-qtype", default="Q4_0", choices=(*RANDOM_QTYPES, *LLAMA_QUANTIZE_TYPES),
+                   help="the random file's type; Q4_0, Q8_0 and Q4_K_M written directly, the other K-quant mixes "
+                        "requantized from Q8_0 by llama-quantize")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="run one server at a time (the default only for a file that would not fit in memory twice)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each server")
     p.add_argument("--rounds", type=int, default=5, help="alternating single-user rounds")
     p.add_argument("--concurrency", type=int, default=16,
@@ -70,7 +81,8 @@ def add_parser(subparsers) -> None:
 
 
 def gguf_shapes(path: str | Path) -> dict:
-    """From the file's header: each 2-D weight's (out, in) shape by name, and the KV size per token."""
+    """From the file's header: each 2-D weight's (out, in) shape by name, the KV size per token, and the bytes of
+    weights a decode step reads per token (every weight but the embedding; of stacked experts, the active share)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -91,9 +103,12 @@ def gguf_shapes(path: str | Path) -> dict:
     weights.pop("token_embd.weight")  # a lookup, not a matmul
     nbytes.pop("token_embd.weight")
     layers = field("block_count")
+    # Stacked experts (3-D): a token reads the experts it is routed to, expert_used_count of expert_count.
+    experts, used = field("expert_count") or 0, field("expert_used_count") or 0
+    expert_bytes = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 3)
     return {"weights": weights, "layers": layers, "vocab_size": weights["output.weight"][0],
             "kv_elements_per_token": layers * 2 * kv_heads * head_dim,
-            "weight_bytes_per_token": sum(nbytes.values())}
+            "weight_bytes_per_token": sum(nbytes.values()) + (expert_bytes * used // experts if experts else 0)}
 
 
 def read_bandwidth(threads: int, nbytes: int = 2**30, repeats: int = 7) -> dict:
@@ -129,9 +144,18 @@ def weights_held_bytes(model: str) -> dict:
                 seen.add(id(item))
                 total += item.nbytes if hasattr(item, "packed") else item.numel() * item.element_size()
         if hasattr(module, "quantized_nbytes"):  # MoE experts
-            total += module.quantized_nbytes()
+            total += module.quantized_nbytes
     del llm
     return {"bytes": total, "file_bytes": Path(model).stat().st_size}
+
+
+def _in_child(function, *args):
+    """``function(*args)`` in a fresh process: a model loaded to be measured gives its memory back whole when the
+    process ends (in this one, freed heap and the engine's threads would stay beside the servers to come)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)
 
 
 def float32_matmul_step_s(weights: dict[str, tuple[int, int]], layers: int, threads: int,
@@ -171,7 +195,10 @@ def resolve_model(args) -> str:
     if args.random_shape:
         if args.model:
             raise SystemExit("--model and --random-shape: pass one")
-        from pagedllm.bench.random_gguf import write_random_gguf
+        from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
+
+        if args.random_shape not in SHAPES:
+            raise SystemExit(f"--random-shape {args.random_shape!r}: one of {', '.join(sorted(SHAPES))}")
 
         root = cache_root() / "random-gguf"
         path = root / f"{args.random_shape}-{args.random_qtype}.gguf"
@@ -217,8 +244,9 @@ def _ttft_median(rounds: list[dict]) -> float:
 
 
 def bench_llamacpp(args, engine_args: dict) -> dict:
-    from pagedllm.bench.llamacpp import (
-        alternate, llama_server_binary, missing_binary_message, random_prompts, start_llama_server, start_pagedllm)
+    from pagedllm.bench.llamacpp import llama_server_binary, missing_binary_message
+    from pagedllm.bench.llamacpp_phases import Phases, fits_twice, one_at_a_time as run_one_at_a_time, side_by_side
+    from pagedllm.worker.kv_cache_sizing import available_memory_bytes
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     binary = Path(args.llama_server) if args.llama_server else llama_server_binary()
@@ -240,7 +268,7 @@ def bench_llamacpp(args, engine_args: dict) -> dict:
         result["float32_matmuls"] = float32_matmul_step_s(shapes["weights"], shapes["layers"], args.threads)
         print(f"torch float32 matmuls at batch 1: {1e3 * result['float32_matmuls']['step_s']:.1f} ms a step")
     if args.weights_held:
-        result["weights_held"] = weights_held_bytes(model)
+        result["weights_held"] = _in_child(weights_held_bytes, model)
         print(f"weights held by pagedllm: {result['weights_held']['bytes'] / 2**20:.0f} MiB "
               f"(file {result['file_mib']:.0f} MiB)")
 
@@ -257,50 +285,20 @@ def bench_llamacpp(args, engine_args: dict) -> dict:
         if args.progress:
             print(f"  {name:9s} round {r}: {res['output_tok_s']:.1f} output tok/s ({res['wall_s']:.1f} s)", flush=True)
 
-    pagedllm = start_pagedllm(model, args.threads, int(result["pagedllm_kv_mib"] * 2**20), out,
-                              ["--kv-cache-dtype", args.kv_cache_dtype, "--max-model-len", str(one_user_tokens),
-                               *shlex.split(args.pagedllm_args)])
-    llama = None
-    try:
-        # One user: llama-server with one slot.
-        llama = start_llama_server(binary, model, args.threads, one_user_tokens, 1, out, extra_llama)
-        servers = [pagedllm, llama]
-        result["memory_after_load"] = {s.name: s.memory() for s in servers}
-        result["llama_slots"] = {"one_user": 1, "at_once": slots}
-        # Warm-up: one short request each (first-call costs are not what either server is like).
-        alternate(servers, 1, lambda r: random_prompts(1, args.prompt_len, vocab, seed=10**6), 8)
-        print(f"single user (llama-server --parallel 1): {args.rounds} alternating rounds, {args.prompt_len}-token "
-              f"prompt, {args.output_len} output tokens")
-        result["single"] = alternate(servers, args.rounds,
-                                     lambda r: random_prompts(1, args.prompt_len, vocab, seed=r),
-                                     args.output_len, progress)
-        if args.ttft_prompt_len > 0:
-            print(f"time to first token: {args.rounds} alternating rounds, {args.ttft_prompt_len}-token prompt")
-            result["ttft"] = alternate(servers, args.rounds,
-                                       lambda r: random_prompts(1, args.ttft_prompt_len, vocab, seed=500 + r), 1)
-        llama_one = llama.memory()
-        llama.stop()
-        llama = None
-        write_result(out, "llamacpp-partial", result)  # the concurrent phase can take long on a busy machine
-        llama_batch = None
-        if args.concurrency > 0:
-            llama = start_llama_server(binary, model, args.threads, kv_tokens, slots, out, extra_llama)
-            servers = [pagedllm, llama]
-            alternate(servers, 1, lambda r: random_prompts(1, args.prompt_len, vocab, seed=10**6 + 1), 8)
-            print(f"{args.concurrency} at once (llama-server --parallel {slots}): {args.concurrent_rounds} "
-                  "alternating rounds")
-            result["concurrent"] = alternate(
-                servers, args.concurrent_rounds,
-                lambda r: random_prompts(args.concurrency, args.prompt_len, vocab, seed=1000 + r),
-                args.output_len, progress)
-            llama_batch = llama.memory()
-        result["memory"] = {"pagedllm": pagedllm.memory(),
-                            "llama.cpp": max((m for m in (llama_one, llama_batch) if m),
-                                             key=lambda m: m["peak_mib_total"])}
-    finally:
-        for s in (pagedllm, llama):
-            if s is not None:
-                s.stop()
+    one_at_a_time = args.one_at_a_time or not fits_twice(Path(model).stat().st_size, available_memory_bytes())
+    result["one_at_a_time"] = one_at_a_time
+    result["llama_slots"] = {"one_user": 1, "at_once": slots}
+    pagedllm_args = ["--kv-cache-dtype", args.kv_cache_dtype, "--max-model-len", str(one_user_tokens),
+                     *shlex.split(args.pagedllm_args)]
+    phases = Phases(args, vocab, progress)
+    if one_at_a_time:
+        print("one server at a time (the file would not fit in memory twice, or --one-at-a-time)")
+        memory = run_one_at_a_time(phases, result, binary, model, one_user_tokens, kv_tokens, slots, out,
+                                pagedllm_args, extra_llama)
+    else:
+        memory = side_by_side(phases, result, binary, model, one_user_tokens, kv_tokens, slots, out,
+                               pagedllm_args, extra_llama)
+    result["memory"] = memory
     result["load_avg_1m"] = [load_before, os.getloadavg()[0]]
     write_result(out, "llamacpp", result)
     table = llamacpp_table(result)
@@ -341,6 +339,8 @@ def llamacpp_table(result: dict) -> str:
                  f"output {result['output_len']} tokens. pagedllm's engine process peak / (file + its KV cache): "
                  f"{engine_peak / (file_mib + result['pagedllm_kv_mib']):.2f}x; all its processes: "
                  f"{mem['pagedllm']['peak_mib_total'] / (file_mib + result['pagedllm_kv_mib']):.2f}x.")
+    if result.get("one_at_a_time"):
+        lines.append("The servers ran one at a time (each stopped before the next started), not side by side.")
     slots = result.get("llama_slots")
     if slots:
         lines.append(f"llama-server ran with --parallel {slots['one_user']} for one user and the time to first "

@@ -15,6 +15,7 @@ caller chose; ``loader.py`` makes that atomic and cached.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import warnings
@@ -243,6 +244,35 @@ def release_pages(reader: GGUFReader, tensor=None) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
     except (OSError, ValueError):  # e.g. a closed map
         pass
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc only; elsewhere a no-op). Repacking
+    leaves many freed 1-30 MB temporaries in glibc's heap, which it keeps: the default model's
+    load measured 253 MB of resident growth before this, 155 MB after (the weights are ~100 MB)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+TRIM_EVERY_BYTES = 256 << 20
+"""Source bytes loaded between two ``release_free_heap`` calls (``trimming_heap``)."""
+
+
+def trimming_heap(weights: Iterator[tuple[str, torch.Tensor | QuantTensor]]):
+    """``weights`` as they come, the heap's free pages handed back after every ``TRIM_EVERY_BYTES`` of them.
+    Repacking a weight frees temporaries below the mmap threshold (worker/host_memory.py) into the heap,
+    between weights that stay: holes it keeps resident. Trimmed only at the end, a 30B-A3B-shaped Q4_K_M
+    file (17 GiB; 12288 experts repacked one by one) would have peaked ~60 MiB a layer above what it holds
+    (measured: 0.57 GiB at 12 layers, 0.09 GiB at 4), 2.7 GiB at 48: more than a 24 GB machine has left."""
+    since = 0
+    for name, tensor in weights:
+        yield name, tensor
+        since += tensor.raw.numel() if isinstance(tensor, QuantTensor) else tensor.numel() * tensor.element_size()
+        if since >= TRIM_EVERY_BYTES:
+            release_free_heap()
+            since = 0
 
 
 class _WeightsReader(GGUFReader):

@@ -23,7 +23,6 @@ stands for, and the conversion cache behind it, are ``model_source.py``'s.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -221,7 +220,7 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         raise ModelLoadError(f"unsupported model configuration in {hf_dir}: {e}") from e
     if gguf_path is not None:
         reader = gguf_loader.open_for_weights(gguf_path)
-        weights = gguf_loader.iter_gguf_tensors(reader, config, keep_quantized=True)
+        weights = gguf_loader.trimming_heap(gguf_loader.iter_gguf_tensors(reader, config, keep_quantized=True))
     else:
         files = _weight_files(hf_dir)
         for file in files:  # headers only: before any tensor is read
@@ -252,18 +251,8 @@ def load_hf_dir(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, d
         model.process_weights_after_loading()  # CPU GEMM layouts, once the dtype and device are final
     apply_activation_format(model, quant_activations, gguf_quantized=gguf_path is not None)
     if gguf_path is not None or target is not None:
-        _release_free_heap()
+        gguf_loader.release_free_heap()
     return LoadedModel(model, config, str(hf_dir))
-
-
-def _release_free_heap() -> None:
-    """Hand the heap's free pages back to the system (glibc only; elsewhere a no-op). Repacking
-    leaves many freed 1-30 MB temporaries in glibc's heap, which it keeps: the default model's
-    load measured 253 MB of resident growth before this, 155 MB after (the weights are ~100 MB)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _read_config(hf_dir: Path) -> tuple[PretrainedConfig | resolved_config.ResolvedConfig, type[nn.Module]]:

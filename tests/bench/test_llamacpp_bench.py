@@ -106,4 +106,51 @@ def test_the_table_gives_each_measure_and_the_ratio():
     assert "--parallel 1 for one user and the time to first token, --parallel 64 for 64 at once" in table
     assert "Weights held by pagedllm: 105 MiB, 1.05x the file." in table
     assert "a one-user bound of 40.0 tok/s; pagedllm reaches 1.00 of it, llama.cpp 0.50." in table
+    assert "one at a time" not in table
+    assert "The servers ran one at a time" in llamacpp_table(dict(result, one_at_a_time=True))
     assert not np.isnan(result["float32_matmuls"]["bound_tok_s"])
+
+
+def test_a_file_the_machine_cannot_hold_twice_runs_one_server_at_a_time():
+    from pagedllm.bench.llamacpp_phases import fits_twice
+
+    gib = 2**30
+    assert fits_twice(1 * gib, 8 * gib) and fits_twice(1 * gib, None)
+    assert not fits_twice(17 * gib, 22 * gib)  # the 30B-A3B-shaped Q4_K_M file on a 24 GB machine
+
+
+@pytest.mark.slow  # gguf's reader over the tokenizer
+def test_a_decode_step_reads_the_active_share_of_the_experts(tmp_path):
+    from gguf import GGUFReader
+
+    path = write_random_gguf(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q4_K_M")
+    s = SHAPES["tiny-qwen3moe"]
+    tensors = GGUFReader(str(path)).tensors
+    experts = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 3)
+    dense = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2 and t.name != "token_embd.weight")
+    shapes = gguf_shapes(path)
+    assert shapes["weight_bytes_per_token"] == dense + experts * s.experts_used // s.experts
+    assert shapes["kv_elements_per_token"] == s.layers * 2 * s.kv_heads * s.head_dim  # head_dim 64 from the file
+
+
+@pytest.mark.slow  # both servers started on a tiny Qwen3-MoE file, one at a time
+def test_both_servers_serve_the_moe_file_one_at_a_time(tmp_path, monkeypatch):
+    from pagedllm.bench.llamacpp import llama_server_binary
+    from pagedllm.entrypoints.cli import build_parser
+
+    binary = llama_server_binary()
+    if not binary.is_file():
+        pytest.skip("llama-server not built (scripts/build_llama_server.sh)")
+    path = write_random_gguf(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q4_K_M")
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    args = build_parser().parse_args(
+        ["bench", "llamacpp", "--model", str(path), "--llama-server", str(binary), "--one-at-a-time", "--rounds", "1",
+         "--output-len", "4", "--prompt-len", "16", "--concurrency", "2", "--ttft-prompt-len", "0",
+         "--no-matmul-bound", "--no-weights-held", "--threads", "1", "--out", str(tmp_path / "out")])
+    result = args.run(args, {})
+    assert result["one_at_a_time"]
+    for phase in ("single", "concurrent"):
+        assert set(result[phase]) == {"pagedllm", "llama.cpp"}
+        assert all(r["output_tok_s"] > 0 for rounds in result[phase].values() for r in rounds)
+    assert result["memory"]["pagedllm"]["num_processes"] >= 2  # the API server and its engine core
+    assert result["memory"]["llama.cpp"]["peak_mib_total"] > 0

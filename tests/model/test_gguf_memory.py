@@ -184,3 +184,17 @@ def test_a_gguf_directory_holds_float_weights_only_when_asked(tmp_path, monkeypa
     assert str(resolve_hf_dir(str(path))) == loaded.model_path  # weights there now: either kind of load reuses it
     assert load_model(str(path)).model_path == loaded.model_path
     gc.collect()
+
+
+def test_the_heap_is_trimmed_as_the_weights_load_not_only_at_the_end(monkeypatch):
+    """Holes of freed repacking temporaries stay resident until a trim: one every TRIM_EVERY_BYTES of source."""
+    trims = []
+    monkeypatch.setattr(gguf_loader, "release_free_heap", lambda: trims.append(len(seen)))
+    monkeypatch.setattr(gguf_loader, "TRIM_EVERY_BYTES", 1000)
+    raw = QuantTensor(int(GGMLQuantizationType.Q8_0), torch.zeros(4, 2 * 34, dtype=torch.uint8), 64)  # 272 bytes
+    items = [("a", raw), ("b", torch.zeros(100)), ("c", raw), ("d", raw), ("e", torch.zeros(300))]
+    seen = []
+    for item in gguf_loader.trimming_heap(iter(items)):
+        seen.append(item)
+    assert seen == items
+    assert trims == [4, 5]  # once 272 + 400 + 272 + 272 >= 1000 bytes have passed, then 1200 more

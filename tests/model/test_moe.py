@@ -185,3 +185,30 @@ def test_gate_and_up_of_different_types_are_dequantized_and_down_stays_quantized
     assert layer.experts.quant[1] is not None and layer.experts.w2.numel() == 0
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(layer(x), _q_layer(floats)(x), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_an_expert_is_repacked_when_its_last_shard_comes_and_its_source_let_go():
+    """The loader's shards are views of the file's map: held to the end of the load, a 17 GB file's pages would
+    come back into the resident set beside the repacked experts."""
+    quant_w, float_w = _quantized_checkpoint(GGMLQuantizationType.Q8_0, 64, 64)
+    moe = SparseMoE(64, 64, EXPERTS, TOP_K, renormalize=True)
+    moe.gate.weight.data.copy_(quant_w["gate"])
+    experts = moe.experts
+    w13, w2 = experts.w13, experts.w2
+    w13.weight_loader(w13, quant_w["0.up_proj"], (0, 1))
+    assert list(experts._staged[0]) == [0] and not experts._ready[0]  # half an expert: kept
+    w13.weight_loader(w13, quant_w["0.gate_proj"], (0, 0))
+    assert not experts._staged[0] and list(experts._ready[0]) == [0]  # whole: repacked, the shards dropped
+    w2.weight_loader(w2, quant_w["0.down_proj"], (0,))
+    assert not experts._staged[1] and list(experts._ready[1]) == [0]
+    with pytest.raises(ValueError, match="expert 0's down rows were loaded twice"):
+        w2.weight_loader(w2, quant_w["0.down_proj"], (0,))
+    for e in range(1, EXPERTS):
+        w13.weight_loader(w13, quant_w[f"{e}.gate_proj"], (e, 0))
+        w13.weight_loader(w13, quant_w[f"{e}.up_proj"], (e, 1))
+        w2.weight_loader(w2, quant_w[f"{e}.down_proj"], (e,))
+    experts.process_weights_after_loading()
+    assert experts._ready == [{}, {}] and experts.w13.numel() == 0
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(moe(x), _q_layer(float_w)(x), atol=1e-4, rtol=1e-4)

@@ -25,7 +25,11 @@ hypergeometric odds), and the tokens would need an all-to-all.
 
 A GGUF's stacked experts stay quantized (Q8_0, Q4_0, Q4_1, K-quants: what the dense quantized
 linears take, layers/quantized.py): each expert's gate+up rows and its down rows become one
-``QuantizedWeight`` each, and an active expert's rows go through its compiled kernel. The float
+``QuantizedWeight`` each, and an active expert's rows go through its compiled kernel. Each is repacked
+as soon as its last shard comes (up after gate; down alone), as a dense weight is (``quantized.stage``):
+the source bytes are views of the file's map, and repacked while the loader is still at their tensor
+they are never read again, so the map's pages are dropped as the loader moves on (repacked at the end,
+a 17 GB file's pages came back into the resident set beside the 17 GB of repacked experts). The float
 parameters are then left empty (``[E, 2*I, 0]``, ``[E, hidden, 0]``). Under tensor parallelism
 gate/up are sliced by rows (whole blocks, always quantized) and down by columns: a slice that is
 a multiple of the block width stays quantized, one that cuts blocks is dequantized to float32 as
@@ -175,6 +179,8 @@ class _StackedExperts(nn.Module):
         self.quant: list[list[QuantizedWeight] | None] = [None, None]
         # Per projection, per expert: GGUF shards still quantized, (row offset, QuantTensor).
         self._staged: list[dict[int, list]] = [{}, {}]
+        # Per projection, per expert: its QuantizedWeight, repacked when its last shard came.
+        self._ready: list[dict[int, QuantizedWeight]] = [{}, {}]
         self.batch_invariant = batch_invariant.chosen()
 
     batch_invariant = False  # the mode's kernels: chosen at construction (model/batch_invariant.py)
@@ -200,13 +206,15 @@ class _StackedExperts(nn.Module):
         return sum(q.nbytes for qs in self.quant if qs is not None for q in qs)
 
     def process_weights_after_loading(self) -> None:
-        """Repack staged quantized experts for the kernel, else pack each expert's float weights
-        for the CPU GEMM (pack_for_cpu: both None off the CPU or float32, and packed_linear then
-        runs F.linear). Call after the last weight/dtype change."""
+        """Install the experts repacked as they loaded (shards left staged: dequantized), else pack each
+        expert's float weights for the CPU GEMM (pack_for_cpu: both None off the CPU or float32, and
+        packed_linear then runs F.linear). Call after the last weight/dtype change."""
         for which, param in enumerate((self.w13, self.w2)):
-            if self._staged[which]:
-                self.quant[which] = _finalize_stacked(param, self._staged[which])
-                self._staged[which] = {}
+            if self._ready[which]:
+                self.quant[which] = _ready_stacked(param, self._ready[which], self._staged[which])
+            elif self._staged[which]:
+                _finalize_stacked(param, self._staged[which])
+            self._staged[which], self._ready[which] = {}, {}
         num_experts = self.w13.shape[0]
         self.packed = [tuple(pack_for_cpu(param[e].detach()) if self.quant[which] is None else (None, None)
                              for which, param in enumerate((self.w13, self.w2)))
@@ -217,8 +225,17 @@ class _StackedExperts(nn.Module):
             raise ValueError(NO_INVARIANT_GEMM.format("a mixture-of-experts layer"))
 
     def _store(self, which: int, param: nn.Parameter, expert: int, row_offset: int, loaded) -> None:
-        if isinstance(loaded, QuantTensor):  # kept quantized until process_weights_after_loading
-            self._staged[which].setdefault(expert, []).append((row_offset, loaded))
+        if isinstance(loaded, QuantTensor):  # kept quantized: repacked once the expert's rows are all here
+            if expert in self._ready[which]:
+                raise ValueError(f"expert {expert}'s {('gate/up', 'down')[which]} rows were loaded twice")
+            shards = self._staged[which].setdefault(expert, [])
+            shards.append((row_offset, loaded))
+            qtype = _whole(param.shape[1], shards)
+            if qtype is not None:
+                raw = torch.cat([t.raw for _, t in shards]) if len(shards) > 1 else shards[0][1].raw
+                self._ready[which][expert] = QuantizedWeight(qtype, raw, param.shape[2],
+                                                             param.__dict__.get("int8_activations", False))
+                del self._staged[which][expert]  # the file's bytes go: nothing reads them again
         else:
             target = param.data[expert].narrow(0, row_offset, loaded.shape[0])
             target.copy_(materialize(loaded))
@@ -246,29 +263,31 @@ class _StackedExperts(nn.Module):
         self._store(1, param, shard_id[0], 0, loaded.narrow(1, self.tp_rank * I, I))
 
 
-def _finalize_stacked(param: nn.Parameter, staged: dict[int, list]) -> list[QuantizedWeight] | None:
-    """Each expert's staged shards of ``param`` [E, rows, K] as one ``QuantizedWeight``, the float
-    parameter emptied to ``[E, rows, 0]``; where they cannot all be (mixed types, rows loaded as
-    floats, no kernel here) every staged shard is dequantized into ``param`` and None returned."""
-    num_experts, rows, k = param.shape
-    for shards in staged.values():
-        shards.sort(key=lambda s: s[0])
-    qtypes = {t.qtype for shards in staged.values() for _, t in shards}
-    whole = len(staged) == num_experts and all(
-        sum(t.shape[0] for _, t in shards) == rows and shards[0][0] == 0
-        and all(a[0] + a[1].shape[0] == b[0] for a, b in zip(shards, shards[1:]))
-        for shards in staged.values())
-    if len(qtypes) == 1 and whole and quantized.kernel_available():
-        qtype = qtypes.pop()
-        weights = []
-        for expert in range(num_experts):
-            shards = staged[expert]
-            raw = torch.cat([t.raw for _, t in shards]) if len(shards) > 1 else shards[0][1].raw
-            weights.append(QuantizedWeight(qtype, raw, k, param.__dict__.get("int8_activations", False)))
-            staged[expert] = []  # the GGUF bytes go as soon as they are repacked
-        param.data = torch.empty(num_experts, rows, 0)
-        return weights
-    reason = "the compiled kernel is unavailable" if len(qtypes) == 1 and whole else "mixed shard types"
+def _whole(rows: int, shards: list) -> int | None:
+    """The one GGUF type of an expert's ``shards`` when they cover its ``rows`` in order and the kernel runs
+    here; else None (left staged for ``_finalize_stacked``)."""
+    shards.sort(key=lambda s: s[0])
+    qtypes = {t.qtype for _, t in shards}
+    covered = shards[0][0] == 0 and all(a[0] + a[1].shape[0] == b[0] for a, b in zip(shards, shards[1:]))
+    if len(qtypes) == 1 and covered and sum(t.shape[0] for _, t in shards) == rows and quantized.kernel_available():
+        return qtypes.pop()
+    return None
+
+
+def _ready_stacked(param: nn.Parameter, ready: dict[int, QuantizedWeight], staged: dict[int, list]) -> list:
+    """Every expert's weight repacked as it loaded, the float parameter emptied to ``[E, rows, 0]``. All experts
+    of a projection come from one stacked GGUF tensor of one type, so either all are whole or none is."""
+    num_experts, rows, _ = param.shape
+    if len(ready) != num_experts or staged:
+        raise AssertionError(f"{len(ready)} of {num_experts} experts repacked, {len(staged)} still staged")
+    param.data = torch.empty(num_experts, rows, 0)
+    return [ready[expert] for expert in range(num_experts)]
+
+
+def _finalize_stacked(param: nn.Parameter, staged: dict[int, list]) -> None:
+    """Shards left staged (an expert's were not one type, or no kernel runs here: ``_whole``) dequantized into
+    ``param``, which then runs as float32 weights."""
+    reason = "mixed shard types" if quantized.kernel_available() else "the compiled kernel is unavailable"
     logger.warning("quantized experts %s dequantized to float32 (%s)", tuple(param.shape), reason)
     for expert, shards in staged.items():
         for offset, shard in shards:
