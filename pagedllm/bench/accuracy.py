@@ -49,6 +49,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--greedy-prompts", type=int, default=8,
                    help="chat prompts of the greedy agreement check, none vs int8 (0: skip)")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt of that check")
+    p.add_argument("--first-answers", type=int, default=40,
+                   help="times the first question is asked at the model's default sampling, one request at a time, "
+                        "per activation mode (0: skip)")
 
 
 def _random_k_blocks(qtype, n: int, k: int, magnitude: float, rng) -> np.ndarray:
@@ -260,6 +263,29 @@ def greedy_agreement(model: str | None, engine_args: dict, num_prompts: int, max
             "int8 + LM head vs int8": agreement(runs["int8 + LM head"], runs["int8"])}
 
 
+def first_answers(model: str | None, engine_args: dict, num_answers: int, max_tokens: int = 48) -> dict:
+    """A newcomer's first question (GREEDY_QUESTIONS[0]) asked ``num_answers`` times, one request at a time as a
+    chat client sends it, at the model's default sampling (the card's, for the embedded model): per activation
+    mode, the answers that name Paris, the first token's three likeliest choices, and a few answers."""
+    import dataclasses
+
+    from pagedllm import SamplingParams
+
+    messages = [{"role": "user", "content": GREEDY_QUESTIONS[0]}]
+    result = {}
+    for mode in ("none", "int8"):
+        llm = _llm(model, engine_args, mode)
+        params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=max_tokens)
+        texts = [llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text for _ in range(num_answers)]
+        first = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=1, logprobs=3), use_tqdm=False)
+        top = sorted(first[0].outputs[0].logprobs[0].values(), key=lambda lp: -lp.logprob)
+        result[mode] = {"asked": num_answers, "naming_paris": sum("Paris" in t for t in texts),
+                        "first_token": [(lp.decoded_token, round(lp.logprob, 3)) for lp in top],
+                        "sampling": {f: getattr(params, f) for f in ("temperature", "top_p")}, "answers": texts[:4]}
+        del llm
+    return result
+
+
 def bench_accuracy(args, engine_args: dict) -> dict:
     from pagedllm.model.loader import default_gguf_path, gguf_source
 
@@ -314,5 +340,11 @@ def bench_accuracy(args, engine_args: dict) -> dict:
         print(format_table(["greedy continuations", "identical", "prompts", "mean common prefix", "tokens"],
                            [[label, g["identical"], g["prompts"], g["mean_common_prefix"], g["tokens"]]
                             for label, g in greedy.items()], floatfmt="{:.1f}"))
+    if args.first_answers and quantized.int8_kernel_available():
+        answers = result["first_answers"] = first_answers(model, engine_args, args.first_answers)
+        print(f"\n{GREEDY_QUESTIONS[0]!r} at the default sampling, one request at a time:")
+        print(format_table(["activations", "naming Paris", "asked", "first token's likeliest (logprob)"],
+                           [[mode, a["naming_paris"], a["asked"], ", ".join(f"{t!r} {lp}" for t, lp in a["first_token"])]
+                            for mode, a in answers.items()]))
     write_result(args.out, "accuracy", result)
     return result

@@ -50,6 +50,7 @@ def fingerprint_facts(engine_args: EngineArgs, model_info: ModelInfo, kv_info: K
     """Everything a block's K/V depend on, besides its tokens and prefix (those are in its hash): the model
     (its files' names, sizes and modification times, and its config), how it runs (dtypes, weight and
     activation formats, batch invariance), the block layout, and the engine's version."""
+    from pagedllm.model.activation_format import for_model
     from pagedllm.version import __version__
 
     return {
@@ -57,7 +58,8 @@ def fingerprint_facts(engine_args: EngineArgs, model_info: ModelInfo, kv_info: K
         "model": engine_args.model, "model_files": _files_identity(engine_args.model, model_info.model_path),
         "config": _config_digest(model_info.hf_config),
         "dtype": engine_args.dtype, "kv_cache_dtype": engine_args.kv_cache_dtype,
-        "quantization": engine_args.quantization, "quant_activations": engine_args.quant_activations,
+        "quantization": engine_args.quantization,
+        "quant_activations": for_model(engine_args.quant_activations, engine_args.model, log=False),
         "gguf_dequantize": engine_args.gguf_dequantize, "batch_invariant": engine_args.batch_invariant,
         "speculative": repr(engine_args.speculative()),
         "block_size": kv_info.block_size, "bytes_per_block": kv_info.bytes_per_block,

@@ -2,7 +2,8 @@
 
     auto (default)  a GGUF's quantized weights kept quantized (CPU, float32): int8 activations where the
                     int8 kernel runs, else float32 with one log line saying why; float checkpoints, also
-                    those quantized at load (``--quantization int8``), keep float32 activations
+                    those quantized at load (``--quantization int8``), keep float32 activations; the
+                    embedded default model keeps float32 activations (``for_model``)
     int8            int8 activations on every linear whose weight type has the int8 kernel
                     (``quantized.INT8_KERNEL_TYPE``), GGUF or quantized at load; an error where the
                     int8 kernel does not run here
@@ -29,6 +30,34 @@ from pagedllm.model.layers import quantized
 logger = logging.getLogger(__name__)
 
 
+def for_model(requested: str, model: str | None, log: bool = True) -> str:
+    """``requested`` as the load of ``model`` takes it: ``auto`` for the embedded default model (None, or its
+    .gguf named by path) is ``none``. Its first answers are a newcomer's first impression, and on its best-known
+    question ("What is the capital of France?") the first token is a near tie that int8 activations flip, as
+    llama.cpp's own 8-bit activations do, into a French non-answer; the float32 path costs this 98 MB model
+    little speed (docs/int8-activations.md has both measurements). ``--quant-activations int8`` still gets int8."""
+    if requested == "auto" and _is_embedded_default(model):
+        if log:
+            logger.info("the embedded default model takes float32 activations (--quant-activations auto keeps "
+                        "its first answers exact; int8 asks for the int8 kernel)")
+        return "none"
+    return requested
+
+
+def _is_embedded_default(model: str | None) -> bool:
+    from pathlib import Path
+
+    from pagedllm.errors import ModelLoadError
+    from pagedllm.model.model_source import default_gguf_path
+
+    if model is None:
+        return True
+    try:
+        return Path(model).expanduser().resolve() == default_gguf_path().resolve()
+    except (ModelLoadError, OSError):
+        return False
+
+
 def takes_int8_at_load(requested: str, gguf_quantized: bool, dtype, device: str) -> bool:
     """Whether the load should build weights that choose their int8 layout at construction (the K-quants,
     which then never exist in the float-activation layout): the same rule as ``apply_activation_format``."""
@@ -48,7 +77,7 @@ def apply_activation_format(model: nn.Module, requested: str, gguf_quantized: bo
         raise ValueError(f"quant_activations must be one of {', '.join(quantized.ACTIVATION_FORMATS)}, "
                          f"got {requested!r}")
     if requested == "none":
-        logger.info("linears take float32 activations (--quant-activations none: the exact mode)")
+        logger.info("linears take float32 activations: the exact mode")
         return "none"
     if requested == "auto" and not gguf_quantized:
         logger.info("linears take float32 activations (the weights are not a GGUF's kept quantized on the CPU "

@@ -35,6 +35,7 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import checkpoint_validate, gguf_loader, resolved_config
+from pagedllm.model import activation_format
 from pagedllm.model.activation_format import apply_activation_format, takes_int8_at_load
 from pagedllm.model.gguf_model_checks import validate_gguf
 from pagedllm.model.layers import quantized
@@ -93,7 +94,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, device: st
     gguf_path = gguf_weights_source(model, dtype, device, gguf_dequantize)
     hf_dir = resolve_hf_dir(model, weights=gguf_path is None)
     return load_hf_dir(hf_dir, dtype, device, gguf_path=gguf_path, quantization=quantization,
-                       quant_activations=quant_activations)
+                       quant_activations=activation_format.for_model(quant_activations, model))
 
 
 def gguf_weights_source(model: str | None, dtype: torch.dtype, device: str | torch.device,

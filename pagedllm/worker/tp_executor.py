@@ -37,6 +37,7 @@ from pagedllm.config import (
 )
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
+from pagedllm.model import activation_format
 from pagedllm.model.loader import gguf_weights_source, load_model_info
 from pagedllm.worker import tp_protocol as proto
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
@@ -89,7 +90,7 @@ class MultiprocTPExecutor(Executor):
         self.gguf_path = None if gguf is None else str(gguf.resolve())
         self.lora_slots = None if lora is None else (lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras)
         self.batch_invariant = device_config.batch_invariant
-        self.quant_activations = model_config.quant_activations
+        self.quant_activations = activation_format.for_model(model_config.quant_activations, model_config.model)
         self.parallel_config = parallel_config
         self.seed = device_config.seed
         self.model_name = model_config.model

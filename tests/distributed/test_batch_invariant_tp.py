@@ -104,11 +104,12 @@ def test_logprobs_bitwise_equal_alone_and_in_batches(tiny, tp):
 
 def test_default_model_tp3_quantized():
     """The Q4_1 default model (9 query / 3 KV heads: tp 3) with its quantized kernels on each rank (int8
-    activations, the default: each rank's int8 kernel is invariant as it is); at
+    activations, asked for: each rank's int8 kernel is invariant as it is); at
     3 ranks the row-parallel sums go through the rank-order all-reduce (gloo's ring order, planted
     back, fails this test)."""
     target = _prompt(random.Random(3), 45, vocab=40000)
-    llm = LLM(tensor_parallel_size=3, batch_invariant=True, block_size=8, enable_prefix_caching=False)
+    llm = LLM(tensor_parallel_size=3, batch_invariant=True, block_size=8, enable_prefix_caching=False,
+              quant_activations="int8")
     try:
         alone = _logprobs(llm, target=target, vocab=40000)
         for size in (3, 9):

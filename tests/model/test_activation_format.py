@@ -8,8 +8,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from pagedllm.model import load_model
+from pagedllm.model import activation_format, load_model
 from pagedllm.model.layers import quantized
+from pagedllm.model.model_source import default_gguf_path
 from pagedllm.model.layers.linear import LinearBase
 from pagedllm.model.layers.moe import SparseMoE
 from tests.model.gguf_writer_helpers import write_converted_gguf, write_llama_gguf
@@ -50,12 +51,24 @@ def test_a_gguf_takes_int8_by_default_and_none_keeps_float(q4_0_gguf, caplog):
         exact = load_model(q4_0_gguf, quant_activations="none").model
     assert linear_types(exact) == {quantized.Q4_0}
     assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == [
-        "linears take float32 activations (--quant-activations none: the exact mode)"]
+        "linears take float32 activations: the exact mode"]
     x = torch.randn(3, exact.model.layers[0].mlp.down_proj.quant_weight.k)
     int8_y = model.model.layers[0].mlp.down_proj.quant_weight.matmul(x)
     exact_y = exact.model.layers[0].mlp.down_proj.quant_weight.matmul(x)
     assert not torch.equal(int8_y, exact_y)  # two kernels, close but not the same sums
     torch.testing.assert_close(int8_y, exact_y, rtol=0.05, atol=0.05 * exact_y.abs().max().item())
+
+
+def test_auto_keeps_the_embedded_default_model_exact(caplog):
+    """The embedded model's first answers would flip with int8 activations (for_model's docstring); a file
+    named by the user, and int8 asked for by name, are unchanged."""
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert activation_format.for_model("auto", None) == "none"
+    assert "the embedded default model takes float32 activations" in caplog.text
+    assert activation_format.for_model("auto", str(default_gguf_path()), log=False) == "none"  # named by path
+    assert activation_format.for_model("auto", "model.gguf") == "auto"
+    assert activation_format.for_model("int8", None) == "int8"
+    assert activation_format.for_model("none", None) == "none"
 
 
 @needs_kernel

@@ -1,7 +1,7 @@
 """int8 activations end to end: the embedded default model (SmolLM2-135M, Q4_1) with its linears on the
-int8-activation kernel (the default; ``--quant-activations none`` is the float32-activation path) scores a
-real text close to the float32-activation path (the quantized weights either way), and the fallback (no
-linear it can take) runs the float path unchanged."""
+int8-activation kernel (asked for by name: ``auto`` keeps this one model exact, model/activation_format.py)
+scores a real text close to the float32-activation path (the quantized weights either way), and the fallback
+(no linear it can take) runs the float path unchanged."""
 
 import logging
 import math
@@ -35,7 +35,7 @@ def scored(llm, token_ids):
 
 @needs_kernel
 def test_default_model_with_int8_activations_scores_close_to_float():
-    plain = LLM(enable_prefix_caching=False, quant_activations="none")
+    plain = LLM(enable_prefix_caching=False)  # auto: the embedded model keeps float32 activations
     token_ids = plain.get_tokenizer().encode(TEXT)[:256]
     base = scored(plain, token_ids)
     prompts = [token_ids[:40], token_ids[100:130], token_ids[180:190]]
@@ -43,7 +43,7 @@ def test_default_model_with_int8_activations_scores_close_to_float():
     assert {lin.quant_weight.kernel_type for lin in linears(plain)} == {quantized.Q4_1}
     del plain
 
-    llm = LLM(enable_prefix_caching=False)  # the default: int8 on a GGUF's quantized weights
+    llm = LLM(enable_prefix_caching=False, quant_activations="int8")
     kinds = {lin.quant_weight.kernel_type for lin in linears(llm)}
     assert kinds == {quantized.INT8_KERNEL_TYPE[quantized.Q4_1]}  # every linear on the int8 kernel
     head = llm.engine.core.executor.runner.model.lm_head.quant_weight  # the tied embedding: float activations
