@@ -190,7 +190,8 @@ class EngineCore:
         return dict(kv_disk_hit_tokens=self.disk_tier.hit_tokens, kv_disk_miss_blocks=counts.miss_blocks,
                     kv_disk_stored_blocks=counts.stored_blocks, kv_disk_corrupt_blocks=counts.corrupt_blocks,
                     kv_disk_load_seconds=counts.load_seconds, kv_disk_store_seconds=counts.store_seconds,
-                    kv_disk_blocks=store.num_blocks, kv_disk_bytes=store.num_bytes)
+                    kv_disk_blocks=store.num_blocks, kv_disk_bytes=store.num_bytes, kv_disk_max_bytes=store.max_bytes,
+                    kv_disk_num_loading=len(self.scheduler.loading))
 
     def _kv_occupancy_stats(self) -> dict:
         """KVCacheStats for EngineStatsMsg (counters the manager keeps: no scan)."""
