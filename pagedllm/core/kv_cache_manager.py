@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pagedllm.core.block_hash import extend_block_hashes, prefix_extra_keys
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.host_swap import NULL_ENTRY, HostSwapSpace
-from pagedllm.core.kv_disk_tier import DiskTier
 from pagedllm.core.kv_stats import KVCacheStats
 from pagedllm.core.request import Request
 
@@ -63,8 +62,6 @@ class KVCacheManager:
         self._replaced: dict[str, dict[int, int]] = {}
         self.host = HostSwapSpace(num_host_blocks)
         """Swap space: host blocks holding preempted requests' KV (core/host_swap.py)."""
-        self.disk_tier: DiskTier | None = None
-        """Where evicted cached blocks go and prefix misses look next (core/kv_disk_tier.py); None: memory only."""
         self.num_refs_by_priority: dict[int, int] = {}
         """Block-table entries by request priority, kept as tables grow and shrink (see kv_stats)."""
 
@@ -108,11 +105,9 @@ class KVCacheManager:
 
         The last token is never counted as cached: it must be computed so its logits exist.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None or (
-                request.pooling_params is not None and request.pooling_params.needs_every_position):
+        if not self._caches_prefix(request):
             return [], 0  # prompt logprobs (and most pooling) need every prompt position computed
-        self._update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = self.max_prefix_hit_blocks(request)
         found: list[KVBlock | None] = []
         num_hits = run_start = 0  # run_start: the first block of the run of cached blocks ending at i
         for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
@@ -125,15 +120,23 @@ class KVCacheManager:
                 run_start = i + 1  # a window past this block may still hit
             elif run_start <= self._num_dead_blocks((i + 1) * self.block_size):
                 num_hits = i + 1  # every block the next query's window reads is cached
-        if self.disk_tier is not None and self.sliding_window is None:
-            found = found[:num_hits]
-            found += self.disk_tier.load_prefix(request, num_hits, max_hit_blocks, found)
-            num_hits = len(found)
         num_dead = self._num_dead_blocks(num_hits * self.block_size)
         hits = [self.null_block] * num_dead + found[num_dead:num_hits]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hits * self.block_size
         return hits, num_hits * self.block_size
+
+    def max_prefix_hit_blocks(self, request: Request) -> int:
+        """Blocks a prefix hit may cover (the last token is computed, for its logits); its block hashes updated
+        that far (the disk tier looks them up)."""
+        if not self._caches_prefix(request):
+            return 0
+        self._update_block_hashes(request)
+        return (request.num_tokens - 1) // self.block_size
+
+    def _caches_prefix(self, request: Request) -> bool:
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None and not (
+            request.pooling_params is not None and request.pooling_params.needs_every_position)
 
     def allocate_slots(
         self,

@@ -15,8 +15,8 @@ a store written by another model or configuration is never opened.
 
 A file is written to a temporary name and renamed (a reader never sees half a block); a read checks
 the length, the checksum and the token ids before a byte reaches the cache, and a file that fails is
-deleted and reported as a miss (the tokens are recomputed). Writes happen on a thread of their own,
-off the step. Any OSError while writing (disk full, a read-only folder) switches the tier off with
+deleted and reported as a miss (the tokens are recomputed). Writes and reads each happen on a thread
+of their own, off the step: `read_async` queues a block, `take_reads` collects what was read. Any OSError while writing (disk full, a read-only folder) switches the tier off with
 one log line; the engine keeps serving from memory. Nothing a request sends becomes a path: names
 are hex digests.
 
@@ -35,6 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 from pagedllm.core.block_hash import BlockHash
@@ -89,6 +90,12 @@ class KVDiskStore:
         """Blocks queued and not yet written: a lookup finds them here (the disk may lag the evictions)."""
         self._pending_bytes = 0
         self.num_bytes = 0
+        self.read_file: Callable[[Path], bytes] = Path.read_bytes
+        """How the reader thread gets a block file's bytes (a test slows it down here)."""
+        self._reads: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._num_reads_queued = 0
+        """Reads asked for and not yet taken back (the scheduler's thread only)."""
         self.dir = Path(root).expanduser() / fingerprint({**facts, "payload_bytes": payload_bytes})
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -100,6 +107,8 @@ class KVDiskStore:
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
+        self._reader.start()
         logger.info("KV disk tier: %s, %d blocks (%.1f MiB) found, limit %.1f MiB", self.dir, len(self._index),
                     self.num_bytes / 2**20, max_bytes / 2**20)
 
@@ -126,7 +135,7 @@ class KVDiskStore:
         path = self._path(block_hash)
         payload = None
         try:
-            data = path.read_bytes()
+            data = self.read_file(path)
             payload = self._check(data, token_ids)
         except OSError:
             pass
@@ -142,6 +151,42 @@ class KVDiskStore:
         self.stats.hit_blocks += 1
         self.stats.load_seconds += time.perf_counter() - start
         return payload
+
+    @property
+    def num_reads_pending(self) -> int:
+        """Reads asked for whose results `take_reads` has not returned yet."""
+        return self._num_reads_queued
+
+    def read_async(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Queue a `read` for the reader thread; its result comes back from `take_reads`."""
+        self._num_reads_queued += 1
+        self._reads.put((block_hash, token_ids))
+
+    def take_reads(self, timeout_s: float = 0.0) -> list[tuple[BlockHash, bytes | None]]:
+        """The reads finished since the last call, as (hash, payload or None); waits up to ``timeout_s`` for a
+        first one when none is ready and some are queued."""
+        done = []
+        try:
+            if timeout_s > 0 and self._num_reads_queued:
+                done.append(self._done.get(timeout=timeout_s))
+            while True:
+                done.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        self._num_reads_queued -= len(done)
+        return done
+
+    def _read_loop(self) -> None:
+        while True:
+            item = self._reads.get()
+            if item is None:
+                return
+            try:
+                payload = self.read(*item)
+            except Exception as e:  # noqa: BLE001 - a failed read is a miss; the reader must outlive it
+                logger.warning("KV disk tier: reading a block failed (%r); it is recomputed", e)
+                payload = None
+            self._done.put((item[0], payload))
 
     def _check(self, data: bytes, token_ids: tuple[int, ...]) -> bytes | None:
         if len(data) < _HEADER.size:
@@ -184,6 +229,7 @@ class KVDiskStore:
         self.closed = True
         self.flush()
         self._queue.put(None)
+        self._reads.put(None)
 
     def _write_loop(self) -> None:
         while True:

@@ -4,11 +4,18 @@
                   block's id goes into the step's `kv_spill`, and the worker copies its K/V out before
                   anything writes to it (worker/kv_block_io.py). The bytes come back with the step's
                   output (`complete`) and are queued for the store's writer thread.
-    prefix miss   KVCacheManager.get_computed_blocks asks `load_prefix` to go on where memory's hits
-                  end: each further block found on disk (and checked) gets a fresh block registered
-                  under its hash, and its bytes go into the step's `kv_load`, written into the cache
-                  before the forward pass. The loaded blocks are then ordinary cached blocks: the
-                  request attaches them like any memory hit.
+    prefix miss   Before admitting a waiting request, the scheduler asks `start_load` to go on where
+                  memory's hits end: each further block on disk gets a fresh block, reserved now, and
+                  a read on the store's reader thread. The request leaves the waiting queue (it is
+                  "loading") while the other requests keep running. Each step `poll` takes the blocks
+                  read (checked) since the last: each is registered in the prefix cache, and its bytes
+                  go into that step's `kv_load`, written into the cache before the forward pass. Once
+                  all of a request's blocks are in, it goes back to the front of the queue and attaches
+                  them like any memory hit.
+
+    a request's load:   start_load --(reads, off the step)--> poll: blocks cached, bytes in kv_load
+                        --> back to the queue's front, still holding its hits --> admitted: release
+                        (aborted while loading: release gives back its hits and its unread blocks)
 
     worker order in a step:  kv_spill (read)  ->  swap_out  ->  kv_load (write)  ->  swap_in, copies, forward
 
@@ -18,24 +25,45 @@ its bytes are already on disk), so a step never writes a stale load over a block
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagedllm.core.block_hash import BlockHash
-from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.block_pool import KVBlock
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_disk_store import KVDiskStore
 from pagedllm.core.request import Request
+
+
+@dataclass(slots=True)
+class _Read:
+    block: KVBlock
+    """Reserved for the bytes; only the reader's reference holds it until they arrive."""
+    tokens: tuple[int, ...]
+    waiters: set[str]
+    """The requests waiting for it."""
 
 
 class DiskTier:
     """Spills the pool's evicted cached blocks to ``store`` and loads prefix hits back from it."""
 
-    def __init__(self, store: KVDiskStore, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, store: KVDiskStore, manager: KVCacheManager) -> None:
         self.store = store
-        self.pool = pool
-        self.block_size = block_size
+        self.manager = manager
+        self.pool = pool = manager.pool
+        self.block_size = manager.block_size
         self.hit_tokens = 0
         """Prefix tokens served from disk (they also count in the manager's prefix_cache_hits)."""
         self._spills: list[tuple[int, BlockHash, tuple[int, ...]]] = []
         self._loads: dict[int, bytes] = {}
         self._in_flight: list[tuple[BlockHash, tuple[int, ...]]] = []
+        self._reads: dict[BlockHash, _Read] = {}
+        """Blocks the reader is reading, each into a block of its own that no request holds yet."""
+        self._arrived: list[tuple[BlockHash, bytes | None]] = []
+        self._loading: dict[str, Request] = {}
+        self._waits: dict[str, set[BlockHash]] = {}
+        """The reads each loading request waits for."""
+        self._held: dict[str, list[KVBlock]] = {}
+        """Each loading (or loaded, not yet admitted) request's memory hits and loaded blocks, in prefix order."""
         pool.evict_listener = self._on_evict
 
     def _on_evict(self, block: KVBlock) -> None:
@@ -45,36 +73,97 @@ class DiskTier:
             return
         self._spills.append((block.block_id, block.block_hash, block.token_ids))
 
-    def load_prefix(self, request: Request, start: int, stop: int, held: list[KVBlock]) -> list[KVBlock]:
-        """Blocks ``start..stop-1`` of the request's prompt read from disk into fresh cached blocks, as far as
-        they are found in a row; ``held`` (the memory hits before them) are kept from eviction meanwhile."""
-        if start >= stop or not self.store.enabled:
-            return []
-        if request.block_hashes[start] not in self.store:
-            self.store.stats.miss_blocks += 1
-            return []
-        pool, bs = self.pool, self.block_size
-        pool.touch(held)  # a fresh block must never be one of this request's own hits
-        loaded: list[KVBlock] = []
-        try:
-            for i in range(start, stop):
-                block_hash = request.block_hashes[i]
-                if pool.num_free_blocks < 1 or block_hash in pool.cached_blocks:
-                    break
-                tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-                payload = self.store.read(block_hash, tokens)
-                if payload is None:
-                    break
+    # --- loads: a request waits for its own blocks, the others keep running --------------------
+
+    @property
+    def loading_requests(self) -> list[Request]:
+        """Requests waiting for blocks being read from disk, oldest first."""
+        return list(self._loading.values())
+
+    def is_loading(self, request: Request) -> bool:
+        return request.req_id in self._loading
+
+    def start_load(self, request: Request, num_headroom: int) -> bool:
+        """Ask the reader for the blocks of the request's prompt after those memory has, as far as the disk has them
+        in a row, each into a fresh block reserved now (leaving ``num_headroom`` free); blocks another request
+        already waits for are shared, not read twice. Its memory hits are kept from eviction meanwhile. True: the request waits until `poll` hands it back. False: nothing
+        on disk (or it loaded once since its last admission): admit it with what memory has."""
+        if request.req_id in self._held or not self.store.enabled:
+            return False
+        max_hit_blocks = self.manager.max_prefix_hit_blocks(request)
+        pool, bs, waits = self.pool, self.block_size, set()
+        memory_hits = []
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            if (block := pool.get_cached_block(block_hash, tuple(request.all_token_ids[i * bs:(i + 1) * bs]))):
+                memory_hits.append(block)
+            else:
+                break
+        pool.touch(memory_hits)  # held first: a fresh block must never be one of its own hits
+        for i in range(len(memory_hits), max_hit_blocks):
+            block_hash = request.block_hashes[i]
+            if block_hash in self._reads:
+                self._reads[block_hash].waiters.add(request.req_id)
+            elif block_hash in self.store and block_hash not in pool.cached_blocks and \
+                    pool.num_free_blocks > num_headroom:
                 block = pool.get_new_blocks(1)[0]
-                pool.set_num_tokens(block, bs)
-                pool.cache_block(block, block_hash, tokens)
-                self._loads[block.block_id] = payload
-                loaded.append(block)
-        finally:
-            pool.free_blocks(reversed(loaded))  # cached and free, like any memory hit; the tail goes first
-            pool.free_blocks(reversed(held))
-        self.hit_tokens += len(loaded) * bs
-        return loaded
+                tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+                self._reads[block_hash] = _Read(block, tokens, {request.req_id})
+                self.store.read_async(block_hash, tokens)
+            else:
+                break
+            waits.add(block_hash)
+        if not waits:
+            pool.free_blocks(reversed(memory_hits))
+            if len(memory_hits) < max_hit_blocks and request.block_hashes[len(memory_hits)] not in self.store:
+                self.store.stats.miss_blocks += 1
+            return False
+        self._held[request.req_id] = list(memory_hits)
+        self._waits[request.req_id] = waits
+        self._loading[request.req_id] = request
+        return True
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a read to finish (kept for the next `poll`)."""
+        self._arrived += self.store.take_reads(timeout_s)
+
+    def poll(self) -> list[Request]:
+        """Take the blocks read since the last call (each registered in the prefix cache and queued for the step's
+        `kv_load`); returns the requests whose every block arrived (or failed: those are recomputed), oldest
+        first. They keep holding their blocks until `release` (admitted or finished)."""
+        pool = self.pool
+        arrived, self._arrived = self._arrived + self.store.take_reads(), []
+        for block_hash, payload in arrived:
+            read = self._reads.pop(block_hash, None)
+            if read is None:
+                continue  # every request waiting for it left; its block went back to the pool
+            if payload is not None:
+                pool.set_num_tokens(read.block, self.block_size)
+                pool.cache_block(read.block, block_hash, read.tokens)
+            if read.block.block_hash == block_hash:
+                self._loads[read.block.block_id] = payload
+                for req_id in read.waiters:
+                    pool.touch([read.block])
+                    self._held[req_id].append(read.block)
+                    self.hit_tokens += self.block_size
+            pool.free_blocks([read.block])  # the reader's hold; a failed block goes back empty
+            for req_id in read.waiters:
+                self._waits[req_id].discard(block_hash)
+        ready = [r for req_id, r in self._loading.items() if not self._waits[req_id]]
+        for request in ready:
+            del self._loading[request.req_id], self._waits[request.req_id]
+        return ready
+
+    def release(self, request: Request) -> None:
+        """The request was admitted (its hits are its own now) or finished: drop what it held for its load,
+        and stop waiting for its reads (a read nobody waits for gives its block back at once)."""
+        for block_hash in self._waits.pop(request.req_id, ()):
+            read = self._reads[block_hash]
+            read.waiters.discard(request.req_id)
+            if not read.waiters:
+                del self._reads[block_hash]
+                self.pool.free_blocks([read.block])
+        self._loading.pop(request.req_id, None)
+        self.pool.free_blocks(reversed(self._held.pop(request.req_id, [])))
 
     def take_step_io(self) -> tuple[list[int], list[tuple[int, bytes]]]:
         """The block ids to copy out and the (block id, bytes) to write in, for the step just scheduled."""

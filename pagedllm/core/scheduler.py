@@ -14,6 +14,7 @@ The rest it asks of collaborators, which answer and never call back:
     SpecDecoder        core/spec_planner.py   speculative proposals: plan before the step, settle after
     Forker             core/forking.py        parallel samples and beam candidates sharing blocks
     LoRASlotLimit      core/lora_admission.py at most max_loras distinct adapters running (the head waits)
+    DiskTier           core/kv_disk_tier.py   a prefix read from disk: its request waits aside, the rest run
     KV cache manager   core/kv_cache_interface.py  blocks, through KVCacheManagerProtocol only
 """
 
@@ -28,6 +29,7 @@ from pagedllm.core.beam_gang import (admit_beam_group, allocate_running_group, b
                                      beam_group_token_counts, group_block_bound)
 from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
+from pagedllm.core.kv_disk_tier import DiskTier
 from pagedllm.core.lora_admission import LoRASlotLimit
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import SchedulingPolicy, WaitingQueue, make_waiting_queue
@@ -44,7 +46,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerProtocol,
                  preemption_mode: str = "recompute", speculative_config: SpeculativeConfig | None = None,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, disk_tier: DiskTier | None = None) -> None:
         self.preemption_mode = preemption_mode
         self.config = config
         self.kv = kv_cache_manager
@@ -63,6 +65,8 @@ class Scheduler:
         """Speculative rollback: req_id -> its table's length after `kv.trim`, sent once in its next CachedRequestData."""
         self.spec = SpecDecoder(speculative_config) if speculative_config is not None else None  # None: off
         self.lora_limit = LoRASlotLimit(max_loras) if max_loras is not None else None  # None: LoRA off
+        self.disk = disk_tier
+        """Prefix blocks on disk (None: memory only); requests waiting for their reads are held there."""
 
     # --- admission -------------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class Scheduler:
                 pass  # in neither queue: it waits for its leader's first token
             elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self.disk is None or not self.disk.is_loading(request):
                 self.waiting.remove(request)
             request.status = status
             finished.append(request)
@@ -135,6 +139,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Running requests first (oldest first; by rank under 'priority'), then waiting ones."""
         step = StepBuilder(self.config.max_num_batched_tokens)
+        if self.disk is not None:  # requests whose blocks were all read go back to the queue's front
+            for request in reversed(self.disk.poll()):
+                self.waiting.appendleft(request)
         self.policy.order_running(self.running)
         preempted = self._preempt_newest() if self.policy.preempts_for_blocked_head(self.waiting, self.running) else []
         num_preempted_for_waiting = len(preempted)
@@ -171,6 +178,10 @@ class Scheduler:
                 break
             if self.lora_limit is not None and not self.lora_limit.admits(head, self.running):
                 break  # strict order: the head waits for an adapter slot, nobody overtakes it
+            if self.disk is not None and head.beam_group_id is None and not self.kv.is_swapped_out(head) and \
+                    self.disk.start_load(head, headroom.num_blocks):
+                self.waiting.popleft()  # aside until its blocks are read; the next one may start meanwhile
+                continue
             if head.beam_group_id is not None:
                 admitted = admit_beam_group(self.kv, members, step.token_budget, headroom.num_blocks)
             else:
@@ -182,6 +193,8 @@ class Scheduler:
                 break  # strict order: the head of the queue waits for blocks
             for admission in admitted:
                 self._start_running(admission)
+                if self.disk is not None:
+                    self.disk.release(admission.request)  # its hits are held by its own table now
                 step.add(admission.request.req_id, admission.num_new_tokens)
                 step.new_reqs.append(self._new_request_data(admission.request))
             headroom.add_sequences(num_seqs)
@@ -299,7 +312,12 @@ class Scheduler:
     # --- state -----------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def loading(self) -> list[Request]:
+        """Requests waiting for their prefix blocks to be read from disk (not in `waiting` meanwhile)."""
+        return self.disk.loading_requests if self.disk is not None else []
 
     @property
     def num_running(self) -> int:
@@ -307,7 +325,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -361,6 +379,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> list[Request]:
         """Release a finished request; returns what finishing it finished too (samples that never started)."""
         self.kv.free(request)
+        if self.disk is not None:
+            self.disk.release(request)
         self._num_kept_block_ids.pop(request.req_id, None)
         if self.spec is not None:
             self.spec.forget(request.req_id)

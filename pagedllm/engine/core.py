@@ -27,6 +27,10 @@ from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 
 logger = logging.getLogger(__name__)
 
+LOAD_WAIT_S = 0.05
+"""An empty step with blocks being read waits up to this long for the first of them: no busy spin, and new work
+arriving meanwhile waits no longer than this."""
+
 
 class EngineCore:
     """Scheduler + executor, stepped by the caller (in-process) or a busy loop (its own process).
@@ -67,7 +71,8 @@ class EngineCore:
             weakref.finalize(self, finish_disk_tier, self.disk_tier, executor)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.cache_config.preemption_mode,
                                    speculative_config=engine_args.speculative(),
-                                   max_loras=lora.max_loras if (lora := engine_args.lora_config()) else None)
+                                   max_loras=lora.max_loras if (lora := engine_args.lora_config()) else None,
+                                   disk_tier=self.disk_tier)
         kv, max_step_tokens = self.kv_cache_manager, self.scheduler_config.max_num_batched_tokens
         self.beams = BeamGroups(self.scheduler_config, kv.num_blocks, lambda n: kv.max_blocks_held(n, max_step_tokens))
         """Beam-search requests: stepped after each step from their beams' top logprobs; they decide,
@@ -118,6 +123,8 @@ class EngineCore:
         runner_output = self.executor.execute_model(sched_output)
         if self.disk_tier is not None:
             self.disk_tier.complete(runner_output.kv_spilled)
+            if not sched_output.total_num_scheduled_tokens and self.scheduler.loading:
+                self.disk_tier.wait_for_reads(LOAD_WAIT_S)  # only loads are pending: no busy spin meanwhile
         self.num_steps += 1
         self.num_scheduled_tokens += sched_output.total_num_scheduled_tokens
         for listener in self.step_listeners:
@@ -183,7 +190,8 @@ class EngineCore:
         return dict(kv_disk_hit_tokens=self.disk_tier.hit_tokens, kv_disk_miss_blocks=counts.miss_blocks,
                     kv_disk_stored_blocks=counts.stored_blocks, kv_disk_corrupt_blocks=counts.corrupt_blocks,
                     kv_disk_load_seconds=counts.load_seconds, kv_disk_store_seconds=counts.store_seconds,
-                    kv_disk_blocks=store.num_blocks, kv_disk_bytes=store.num_bytes)
+                    kv_disk_blocks=store.num_blocks, kv_disk_bytes=store.num_bytes, kv_disk_max_bytes=store.max_bytes,
+                    kv_disk_num_loading=len(self.scheduler.loading))
 
     def _kv_occupancy_stats(self) -> dict:
         """KVCacheStats for EngineStatsMsg (counters the manager keeps: no scan)."""
@@ -205,6 +213,7 @@ class EngineCore:
         requests = [self._kv_map_request(r, "running") for r in sched.running]
         requests += [self._kv_map_request(r, "swapped" if kv.is_swapped_out(r) else
                                           "preempted" if r.num_preemptions else "waiting") for r in sched.waiting]
+        requests += [self._kv_map_request(r, "loading") for r in sched.loading]
         return KVMapMsg(timestamp=time.time(), block_size=kv.block_size, ref_cnts=ref_cnts, num_tokens=num_tokens,
                         cached_block_ids=cached, requests=requests, num_steps=self.num_steps,
                         num_scheduled_tokens=self.num_scheduled_tokens, num_preemptions=sched.num_preemptions,

@@ -36,6 +36,7 @@ STATS_MERGE: dict[str, StatsMerge] = {
     "num_kv_leaks": _G, "num_swap_outs": _C,
     "kv_disk_hit_tokens": _C, "kv_disk_miss_blocks": _C, "kv_disk_stored_blocks": _C, "kv_disk_corrupt_blocks": _C,
     "kv_disk_load_seconds": _C, "kv_disk_store_seconds": _C, "kv_disk_blocks": _G, "kv_disk_bytes": _G,
+    "kv_disk_max_bytes": _G, "kv_disk_num_loading": _G,
     "num_beam_groups": _G, "num_beams_running": _G, "num_beam_kv_blocks": _G, "num_beam_kv_blocks_saved": _G,
     "num_beam_group_preemptions": _C,
     "spec_num_steps": _C, "spec_num_draft_tokens": _C, "spec_num_accepted_tokens": _C, "spec_num_bonus_tokens": _C,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from pagedllm.config import CacheConfig, EngineArgs
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_disk_store import KVDiskStore
 from pagedllm.core.kv_disk_tier import DiskTier
 from pagedllm.worker.interface import KVCacheInfo, ModelInfo
@@ -17,20 +18,19 @@ FINGERPRINT_VERSION = 1
 
 def attach_disk_tier(kv_cache_manager, cache_config: CacheConfig, engine_args: EngineArgs, model_info: ModelInfo,
                      kv_info: KVCacheInfo) -> DiskTier:
-    """A store under ``cache_config.kv_disk_cache`` for this model and configuration, joined to the manager's pool."""
+    """A store under ``cache_config.kv_disk_cache`` for this model and configuration, joined to the manager's pool
+    (the scheduler is handed the tier: it holds requests while their blocks are read)."""
     if engine_args.parallel_config().tensor_parallel_size > 1:
         raise ValueError("kv_disk_cache does not support tensor_parallel_size > 1 yet (each rank holds its own "
                          "shard of a block): turn one off")
     if kv_info.sliding_window is not None:
         raise ValueError("kv_disk_cache does not support sliding-window models yet (their blocks behind the window "
                          "are released): turn it off for this model")
-    if not hasattr(kv_cache_manager, "pool"):
+    if not isinstance(kv_cache_manager, KVCacheManager):
         raise ValueError("kv_disk_cache needs the paged KV cache manager")
     store = KVDiskStore(cache_config.kv_disk_cache, fingerprint_facts(engine_args, model_info, kv_info),
                         cache_config.kv_disk_cache_size, kv_info.bytes_per_block)
-    tier = DiskTier(store, kv_cache_manager.pool, kv_info.block_size)
-    kv_cache_manager.disk_tier = tier
-    return tier
+    return DiskTier(store, kv_cache_manager)
 
 
 def finish_disk_tier(tier: DiskTier, executor) -> None:

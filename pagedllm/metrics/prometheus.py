@@ -77,6 +77,8 @@ class ServerMetrics:
                                        "Time spent writing blocks to disk (off the step)")
         self.kv_disk_blocks = gauge("pagedllm_kv_disk_cache_blocks", "KV blocks on disk")
         self.kv_disk_bytes = gauge("pagedllm_kv_disk_cache_bytes", "Bytes of KV blocks on disk")
+        self.kv_disk_max_bytes = gauge("pagedllm_kv_disk_cache_max_bytes", "The KV disk tier's size limit (0: off)")
+        self.kv_disk_loading = gauge("pagedllm_kv_disk_cache_loading_requests", "Requests waiting for disk reads")
         self.preemptions = counter("pagedllm_num_preemptions", "Requests preempted for lack of KV blocks")
         self.prompt_tokens = counter("pagedllm_prompt_tokens", "Prompt tokens of accepted requests")
         self.generation_tokens = counter("pagedllm_generation_tokens", "Tokens generated")
@@ -152,6 +154,8 @@ class ServerMetrics:
         self._record_kv_occupancy(stats)
         self.kv_disk_blocks.set(stats.kv_disk_blocks)
         self.kv_disk_bytes.set(stats.kv_disk_bytes)
+        self.kv_disk_max_bytes.set(stats.kv_disk_max_bytes)
+        self.kv_disk_loading.set(stats.kv_disk_num_loading)
         if stats.kv_map is not None:  # one engine (with data parallelism the replicas' come one by one)
             self.kv_map_stats["0"] = stats
         last = self._last_stats

@@ -72,6 +72,10 @@ class EngineStatsMsg(msgspec.Struct):
     kv_disk_blocks: int = 0
     """Blocks on disk now (gauge)."""
     kv_disk_bytes: int = 0
+    kv_disk_max_bytes: int = 0
+    """The disk tier's size limit (0: the tier is off)."""
+    kv_disk_num_loading: int = 0
+    """Requests waiting for their prefix blocks to be read from disk (also counted in num_waiting)."""
     num_beam_groups: int = 0
     """Beam-search requests live in the core."""
     num_beams_running: int = 0

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from pagedllm.core.block_hash import hash_block_tokens
-from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_disk_store import KVDiskStore
 from pagedllm.core.kv_disk_tier import DiskTier
 
@@ -134,8 +134,8 @@ def test_the_tenant_salt_keeps_blocks_apart_on_disk(tmp_path):
 
 def test_the_tier_spills_evicted_cached_blocks_and_drops_a_load_evicted_in_the_same_step(tmp_path):
     store = _store(tmp_path)
-    pool = BlockPool(4)
-    tier = DiskTier(store, pool, block_size=4)
+    tier = DiskTier(store, KVCacheManager(4, block_size=4))
+    pool = tier.pool
     h, tokens, payload = _block(9)
     [block] = pool.get_new_blocks(1)
     pool.cache_block(block, h, tokens)

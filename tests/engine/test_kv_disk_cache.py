@@ -4,6 +4,8 @@ greedy tokens as recomputing them, and nothing leaks."""
 from __future__ import annotations
 
 import random
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +83,66 @@ def test_the_disk_tier_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path):
         LLM(model=tiny_model_dir, kv_disk_cache=str(tmp_path), enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_disk_cache_size"):
         LLM(model=tiny_model_dir, kv_disk_cache=str(tmp_path), kv_disk_cache_size="0")
+
+
+class _GatedReads:
+    """The disk tier's file reads (KVDiskStore.read_file) held until `event` is set."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def __call__(self, path: Path) -> bytes:
+        assert self.event.wait(30), "the reads were never let through"
+        return path.read_bytes()
+
+
+def test_a_prefix_loading_from_disk_does_not_hold_up_a_running_request(tiny_model_dir, tmp_path):
+    first, again, fillers = _prompts()
+    other = fillers[0][:40]
+    long_greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    small = dict(num_kv_blocks=24, max_num_batched_tokens=256)
+    reference = LLM(model=tiny_model_dir, **small)
+    expected_again = _run(reference, [again])[0]
+    expected_other = reference.generate([{"prompt_token_ids": other}], long_greedy, use_tqdm=False)[0].outputs[0].token_ids
+    del reference
+
+    llm = LLM(model=tiny_model_dir, kv_disk_cache=str(tmp_path), **small)
+    _run(llm, [first, *fillers[1:]])  # the prefix is evicted to disk
+    engine, core = llm.engine, llm.engine.core
+    assert core.disk_tier.store.num_blocks >= 10
+    gate = _GatedReads()
+    core.disk_tier.store.read_file = gate
+    engine.add_request("other", {"prompt_token_ids": other}, long_greedy)
+    engine.step()
+    engine.add_request("again", {"prompt_token_ids": again}, GREEDY)
+    tokens = {"other": [], "again": []}
+    for _ in range(6):  # `again` waits for its blocks; `other` decodes a token every step meanwhile
+        outputs = {o.request_id: o for o in engine.step()}
+        assert set(outputs) == {"other"}
+        tokens["other"] = outputs["other"].outputs[0].token_ids
+        assert [r.req_id for r in core.scheduler.loading] == ["again"]
+    assert len(tokens["other"]) == 7
+    gate.event.set()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens[o.request_id] = o.outputs[0].token_ids
+    assert tokens == {"other": expected_other, "again": expected_again}
+    assert core.stats().kv_disk_hit_tokens >= 10 * 16
+    assert core.check_kv_leaks() == []
+
+
+def test_abort_while_a_prefix_is_loading_frees_every_block(tiny_model_dir, tmp_path):
+    first, again, fillers = _prompts()
+    llm = LLM(model=tiny_model_dir, kv_disk_cache=str(tmp_path), num_kv_blocks=24, max_num_batched_tokens=256)
+    _run(llm, [first, *fillers])
+    engine, core = llm.engine, llm.engine.core
+    gate = _GatedReads()
+    core.disk_tier.store.read_file = gate
+    engine.add_request("again", {"prompt_token_ids": again}, GREEDY)
+    engine.step()
+    assert [r.req_id for r in core.scheduler.loading] == ["again"]
+    engine.abort_request("again")
+    assert not engine.has_unfinished_requests() and core.check_kv_leaks() == []
+    gate.event.set()
+    assert _run(llm, [again])  # the late reads land nowhere; the prefix is found again
+    assert core.check_kv_leaks() == []

@@ -196,3 +196,33 @@ def test_an_open_dashboard_does_not_hold_up_shutdown(tmp_path):
     assert time.monotonic() - start < 22, "the event stream held the drain (its shutdown_timeout is 30 s)"
     assert ended.wait(10)
     watcher.join()
+
+
+@pytest.mark.slow
+def test_the_disk_tier_shows_what_metrics_exports(tmp_path):
+    """A prefix evicted to disk and read back: the event's disk-tier figures are /metrics' own."""
+    model_dir = build_tiny_llama_dir(tmp_path / "model")
+    srv = RemoteServer(model_dir, ["--enable-dashboard", "--served-model-name", "tiny", "--num-kv-blocks", "24",
+                                   "--block-size", "16", "--max-model-len", "1024", "--max-num-seqs", "1",
+                                   "--kv-disk-cache", str(tmp_path / "kv"), "--kv-disk-cache-size", "64MiB"],
+                       tmp_path / "server.log")
+    try:
+        prefix = [9 + i % 300 for i in range(160)]  # 10 blocks
+        prompts = [prefix + [5] * 8] + [[400 + j] * 120 for j in range(4)] + [prefix + [6] * 8]  # fillers evict it
+        for prompt in prompts:
+            r = httpx.post(f"{srv.url}/v1/completions", timeout=120,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        m = srv.wait_idle_without_leaks()
+        assert m["pagedllm_kv_disk_cache_hit_tokens_total"] >= 160 and m["pagedllm_kv_disk_cache_max_bytes"] == 64 << 20
+        events = read_events(f"{srv.url}/dashboard/events", {}, lambda events: bool(events[-1]["replicas"]))
+        gauges = events[-1]["replicas"][0]["stats"]
+        m = srv.metrics()
+        for field, metric in [("kv_disk_hit_tokens", "hit_tokens_total"), ("kv_disk_miss_blocks", "miss_blocks_total"),
+                              ("kv_disk_stored_blocks", "stored_blocks_total"), ("kv_disk_max_bytes", "max_bytes"),
+                              ("kv_disk_load_seconds", "load_seconds_total"), ("kv_disk_num_loading", "loading_requests")]:
+            assert gauges[field] == pytest.approx(m[f"pagedllm_kv_disk_cache_{metric}"]), field
+        assert gauges["kv_disk_blocks"] >= 10 and gauges["kv_disk_bytes"] > 0
+        assert "disk tier: blocks / bytes" in DASHBOARD_HTML and "prompt tokens: memory / disk / computed" in DASHBOARD_HTML
+    finally:
+        srv.stop()

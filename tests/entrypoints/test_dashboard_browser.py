@@ -97,3 +97,29 @@ def test_the_page_draws_the_pool_under_load(tmp_path, browser):
         for w in workers:
             w.join()
         srv.stop()
+
+
+def test_the_page_shows_the_disk_tier(tmp_path, browser):
+    model_dir = build_tiny_llama_dir(tmp_path / "model")
+    srv = RemoteServer(model_dir, ["--enable-dashboard", "--served-model-name", "tiny", "--num-kv-blocks", "24",
+                                   "--block-size", "16", "--max-model-len", "1024", "--max-num-seqs", "1",
+                                   "--kv-disk-cache", str(tmp_path / "kv")], tmp_path / "server.log")
+    try:
+        prefix = [9 + i % 300 for i in range(160)]
+        for prompt in [prefix + [5] * 8] + [[400 + j] * 120 for j in range(4)] + [prefix + [6] * 8]:
+            httpx.post(f"{srv.url}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 2}).raise_for_status()
+        hits = srv.wait_idle_without_leaks()["pagedllm_kv_disk_cache_hit_tokens_total"]
+        assert hits >= 160
+        browser.get(f"{srv.url}/dashboard")
+        deadline, row = time.monotonic() + 30, None
+        while time.monotonic() < deadline and row is None:
+            row = browser.execute_script("""for (const tr of document.querySelectorAll('#totals tr'))
+                if (tr.cells[0].textContent.startsWith('prompt tokens: memory / disk')) return tr.cells[1].textContent;
+                return null;""")
+            time.sleep(0.3)
+        assert row is not None and int(row.split(" / ")[1]) == hits, row
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        srv.stop()

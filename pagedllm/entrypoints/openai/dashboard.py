@@ -44,7 +44,10 @@ _STATS_FIELDS = ("num_running", "num_waiting", "kv_cache_usage", "num_preemption
                  "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_steps", "num_scheduled_tokens",
                  "kv_num_blocks", "kv_num_used_blocks", "kv_num_cached_blocks", "kv_num_empty_blocks",
                  "kv_num_filled_slots", "kv_num_allocated_slots", "kv_num_shared_blocks", "kv_num_saved_blocks",
-                 "kv_saved_bytes", "kv_num_host_blocks", "kv_num_swapped_blocks", "kv_blocks_by_priority")
+                 "kv_saved_bytes", "kv_num_host_blocks", "kv_num_swapped_blocks", "kv_blocks_by_priority",
+                 "kv_disk_hit_tokens", "kv_disk_miss_blocks", "kv_disk_stored_blocks", "kv_disk_corrupt_blocks",
+                 "kv_disk_load_seconds", "kv_disk_store_seconds", "kv_disk_blocks", "kv_disk_bytes", "kv_disk_max_bytes",
+                 "kv_disk_num_loading")
 """The gauges sent with each replica's map (taken with it, in the same step) and as engine-wide totals now."""
 
 

@@ -9,6 +9,9 @@ The grid draws one cell per block, coloured by its state:
     cached     blue outline: held by nobody, holds a cached prefix (reclaimable)
     owned      the owner's colour, filled from the bottom as far as its slots hold KV
     shared     purple, darker the more sequences hold it
+With --kv-disk-cache, the totals add the disk tier's rows (blocks and bytes on disk, prompt tokens served by
+memory, by disk, and computed, load and store times): the fields /metrics exports as pagedllm_kv_disk_cache_*.
+A request waiting for its blocks to be read from disk is listed as "loading".
 The canvas carries data-num-blocks and data-num-used (blocks drawn as owned or shared) for tests.
 """
 
@@ -224,6 +227,20 @@ function sumStats(list) {
   return total;
 }
 
+function mib(bytes) { return (bytes / 2 ** 20).toFixed(1) + " MiB"; }
+
+function diskRows(s) {  // the disk tier (--kv-disk-cache): what /metrics exports as pagedllm_kv_disk_cache_*
+  const fromDisk = s.kv_disk_hit_tokens, fromMemory = s.prefix_cache_hits - fromDisk;
+  return [
+    ["disk tier: blocks / bytes", s.kv_disk_blocks + " / " + mib(s.kv_disk_bytes) + " of " + mib(s.kv_disk_max_bytes)],
+    ["prompt tokens: memory / disk / computed", fromMemory + " / " + fromDisk + " / " +
+      (s.prefix_cache_queries - s.prefix_cache_hits)],
+    ["disk blocks missed / corrupt", s.kv_disk_miss_blocks + " / " + s.kv_disk_corrupt_blocks],
+    ["disk loads: time / requests waiting", s.kv_disk_load_seconds.toFixed(3) + " s / " + s.kv_disk_num_loading],
+    ["disk stores: blocks / time", s.kv_disk_stored_blocks + " / " + s.kv_disk_store_seconds.toFixed(3) + " s"],
+  ];
+}
+
 function onEvent(ev) {
   // The table: the replicas' gauges taken with their maps (so they agree with the grids), summed.
   const s = ev.replicas.length ? sumStats(ev.replicas.map(r => r.stats)) : ev.stats;
@@ -236,6 +253,7 @@ function onEvent(ev) {
       ["sharing saves", s.kv_num_saved_blocks + " blocks, " + (s.kv_saved_bytes / 2 ** 20).toFixed(1) + " MiB"],
       ["swapped-out blocks", s.kv_num_swapped_blocks + " of " + s.kv_num_host_blocks],
       ["preemptions / swap-outs", s.num_preemptions + " / " + s.num_swap_outs],
+      ...(s.kv_disk_max_bytes ? diskRows(s) : []),
     ]);
   }
   if (ev.stats) {  // throughput from the engine-wide totals now
