@@ -85,7 +85,8 @@ class Scheduler:
             r.status = RequestStatus.WAITING
             self.requests[r.req_id] = r
         self.waiting.append(request)
-        self.forks.add_samples(request, parallel_samples)
+        if parallel_samples:
+            self.forks.add_samples(request, parallel_samples)
 
     def fork_request(self, parent_id: str, child_id: str, last_token_id: int) -> Request:
         """Start `child_id` from a running parent whose last token was sampled, not computed, with
@@ -119,7 +120,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if self.forks.is_waiting_sample(request):
+            if request.req_id in self.forks.leader_of:
                 pass  # in neither queue: it waits for its leader's first token
             elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -153,7 +154,7 @@ class Scheduler:
                 break  # it preempted itself (everything after it is gone too), or a group waits for budget
             for member, num_new, new_block_ids in entries:
                 step.add(member.req_id, num_new)
-                if self.forks.take_unsent(member.req_id):
+                if self.forks.unsent and self.forks.take_unsent(member.req_id):
                     step.new_reqs.append(self._new_request_data(member))
                 else:
                     step.cached_reqs.append(CachedRequestData(
@@ -166,7 +167,7 @@ class Scheduler:
         while len(preempted) == num_preempted_for_waiting and self.waiting and step.token_budget > 0:
             head = self.waiting[0]
             members = [head] if head.beam_group_id is None else beam_group_at(self.waiting, 0)
-            num_seqs = len(members) + len(self.forks.samples_of(head))
+            num_seqs = len(members) + len(self.forks.samples.get(head.req_id, ()))
             if len(self.running) + num_seqs > self.config.max_num_seqs:
                 break
             if self.lora_limit is not None and not self.lora_limit.admits(head, self.running):
@@ -203,7 +204,7 @@ class Scheduler:
         new_block_ids = None
         if self.spec is not None:
             plan = self.spec.plan(request, step.token_budget, len(self.running), self.config.max_model_len,
-                                  bool(self.forks.samples_of(request)))
+                                  request.req_id in self.forks.samples)
             new_block_ids = self.spec.allocate(self.kv, request, num_new, plan, step)
             num_new += plan.num_lookahead_tokens if new_block_ids is not None else 0
         while new_block_ids is None:
@@ -261,7 +262,7 @@ class Scheduler:
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prompt chunk: nothing to tell yet
-            if new_token_ids and self.forks.samples_of(request):
+            if new_token_ids and req_id in self.forks.samples:
                 self._start_parallel_samples(request, runner_output, outputs)
             accepted = request.append_output_tokens(new_token_ids, self.config.max_model_len)
             num_computed = self.spec.settle(request, sched_output, runner_output) if self.spec is not None else None
@@ -314,7 +315,8 @@ class Scheduler:
     def _new_request_data(self, request: Request) -> NewRequestData:
         """The whole of a request the runner has no state for (computed tokens before this step's)."""
         self.kv.forget_replaced_blocks(request.req_id)  # the full table goes out: nothing to patch later
-        return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id), self.forks.samples_of(request))
+        return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id),
+                                         self.forks.samples.get(request.req_id, ()))
 
     def _start_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,
                                 outputs: list[EngineCoreOutput]) -> None:
@@ -366,5 +368,7 @@ class Scheduler:
             self.spec.forget(request.req_id)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
+        if not (self.forks.leader_of or self.forks.unsent):
+            return []  # no forks pending (every waiting sample is in leader_of): none can be this request's
         orphans = self.forks.forget(request)
         return self.finish_requests([o.req_id for o in orphans], request.status) if orphans else []
