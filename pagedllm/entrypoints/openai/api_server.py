@@ -164,7 +164,7 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
             raise APIError(400, "this model has no tokenizer")
 
         def run() -> JSONResponse:
-            engine.input_processor.check_token_ids(request.tokens, "tokens")
+            engine.check_token_ids(request.tokens, "tokens")
             return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
 
         return await engine.run_blocking(run)
@@ -204,7 +204,7 @@ def lora_registry(engine_args: EngineArgs, config: ServerConfig, engine: AsyncLL
         if config.lora_modules or config.allow_runtime_lora_updating:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         return None
-    registry = LoRARegistry(engine.input_processor.check_lora)
+    registry = LoRARegistry(engine.check_lora)
     for module in config.lora_modules:
         registry.add(module.name, module.path, names, module.base_model_name)
     return registry
