@@ -60,7 +60,8 @@ class RequestStream:
     Two sides, one owner. AsyncLLM owns the registry of open streams and feeds each one (`put`,
     `put_error`); it never touches a stream's queue. The reader iterates and ends the stream with
     `close()` or `fail(error)`; either tells the owner once, through `release` (which unregisters it
-    and aborts the request in the core unless it finished).
+    and aborts the request in the core unless it finished). A sequence that failed alone (a RequestOutput's
+    completion carries an `error`) fails the whole request: iterating raises RequestFailedError naming it.
     """
 
     def __init__(self, request_id: str, release: Callable[[RequestStream], None]) -> None:
@@ -98,6 +99,11 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
+        failed = next((c.error for c in item.outputs if c.error is not None), None) if isinstance(
+            item, RequestOutput) else None  # a pooling request's failure is its endpoint's to report
+        if failed is not None:
+            self.close()
+            raise RequestFailedError(f"request {self.request_id} failed: {failed}")
         if item.finished:
             self.finished = True
             self.close()

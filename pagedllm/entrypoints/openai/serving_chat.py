@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.chat_template import ChatTemplateError, render_chat
 from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
-from pagedllm.entrypoints.openai.errors import APIError, check_failed
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
@@ -142,7 +142,6 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 
 def _response(ctx: ServingContext, request: ChatCompletionRequest, output: RequestOutput, request_id: str,
               model: str, parsers) -> JSONResponse:
-    check_failed(output)
     choices = []
     for c in output.outputs:
         parser = parsers() if parsers is not None else None
@@ -175,7 +174,6 @@ async def _chunks(ctx: ServingContext, request: ChatCompletionRequest, outputs: 
                  for i in range(request.n)])
     num_prompt_tokens = num_completion_tokens = num_cached = 0
     async for _, output in outputs:
-        check_failed(output)
         num_prompt_tokens = len(output.prompt_token_ids)
         num_cached = output.num_cached_tokens
         choices = []
