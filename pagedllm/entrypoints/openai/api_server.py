@@ -178,8 +178,9 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
 
         add_dashboard_routes(app, ctx.engine, metrics, config.api_keys, lifecycle)
 
-    # Outermost last: request id, then draining, then CORS (its preflights need no key), then auth.
-    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    # Outermost last: request id, then draining, then CORS (its preflights need no key), then auth (with keys).
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
