@@ -8,7 +8,7 @@ request is preempted (recomputed later, or swapped out) until the one being sche
 
 The rest it asks of collaborators, which answer and never call back:
 
-    SchedulingPolicy   core/request_queue.py  the waiting queue, the order of `running`, the victims
+    PriorityPolicy     core/request_queue.py  the waiting queue, the order of `running` (priority), the victims
     admit_request      core/admission.py      blocks for a waiting request (prefix hits, swap-in), headroom
     beam_gang          core/beam_gang.py      a beam group's beams scheduled as one, or not at all
     SpecDecoder        core/spec_planner.py   speculative proposals: plan before the step, settle after
@@ -30,7 +30,7 @@ from pagedllm.core.forking import Forker
 from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
 from pagedllm.core.lora_admission import LoRASlotLimit
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.request_queue import SchedulingPolicy, WaitingQueue, make_waiting_queue
+from pagedllm.core.request_queue import PriorityPolicy, WaitingQueue, make_waiting_queue, take_victims
 from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                         SchedulerOutput, StepBuilder)
 from pagedllm.core.spec_planner import SpecDecoder
@@ -49,7 +49,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.policy = SchedulingPolicy(config.scheduling_policy)
+        self.priority = PriorityPolicy() if config.scheduling_policy == "priority" else None  # None: FCFS
         self.waiting: WaitingQueue = make_waiting_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
@@ -136,8 +136,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Running requests first (oldest first; by rank under 'priority'), then waiting ones."""
         step = StepBuilder(self.config.max_num_batched_tokens)
-        self.policy.order_running(self.running)
-        preempted = self._preempt_newest() if self.policy.preempts_for_blocked_head(self.waiting, self.running) else []
+        preempted = []
+        if self.priority is not None:  # FCFS keeps `running` in arrival order, and its waiting head never preempts
+            self.priority.order_running(self.running)
+            if self.priority.preempts_for_blocked_head(self.waiting, self.running):
+                preempted = self._preempt_newest()
         num_preempted_for_waiting = len(preempted)
         if self.spec is not None:
             self.spec.begin_step(len(self.running))
@@ -177,8 +180,8 @@ class Scheduler:
             else:
                 admission = admit_request(self.kv, head, step.token_budget, headroom.num_blocks)
                 admitted = None if admission is None else [admission]
-                if admission is None:
-                    self.policy.note_blocked(head)
+                if admission is None and self.priority is not None:
+                    self.priority.note_blocked(head)
             if admitted is None:
                 break  # strict order: the head of the queue waits for blocks
             for admission in admitted:
@@ -353,7 +356,7 @@ class Scheduler:
 
     def _preempt_newest(self) -> list[Request]:
         """Preempt the policy's victims: the last running request, or the whole beam group it belongs to."""
-        victims = self.policy.take_victims(self.running)
+        victims = take_victims(self.running)
         if victims[0].beam_group_id is not None:
             self.num_beam_group_preemptions += 1
         for victim in victims:  # newest first: appendleft leaves the group in its order at the queue's front
