@@ -10,8 +10,8 @@ class KVCacheStats:
     """Where the KV cache's memory is now: every device block is exactly one of used, cached or empty.
 
     Read from counters kept as blocks change hands (no scan); the builder fills the derived counts too, so
-    reading a gauge runs no code. Only running requests hold blocks: a
-    preempted request frees its blocks (recompute) or moves them to host blocks (swap)."""
+    reading a gauge runs no code. Only running requests hold blocks: a preempted request frees its blocks
+    (recompute) or moves them to host blocks (swap)."""
 
     num_blocks: int
     block_size: int

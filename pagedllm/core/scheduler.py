@@ -8,7 +8,7 @@ request is preempted (recomputed later, or swapped out) until the one being sche
 
 The rest it asks of collaborators, which answer and never call back:
 
-    PriorityPolicy     core/request_queue.py  the waiting queue, the order of `running` (priority), the victims
+    request_queue      core/request_queue.py  the waiting queue, the victims; under 'priority' the order of `running`
     admit_request      core/admission.py      blocks for a waiting request (prefix hits, swap-in), headroom
     beam_gang          core/beam_gang.py      a beam group's beams scheduled as one, or not at all
     SpecDecoder        core/spec_planner.py   speculative proposals: plan before the step, settle after

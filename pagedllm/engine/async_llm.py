@@ -99,11 +99,11 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        failed = next((c.error for c in item.outputs if c.error is not None), None) if isinstance(
-            item, RequestOutput) else None  # a pooling request's failure is its endpoint's to report
-        if failed is not None:
-            self.close()
-            raise RequestFailedError(f"request {self.request_id} failed: {failed}")
+        if isinstance(item, RequestOutput):  # a pooling request's failure is its endpoint's to report
+            failed = next((c.error for c in item.outputs if c.error is not None), None)
+            if failed is not None:
+                self.close()
+                raise RequestFailedError(f"request {self.request_id} failed: {failed}")
         if item.finished:
             self.finished = True
             self.close()
