@@ -31,8 +31,11 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
     tools.py); 400 if it cannot be applied."""
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    turns, tools = conversation(messages, plan, "tools" in chat_template if chat_template
-                                else template_takes_tools(tokenizer))
+    if plan is not None or any(m.tool_calls or m.role == "tool" for m in messages):
+        turns, tools = conversation(messages, plan, "tools" in chat_template if chat_template
+                                    else template_takes_tools(tokenizer))
+    else:  # no tool in the request or its history: the messages as they are
+        turns, tools = [m.turn() for m in messages], None
     param = "chat_template" if chat_template else "messages"
     try:
         return render_chat(tokenizer, turns, tools=tools, add_generation_prompt=add_generation_prompt,
@@ -107,8 +110,10 @@ async def start_chat(request: ChatCompletionRequest, raw_request: Request, ctx: 
     engine = ctx.engine
     config = ctx.config
     reasoning = config.reasoning_parser
-    plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser, config.enable_auto_tool_choice,
-                                     reasoning)
+    plan = None
+    if request.tools or reasoning is not None:  # else prepare_tools has nothing to plan
+        plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser,
+                                         config.enable_auto_tool_choice, reasoning)
     params = request.to_sampling_params(ctx.engine.generation_defaults)
     template, template_kwargs = _request_template(request, config.trust_request_chat_template)
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
