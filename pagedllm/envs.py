@@ -8,6 +8,9 @@ Each attribute is read from ``os.environ`` when it is asked for, not at import, 
 An unset or empty variable has its default. A switch takes 1/true/yes/on or 0/false/no/off; any
 other value, or a number that is not one, raises ValueError naming the variable and what it takes.
 
+The experimental ones (``experimental=True``) are A/B switches and tuning knobs for measurements, documented
+as one group apart from the settings a deployment uses.
+
 Four variables are read by the compiled library itself (``csrc/``, when it starts); they are
 declared here too, and ``check_compiled_op_env()`` (called before the library loads) refuses a
 value the C++ would misread.
@@ -80,6 +83,9 @@ class Variable(NamedTuple):
     """Its text to its value; raises ValueError saying what it takes."""
     default: object = None
     """The value when it is unset or empty; a callable is called then (a default that depends on $HOME)."""
+    experimental: bool = False
+    """An A/B switch or tuning knob kept for measurements (docs/configuration.md lists these apart): it may
+    change or go without notice once its comparison is done; a deployment should not need it."""
 
 
 VARIABLES: dict[str, Variable] = {
@@ -94,25 +100,26 @@ VARIABLES: dict[str, Variable] = {
         _switch, False),
     "PAGEDLLM_DISABLE_FUSED_CPU_OPS": Variable(
         "Switch: the fused small CPU ops (norms, rotary, SiLU) off, the rest of the library on (A/B).",
-        _switch, False),
+        _switch, False, experimental=True),
     "PAGEDLLM_DISABLE_FUSED_DECODER": Variable(
-        "Switch: run a step's decoder layers op by op from Python instead of in one compiled call (A/B).",
-        _switch, False),
+        "Switch: run a step's decoder layers op by op from Python instead of in one compiled call (A/B; read "
+        "at the first step).",
+        _switch, False, experimental=True),
     "PAGEDLLM_DISABLE_CPU_GEMM": Variable(
         "Switch: the linears use MKL instead of the compiled float32 GEMM (A/B).",
-        _switch, False),
+        _switch, False, experimental=True),
     "PAGEDLLM_CPU_GEMM_ISA": Variable(
         "Panel layout the compiled GEMM packs for: best (the default), avx512 or avx2 (a test and benchmark hook).",
-        _one_of("best", "avx512", "avx2"), "best"),
+        _one_of("best", "avx512", "avx2"), "best", experimental=True),
     "PAGEDLLM_DISABLE_HUGE_PAGES": Variable(
         "Switch: large CPU buffers (weights, KV cache) without transparent huge pages (A/B).",
-        _switch, False),
+        _switch, False, experimental=True),
     "PAGEDLLM_DISABLE_MALLOC_TUNING": Variable(
         "Switch: the engine core and workers keep glibc's default mmap/trim thresholds (worker/host_memory.py; A/B).",
-        _switch, False),
+        _switch, False, experimental=True),
     "PAGEDLLM_DISABLE_BF16_GREEDY_HEAD": Variable(
         "Switch: greedy steps use the float32 LM head instead of the exact bf16 one on AMX CPUs (A/B).",
-        _switch, False),
+        _switch, False, experimental=True),
     "PAGEDLLM_DISTRIBUTED_SECRET": Variable(
         "Tensor-parallel shared secret (16+ characters), preferred to --distributed-secret: argv is public.",
         str),
@@ -121,17 +128,17 @@ VARIABLES: dict[str, Variable] = {
         str),
     "PAGEDLLM_DISABLE_OP_POOL": Variable(
         "0 or 1, read by csrc/thread_pool.cpp: 1 runs the compiled ops on torch's OpenMP threads (A/B).",
-        _zero_one, False),
+        _zero_one, False, experimental=True),
     "PAGEDLLM_POOL_SPIN_US": Variable(
         "Microseconds (0-10000, default 50) the compiled ops' workers spin for the next job; csrc/thread_pool.cpp.",
-        _int_in(0, 10000), 50),
+        _int_in(0, 10000), 50, experimental=True),
     "PAGEDLLM_ATTN_PF": Variable(
         "dist[,mode[,hint]]: the CPU attention op's prefetch (0 = none), for A/B runs; csrc/paged_attention_op.cpp.",
-        _prefetch),
+        _prefetch, experimental=True),
     "PAGEDLLM_BF16_PREFILL_ROWS": Variable(
         "Rows (0-1000000, default 128; 0 = never) from which a quantized linear with int8 activations multiplies "
         "through bf16 AMX tiles instead, on CPUs with AMX-BF16 only; csrc/quant_gemm_op.cpp.",
-        _int_in(0, 1_000_000), 128),
+        _int_in(0, 1_000_000), 128, experimental=True),
 }
 
 COMPILED_OP_VARIABLES = ("PAGEDLLM_DISABLE_OP_POOL", "PAGEDLLM_POOL_SPIN_US", "PAGEDLLM_ATTN_PF",

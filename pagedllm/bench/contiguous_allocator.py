@@ -325,7 +325,8 @@ class ContiguousKVCacheManager:
         num_used = self.num_blocks - self.allocator.num_free
         return KVCacheStats(num_blocks=self.num_blocks, block_size=self.block_size, num_used_blocks=num_used,
                             num_cached_blocks=0, num_empty_blocks=self.allocator.num_free,
-                            num_filled_slots=self.num_filled_slots, num_shared_blocks=0, num_block_refs=num_used)
+                            num_filled_slots=self.num_filled_slots, num_shared_blocks=0, num_block_refs=num_used,
+                            num_allocated_slots=num_used * self.block_size, num_saved_blocks=0)
 
     def fork(self, parent: Request, child: Request) -> None:
         raise UnsupportedKVFeatureError(f"the {self.policy!r} contiguous policy", "forking",

@@ -381,9 +381,6 @@ class _StubExecutor:
 
         return ModelRunnerOutput(sampled_token_ids={rid: [FIRST_ORDINARY_TOKEN] for rid in sched.num_scheduled_tokens})
 
-    def check_health(self) -> None:
-        pass
-
     def shutdown(self) -> None:
         pass
 

@@ -7,7 +7,7 @@ so the scheduler asks here, for a group at once: how many tokens each beam compu
 before any allocation, so a copy-on-write decided for one beam is never left pending for blocks the
 group's own preemption then frees), and then the allocation itself (`allocate_running_group`,
 `admit_beam_group`). Preempting to make room stays the scheduler's: a group is preempted whole
-(`SchedulingPolicy.take_victims`).
+(`request_queue.take_victims`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Two kinds, both copy-on-write through the KV cache manager's `fork` (ref counts 
   a different last token (`fork`).
 
 A forked request is new to the runner: the scheduler sends its whole state once (`take_unsent`).
-The scheduler owns `requests` and `running`; this class only decides what a fork looks like.
+The scheduler owns `requests` and `running`; this class only decides what a fork looks like. The scheduler
+reads `samples`, `leader_of` and `unsent` itself, so a request that forks nothing costs no call here.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ class Forker:
 
     def __init__(self, kv: KVCacheManagerProtocol) -> None:
         self.kv = kv
-        self._samples: dict[str, list[Request]] = {}
-        """Leader req_id -> its samples not forked yet, in sequence order."""
-        self._leader_of: dict[str, Request] = {}
-        """Sample req_id -> the leader it waits for."""
-        self._unsent: set[str] = set()
+        self.samples: dict[str, list[Request]] = {}
+        """Leader req_id -> its samples not forked yet, in sequence order (only leaders that have some)."""
+        self.leader_of: dict[str, Request] = {}
+        """Sample req_id -> the leader it waits for: a sample here is in neither queue."""
+        self.unsent: set[str] = set()
         """Forked requests the runner has not been told about yet."""
 
     # --- parallel samples ----------------------------------------------------------------
@@ -39,17 +40,17 @@ class Forker:
         """Make `samples` wait for `leader`'s first sampled token."""
         samples = list(samples)
         if samples:
-            self._samples[leader.req_id] = samples
+            self.samples[leader.req_id] = samples
             for sample in samples:
-                self._leader_of[sample.req_id] = leader
+                self.leader_of[sample.req_id] = leader
 
     def samples_of(self, leader: Request) -> list[Request]:
         """The samples still waiting for `leader` (empty for most requests)."""
-        return self._samples.get(leader.req_id, [])
+        return self.samples.get(leader.req_id, [])
 
     def is_waiting_sample(self, request: Request) -> bool:
         """True while `request` is a sample waiting for its leader (neither waiting nor running)."""
-        return request.req_id in self._leader_of
+        return request.req_id in self.leader_of
 
     def fork_samples(self, leader: Request, sampled_token_ids: Mapping[str, list[int]]) -> list[Request]:
         """Fork every waiting sample of `leader` that drew a token this step; returns them, running.
@@ -91,8 +92,8 @@ class Forker:
 
     def take_unsent(self, req_id: str) -> bool:
         """True (once) if `req_id` was forked since the runner last heard of it."""
-        if req_id in self._unsent:
-            self._unsent.discard(req_id)
+        if req_id in self.unsent:
+            self.unsent.discard(req_id)
             return True
         return False
 
@@ -101,26 +102,26 @@ class Forker:
 
         The caller must finish those too (until then they still count as waiting samples).
         """
-        self._unsent.discard(request.req_id)
+        self.unsent.discard(request.req_id)
         if self.is_waiting_sample(request):
             self._detach_sample(request)
-        return self._samples.pop(request.req_id, [])
+        return self.samples.pop(request.req_id, [])
 
     def _start(self, parent: Request, child: Request) -> None:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
         self.kv.fork(parent, child)
-        self._unsent.add(child.req_id)
+        self.unsent.add(child.req_id)
 
     def _detach_sample(self, sample: Request) -> None:
-        leader = self._leader_of.pop(sample.req_id)
-        samples = self._samples.get(leader.req_id)
+        leader = self.leader_of.pop(sample.req_id)
+        samples = self.samples.get(leader.req_id)
         if samples is None:
             return  # the leader finished first: `forget` handed this sample out as an orphan
         samples.remove(sample)
         if not samples:
-            del self._samples[leader.req_id]
+            del self.samples[leader.req_id]
 
 
 def kv_block_usage(kv: KVCacheManagerProtocol, req_ids: Iterable[str]) -> tuple[int, int]:

@@ -17,11 +17,10 @@ class HostSwapSpace:
         self.num_blocks = num_blocks
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
-        """req_id -> its host blocks, in block-table order (NULL_ENTRY where its device entry was null)."""
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        """req_id -> its host blocks, in block-table order (NULL_ENTRY where its device entry was null): a request
+        is swapped out while it has an entry here."""
+        self.num_used_blocks = 0
+        """Host blocks held: a count kept, so the gauges read it without a call."""
 
     def fits(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_blocks)
@@ -31,14 +30,14 @@ class HostSwapSpace:
         caller checked they ``fits``)."""
         table = [NULL_ENTRY] * num_null + [self.free_blocks.pop() for _ in range(num_blocks)]
         self.tables[req_id] = table
+        self.num_used_blocks += num_blocks
         return table
-
-    def holds(self, req_id: str) -> bool:
-        return req_id in self.tables
 
     def release(self, req_id: str) -> None:
         """Give back ``req_id``'s host blocks (none held: nothing to do)."""
-        self.free_blocks.extend(h for h in reversed(self.tables.pop(req_id, [])) if h != NULL_ENTRY)
+        released = [h for h in reversed(self.tables.pop(req_id, [])) if h != NULL_ENTRY]
+        self.free_blocks.extend(released)
+        self.num_used_blocks -= len(released)
 
     def problems(self) -> list[str]:
         """With no request alive: what is still held (empty = fine)."""

@@ -270,7 +270,7 @@ class KVCacheManager:
         return mapping
 
     def is_swapped_out(self, request: Request) -> bool:
-        return self.host.holds(request.req_id)
+        return request.req_id in self.host.tables
 
     def swap_in(self, request: Request, num_new_tokens: int,
                 num_headroom_blocks: int = 0) -> list[tuple[int, int]] | None:
@@ -298,7 +298,7 @@ class KVCacheManager:
 
     def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         """Release every block of the request, tail first so its tail is evicted before shared heads."""
-        if not keep_host_blocks:
+        if not keep_host_blocks and request.req_id in self.host.tables:
             self.host.release(request.req_id)
         blocks = self.req_to_blocks.pop(request.req_id, [])[self._num_null.pop(request.req_id, 0):]
         self._num_cached_blocks.pop(request.req_id, None)
@@ -347,9 +347,9 @@ class KVCacheManager:
             num_cached_blocks=pool.num_cached_free_blocks,
             num_empty_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
             num_filled_slots=pool.num_filled_slots, num_shared_blocks=pool.num_shared_blocks,
-            num_block_refs=pool.num_block_refs, num_host_blocks=self.host.num_blocks,
-            num_swapped_blocks=self.host.num_used_blocks,
-            blocks_by_priority=dict(self.num_refs_by_priority))
+            num_block_refs=pool.num_block_refs, num_allocated_slots=num_used * self.block_size,
+            num_saved_blocks=pool.num_block_refs - num_used, num_host_blocks=self.host.num_blocks,
+            num_swapped_blocks=self.host.num_used_blocks, blocks_by_priority=dict(self.num_refs_by_priority))
 
     def block_states(self) -> tuple[list[int], list[int], list[int]]:
         """Every block's ref_cnt and the slots holding KV (index = block id; a cached free block holds a full
@@ -397,4 +397,4 @@ class KVCacheManager:
             problems.append(f"blocks with nonzero ref_cnt: {held[:20]}")
         if self.pool.num_free_blocks != self.pool.num_blocks:
             problems.append(f"{self.pool.num_blocks - self.pool.num_free_blocks} blocks missing from the free queue")
-        return problems + self.host.problems()
+        return problems + (self.host.problems() if self.host.tables or self.host.num_used_blocks else [])

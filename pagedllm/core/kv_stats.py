@@ -9,8 +9,9 @@ from dataclasses import dataclass
 class KVCacheStats:
     """Where the KV cache's memory is now: every device block is exactly one of used, cached or empty.
 
-    Read from counters kept as blocks change hands (no scan). Only running requests hold blocks: a
-    preempted request frees its blocks (recompute) or moves them to host blocks (swap)."""
+    Read from counters kept as blocks change hands (no scan); the builder fills the derived counts too, so
+    reading a gauge runs no code. Only running requests hold blocks: a preempted request frees its blocks
+    (recompute) or moves them to host blocks (swap)."""
 
     num_blocks: int
     block_size: int
@@ -26,6 +27,10 @@ class KVCacheStats:
     """Used blocks held by more than one sequence (parallel samples, beams, prefix hits)."""
     num_block_refs: int
     """Block-table entries over all sequences: what the used blocks would be without sharing."""
+    num_allocated_slots: int
+    """Token slots of the used blocks, filled or not (filled / allocated: internal fragmentation)."""
+    num_saved_blocks: int
+    """Blocks sharing saves: block-table entries minus the distinct blocks they name."""
     num_host_blocks: int = 0
     """Swap space, in blocks."""
     num_swapped_blocks: int = 0
@@ -33,13 +38,3 @@ class KVCacheStats:
     blocks_by_priority: dict[int, int] | None = None
     """Block-table entries by request priority (a shared block counts once per holder); only priorities
     that hold blocks appear. None: the manager does not break its blocks down by priority."""
-
-    @property
-    def num_allocated_slots(self) -> int:
-        """Token slots of the used blocks, filled or not (filled / allocated: internal fragmentation)."""
-        return self.num_used_blocks * self.block_size
-
-    @property
-    def num_saved_blocks(self) -> int:
-        """Blocks sharing saves: block-table entries minus the distinct blocks they name."""
-        return self.num_block_refs - self.num_used_blocks

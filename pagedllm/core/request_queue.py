@@ -86,31 +86,38 @@ class PriorityQueue:
         return (entry[-1] for entry in sorted(self._heap))
 
 
-class SchedulingPolicy:
-    """The scheduler's collaborator for order and victims under one policy ('fcfs' or 'priority').
+def take_victims(running: list[Request]) -> list[Request]:
+    """Pop the next victims off `running`: its last request, with the rest of its beam group (its beams sit side
+    by side); newest first. Under 'fcfs' `running` stays in arrival order, so the last is the newest; under
+    'priority' `PriorityPolicy` keeps it sorted by rank, so the last is the worst-ranked."""
+    victims = [running.pop()]
+    group_id = victims[0].beam_group_id
+    while group_id is not None and running and running[-1].beam_group_id == group_id:
+        victims.append(running.pop())
+    return victims
 
-    'fcfs': `running` stays in arrival order, so the victim (its last request) is the newest.
-    'priority': `running` is sorted by rank, so the victim is the worst-ranked and never one this step
-    already scheduled; and a waiting head that could not be admitted for lack of blocks preempts, at
-    the start of the next step, the worst-ranked running request it outranks (one per step, while it
-    stays blocked). Either way a victim takes its whole beam group (its beams sit side by side).
+
+class PriorityPolicy:
+    """The scheduler's collaborator for order under 'priority' (under 'fcfs' there is none: nothing to reorder).
+
+    `running` is sorted by rank, so the victim is the worst-ranked and never one this step already scheduled;
+    and a waiting head that could not be admitted for lack of blocks preempts, at the start of the next step,
+    the worst-ranked running request it outranks (one per step, while it stays blocked).
     """
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self) -> None:
         self._blocked_head: Request | None = None
-        """Priority policy: the waiting head the last step could not admit for lack of blocks."""
+        """The waiting head the last step could not admit for lack of blocks."""
 
-    def order_running(self, running: list[Request]) -> None:
-        """Priority policy: best rank first, so the last is the worst (the newest among equals: the sort
-        is stable and requests join `running` in order). FCFS: arrival order, as it is."""
-        if self.name == "priority":
-            running.sort(key=priority_rank)
+    @staticmethod
+    def order_running(running: list[Request]) -> None:
+        """Best rank first, so the last is the worst (the newest among equals: the sort is stable and
+        requests join `running` in order)."""
+        running.sort(key=priority_rank)
 
     def note_blocked(self, request: Request) -> None:
-        """The waiting head `request` did not fit this step (remembered under 'priority' only)."""
-        if self.name == "priority":
-            self._blocked_head = request
+        """The waiting head `request` did not fit this step."""
+        self._blocked_head = request
 
     def preempts_for_blocked_head(self, waiting: WaitingQueue, running: list[Request]) -> bool:
         """Call once at the start of a step, with `running` ordered: True if last step's blocked head
@@ -121,15 +128,6 @@ class SchedulingPolicy:
         if head is None or not waiting or waiting[0] is not head or not running:
             return False
         return priority_rank(running[-1]) > priority_rank(head)
-
-    @staticmethod
-    def take_victims(running: list[Request]) -> list[Request]:
-        """Pop the next victims off `running`: its last request, with the rest of its beam group; newest first."""
-        victims = [running.pop()]
-        group_id = victims[0].beam_group_id
-        while group_id is not None and running and running[-1].beam_group_id == group_id:
-            victims.append(running.pop())
-        return victims
 
 
 def make_waiting_queue(policy: str) -> WaitingQueue:

@@ -8,7 +8,7 @@ request is preempted (recomputed later, or swapped out) until the one being sche
 
 The rest it asks of collaborators, which answer and never call back:
 
-    SchedulingPolicy   core/request_queue.py  the waiting queue, the order of `running`, the victims
+    request_queue      core/request_queue.py  the waiting queue, the victims; under 'priority' the order of `running`
     admit_request      core/admission.py      blocks for a waiting request (prefix hits, swap-in), headroom
     beam_gang          core/beam_gang.py      a beam group's beams scheduled as one, or not at all
     SpecDecoder        core/spec_planner.py   speculative proposals: plan before the step, settle after
@@ -32,7 +32,7 @@ from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
 from pagedllm.core.kv_disk_tier import DiskTier
 from pagedllm.core.lora_admission import LoRASlotLimit
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.request_queue import SchedulingPolicy, WaitingQueue, make_waiting_queue
+from pagedllm.core.request_queue import PriorityPolicy, WaitingQueue, make_waiting_queue, take_victims
 from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                         SchedulerOutput, StepBuilder)
 from pagedllm.core.spec_planner import SpecDecoder
@@ -51,7 +51,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.policy = SchedulingPolicy(config.scheduling_policy)
+        self.priority = PriorityPolicy() if config.scheduling_policy == "priority" else None  # None: FCFS
         self.waiting: WaitingQueue = make_waiting_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
@@ -89,7 +89,8 @@ class Scheduler:
             r.status = RequestStatus.WAITING
             self.requests[r.req_id] = r
         self.waiting.append(request)
-        self.forks.add_samples(request, parallel_samples)
+        if parallel_samples:
+            self.forks.add_samples(request, parallel_samples)
 
     def fork_request(self, parent_id: str, child_id: str, last_token_id: int) -> Request:
         """Start `child_id` from a running parent whose last token was sampled, not computed, with
@@ -123,7 +124,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if self.forks.is_waiting_sample(request):
+            if request.req_id in self.forks.leader_of:
                 pass  # in neither queue: it waits for its leader's first token
             elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -142,8 +143,11 @@ class Scheduler:
         if self.disk is not None:  # requests whose blocks were all read go back to the queue's front
             for request in reversed(self.disk.poll()):
                 self.waiting.appendleft(request)
-        self.policy.order_running(self.running)
-        preempted = self._preempt_newest() if self.policy.preempts_for_blocked_head(self.waiting, self.running) else []
+        preempted = []
+        if self.priority is not None:  # FCFS keeps `running` in arrival order, and its waiting head never preempts
+            self.priority.order_running(self.running)
+            if self.priority.preempts_for_blocked_head(self.waiting, self.running):
+                preempted = self._preempt_newest()
         num_preempted_for_waiting = len(preempted)
         if self.spec is not None:
             self.spec.begin_step(len(self.running))
@@ -160,7 +164,7 @@ class Scheduler:
                 break  # it preempted itself (everything after it is gone too), or a group waits for budget
             for member, num_new, new_block_ids in entries:
                 step.add(member.req_id, num_new)
-                if self.forks.take_unsent(member.req_id):
+                if self.forks.unsent and self.forks.take_unsent(member.req_id):
                     step.new_reqs.append(self._new_request_data(member))
                 else:
                     step.cached_reqs.append(CachedRequestData(
@@ -173,7 +177,7 @@ class Scheduler:
         while len(preempted) == num_preempted_for_waiting and self.waiting and step.token_budget > 0:
             head = self.waiting[0]
             members = [head] if head.beam_group_id is None else beam_group_at(self.waiting, 0)
-            num_seqs = len(members) + len(self.forks.samples_of(head))
+            num_seqs = len(members) + len(self.forks.samples.get(head.req_id, ()))
             if len(self.running) + num_seqs > self.config.max_num_seqs:
                 break
             if self.lora_limit is not None and not self.lora_limit.admits(head, self.running):
@@ -187,8 +191,8 @@ class Scheduler:
             else:
                 admission = admit_request(self.kv, head, step.token_budget, headroom.num_blocks)
                 admitted = None if admission is None else [admission]
-                if admission is None:
-                    self.policy.note_blocked(head)
+                if admission is None and self.priority is not None:
+                    self.priority.note_blocked(head)
             if admitted is None:
                 break  # strict order: the head of the queue waits for blocks
             for admission in admitted:
@@ -216,7 +220,7 @@ class Scheduler:
         new_block_ids = None
         if self.spec is not None:
             plan = self.spec.plan(request, step.token_budget, len(self.running), self.config.max_model_len,
-                                  bool(self.forks.samples_of(request)))
+                                  request.req_id in self.forks.samples)
             new_block_ids = self.spec.allocate(self.kv, request, num_new, plan, step)
             num_new += plan.num_lookahead_tokens if new_block_ids is not None else 0
         while new_block_ids is None:
@@ -274,7 +278,7 @@ class Scheduler:
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prompt chunk: nothing to tell yet
-            if new_token_ids and self.forks.samples_of(request):
+            if new_token_ids and req_id in self.forks.samples:
                 self._start_parallel_samples(request, runner_output, outputs)
             accepted = request.append_output_tokens(new_token_ids, self.config.max_model_len)
             num_computed = self.spec.settle(request, sched_output, runner_output) if self.spec is not None else None
@@ -332,7 +336,8 @@ class Scheduler:
     def _new_request_data(self, request: Request) -> NewRequestData:
         """The whole of a request the runner has no state for (computed tokens before this step's)."""
         self.kv.forget_replaced_blocks(request.req_id)  # the full table goes out: nothing to patch later
-        return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id), self.forks.samples_of(request))
+        return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id),
+                                         self.forks.samples.get(request.req_id, ()))
 
     def _start_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,
                                 outputs: list[EngineCoreOutput]) -> None:
@@ -369,7 +374,7 @@ class Scheduler:
 
     def _preempt_newest(self) -> list[Request]:
         """Preempt the policy's victims: the last running request, or the whole beam group it belongs to."""
-        victims = self.policy.take_victims(self.running)
+        victims = take_victims(self.running)
         if victims[0].beam_group_id is not None:
             self.num_beam_group_preemptions += 1
         for victim in victims:  # newest first: appendleft leaves the group in its order at the queue's front
@@ -386,5 +391,7 @@ class Scheduler:
             self.spec.forget(request.req_id)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
+        if not (self.forks.leader_of or self.forks.unsent):
+            return []  # no forks pending (every waiting sample is in leader_of): none can be this request's
         orphans = self.forks.forget(request)
         return self.finish_requests([o.req_id for o in orphans], request.status) if orphans else []

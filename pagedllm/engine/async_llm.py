@@ -30,13 +30,8 @@ from pagedllm.engine.dp_client import ReplicaLostMsg
 from pagedllm.engine.frontend import FrontendCore
 from pagedllm.engine.frontend_files import load_tokenizer, prepare_model_files_in_child
 from pagedllm.engine.generation_defaults import log_generation_defaults, resolve_generation_defaults
-from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.protocol import (
-    EngineStatsMsg,
-    OutputsMsg,
-    ReadyMsg,
-    RequestRejectedMsg,
-)
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.protocol import EngineStatsMsg, OutputsMsg, ReadyMsg, RequestRejectedMsg
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import ServerMetrics
@@ -65,7 +60,8 @@ class RequestStream:
     Two sides, one owner. AsyncLLM owns the registry of open streams and feeds each one (`put`,
     `put_error`); it never touches a stream's queue. The reader iterates and ends the stream with
     `close()` or `fail(error)`; either tells the owner once, through `release` (which unregisters it
-    and aborts the request in the core unless it finished).
+    and aborts the request in the core unless it finished). A sequence that failed alone (a RequestOutput's
+    completion carries an `error`) fails the whole request: iterating raises RequestFailedError naming it.
     """
 
     def __init__(self, request_id: str, release: Callable[[RequestStream], None]) -> None:
@@ -103,6 +99,11 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
+        if isinstance(item, RequestOutput):  # a pooling request's failure is its endpoint's to report
+            failed = next((c.error for c in item.outputs if c.error is not None), None)
+            if failed is not None:
+                self.close()
+                raise RequestFailedError(f"request {self.request_id} failed: {failed}")
         if item.finished:
             self.finished = True
             self.close()
@@ -187,10 +188,6 @@ class AsyncLLM:
                    engine_args.scheduling_policy, engine_args.lora_config(),
                    embedder_for(engine_args.runner, ready.model_path, engine_args.model), generation_defaults)
 
-    @property
-    def input_processor(self) -> InputProcessor:
-        return self.frontend.input_processor
-
     # --- requests ----------------------------------------------------------------------
 
     async def run_blocking(self, fn: Callable, *args: Any) -> Any:
@@ -200,7 +197,7 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                           cache_salt: str | None = None, stream: bool = True, priority: int = 0,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None, num_prompts: int = 1) -> RequestStream:
         """Validate, tokenize (off the event loop) and queue a request; iterate the returned stream.
 
         Raises InvalidRequestError (nothing queued) for a request that can never be served, and
@@ -208,7 +205,8 @@ class AsyncLLM:
         its KV cache) arrives on the stream. Cancelled while tokenizing, nothing is queued.
         `priority`: lower runs sooner (scheduling_policy='priority' only; must be 0 otherwise).
         With PoolingParams it is an embedding request (runner 'pooling'), ending with one PoolingRequestOutput;
-        a (text, text_pair) tuple as its prompt is a cross-encoder's pair to score.
+        a (text, text_pair) tuple as its prompt is a cross-encoder's pair to score. `num_prompts`: the prompts of
+        the client's request this is one of (the limit on sequences counts max(n, best_of) for each).
         """
         self._check_alive()
         if request_id in self._streams:  # an earlier stream under this id is still open
@@ -218,11 +216,11 @@ class AsyncLLM:
         try:
             if isinstance(params, PoolingParams):
                 prompt, text_pair = prompt if isinstance(prompt, tuple) else (prompt, None)
-                text, request = await self.run_blocking(self.input_processor.process_pooling, request_id, prompt,
-                                                        params, cache_salt, priority, None, text_pair)
+                text, request = await self.run_blocking(self.frontend.input_processor.process_pooling, request_id,
+                                                        prompt, params, cache_salt, priority, None, text_pair)
             else:
-                text, request = await self.run_blocking(self.input_processor.process, request_id, prompt, params,
-                                                        cache_salt, priority, lora_request)
+                text, request = await self.run_blocking(self.frontend.input_processor.process, request_id, prompt,
+                                                        params, cache_salt, priority, lora_request, num_prompts)
             self._check_alive()
             if request_stream.error is not None:  # aborted (e.g. by a shutdown) while tokenizing
                 raise request_stream.error
@@ -234,8 +232,16 @@ class AsyncLLM:
             self.metrics.record_request_added(request_id, len(request.prompt_token_ids), request.arrival_time,
                                               request.priority, lora_request.lora_name if lora_request else None)
             if request.sampling_params.structured_outputs is not None:
-                self.metrics.record_grammar_stats(self.input_processor.grammar_stats())
+                self.metrics.record_grammar_stats(self.frontend.input_processor.grammar_stats())
         return request_stream
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Refuse an adapter this engine cannot serve (LoRAError naming why), before a request names it."""
+        self.frontend.input_processor.check_lora(lora_request)
+
+    def check_token_ids(self, token_ids: list[int], what: str) -> None:
+        """Refuse ids outside the vocabulary (InvalidRequestError naming `what`)."""
+        self.frontend.input_processor.check_token_ids(token_ids, what)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        cache_salt: str | None = None, stream: bool = True,

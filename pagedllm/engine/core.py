@@ -23,6 +23,7 @@ from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sche
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.kv_disk_setup import attach_disk_tier, finish_disk_tier
 from pagedllm.engine.protocol import EngineCoreRequest, EngineStatsMsg, KVMapMsg, KVMapRequest
+from pagedllm.errors import EngineDeadError
 from pagedllm.worker.interface import Executor, KVCacheInfo, ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one iteration; returns what each touched request produced."""
-        self.executor.check_health()  # a dead tensor-parallel group raises EngineDeadError, every time
+        if self.executor.failure is not None:  # checked idle too: a dead tensor-parallel group is found at once
+            raise EngineDeadError(self.executor.failure)
         if not self.scheduler.has_unfinished_requests():
             return []
         sched_output = self.scheduler.schedule()

@@ -71,18 +71,18 @@ class InputProcessor:
 
     def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
                 cache_salt: str | None = None, priority: int = 0,
-                lora_request: LoRARequest | None = None) -> tuple[str | None, EngineCoreRequest]:
+                lora_request: LoRARequest | None = None, num_prompts: int = 1) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize; returns (prompt text if any, the request for the core).
 
         Raises InvalidRequestError naming what is wrong. With n > 1 the one request stands for
-        all sequences (`EngineCoreRequest.sequence_req_ids`).
+        all sequences (`EngineCoreRequest.sequence_req_ids`). `num_prompts`: as in `check_limits`.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if self.embedder is not None:
             raise InvalidRequestError("this model is served for embeddings (runner 'pooling'): it does not "
                                       "generate; ask for embeddings (LLM.embed, POST /v1/embeddings) instead")
-        self.check_limits(params)
+        self.check_limits(params, num_prompts)
         self.check_priority(priority)
         self.check_structured_outputs(params)
         self.check_lora(lora_request)

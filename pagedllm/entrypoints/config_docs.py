@@ -86,6 +86,12 @@ def _variable_default(variable: envs.Variable) -> str:
     return str(variable.default)
 
 
+def _variables(experimental: bool) -> list[str]:
+    return ["| variable | default | what it does |", "|---|---|---|"] + [
+        f"| `{name}` | {_cell(_variable_default(v))} | {_cell(v.doc)} |"
+        for name, v in envs.VARIABLES.items() if v.experimental == experimental]
+
+
 def render() -> str:
     """The whole page, as `python -m pagedllm.entrypoints.config_docs` prints it."""
     from pagedllm.entrypoints.cli import build_parser
@@ -109,8 +115,11 @@ def render() -> str:
     lines += ["## Environment variables", "",
               "Read when used, not at import. A switch takes 1/true/yes/on or 0/false/no/off; a value a variable "
               "does not take is refused with an error naming it. Declared in `pagedllm/envs.py`.", "",
-              "| variable | default | what it does |", "|---|---|---|"]
-    lines += [f"| `{name}` | {_cell(_variable_default(v))} | {_cell(v.doc)} |" for name, v in envs.VARIABLES.items()]
+              *_variables(experimental=False), "",
+              "### Experimental: A/B switches and tuning knobs", "",
+              "Kept for measurements (each turns one optimization off, or moves one of its constants, to compare "
+              "against it); a deployment does not need them, and they may change or go without notice once their "
+              "comparison is done.", "", *_variables(experimental=True)]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -92,6 +92,9 @@ class Executor(ABC):
 
     model_info: ModelInfo
     """Set by the constructor, which loads the model (or, with tensor parallelism, its config)."""
+    failure: str | None = None
+    """Why a worker failed, once one has (the engine must not schedule again); None while all run. The engine
+    core reads it before every step, idle ones too, so a dead tensor-parallel group is found without a request."""
 
     @abstractmethod
     def initialize_kv_cache(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> KVCacheInfo:
@@ -100,9 +103,6 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every shard; the sampled tokens (identical on every rank)."""
-
-    def check_health(self) -> None:
-        """Raise EngineDeadError if a worker has failed (the engine must not schedule again)."""
 
     def shutdown(self) -> None:
         """Stop the workers and release the sockets (idempotent)."""

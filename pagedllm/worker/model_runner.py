@@ -23,12 +23,11 @@ from pagedllm.model.attention.layer import set_attention_backend
 from pagedllm.model.forward_context import set_forward_context
 from pagedllm.model.sampling.greedy import greedy_tokens
 from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
-from pagedllm.model.sampling.metadata import SamplingMetadata, SamplingRow, plain_greedy
+from pagedllm.model.sampling.metadata import RequestTensorCache, SamplingMetadata, SamplingRow, plain_greedy
 from pagedllm.model.sampling.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_block_io, spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
-from pagedllm.worker.request_tensors import RequestTensorCache
 from pagedllm.worker.step_inputs import InputRow, RunnerRequestState, build_step_inputs  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -190,9 +189,10 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
         # Order matters: blocks spilled or swapped out may be the very blocks loaded, swapped in or copied into now.
-        spilled = kv_block_io.read_blocks(self._block_caches, sched.kv_spill)
+        spilled = kv_block_io.read_blocks(self._block_caches, sched.kv_spill) if sched.kv_spill else []
         self._swap_blocks(sched.swap_out, self._block_caches, self._host_block_caches)
-        kv_block_io.write_blocks(self._block_caches, sched.kv_load)
+        if sched.kv_load:
+            kv_block_io.write_blocks(self._block_caches, sched.kv_load)
         self._swap_blocks(sched.swap_in, self._host_block_caches, self._block_caches)
         self._apply_block_copies(sched.block_copies)
         self._spec_tokens = sched.scheduled_spec_tokens
@@ -200,7 +200,8 @@ class ModelRunner:
             self.draft.update(sched)
             if not sched.is_empty:  # fills sched.num_draft_tokens' slots
                 self._spec_tokens = self.draft.propose(self.requests, sched, self.prepare_inputs)
-        spec_verify.attach_proposals(self.requests, self._spec_tokens)
+        if self._spec_tokens:
+            spec_verify.attach_proposals(self.requests, self._spec_tokens)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={}, kv_spilled=spilled)
 

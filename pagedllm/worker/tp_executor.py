@@ -99,7 +99,7 @@ class MultiprocTPExecutor(Executor):
         self.timeout_s = parallel_config.distributed_timeout
         self.heartbeat_timeout_s = min(HEARTBEAT_TIMEOUT_S, self.timeout_s)
         self.kv_spec: KVCacheSpec | None = None
-        self._dead: str | None = None
+        self.failure: str | None = None
         self._step_id = 0
         self.procs: dict[int, subprocess.Popen] = {}
         # Local-only groups get a random secret of their own; workers from elsewhere need the configured one.
@@ -215,12 +215,9 @@ class MultiprocTPExecutor(Executor):
 
     # --- one step --------------------------------------------------------------------------
 
-    def check_health(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.check_health()
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
         self._step_id += 1
         step_id = self._step_id
         try:
@@ -329,7 +326,7 @@ class MultiprocTPExecutor(Executor):
 
     def _die(self, message: str) -> None:
         logger.error("engine dead: %s", message)
-        self._dead = message
+        self.failure = message
         self.shutdown()
         raise EngineDeadError(message)
 
@@ -340,7 +337,7 @@ class MultiprocTPExecutor(Executor):
             return
         self._closed = True
         if not self._launched:
-            self._dead = "the engine was shut down"
+            self.failure = "the engine was shut down"
             return
         stop = proto.encoder.encode(proto.StopWorkerMsg())
         for ident in self._identities.values():
@@ -352,5 +349,5 @@ class MultiprocTPExecutor(Executor):
         self._finalizer.detach()
         self._sock.close(linger=0)
         self._ctx.term()
-        if self._dead is None:
-            self._dead = "the engine was shut down"
+        if self.failure is None:
+            self.failure = "the engine was shut down"

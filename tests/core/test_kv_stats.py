@@ -38,12 +38,14 @@ def scan(kv: KVCacheManager, requests) -> KVCacheStats:
     blocks = kv.pool.blocks
     assert [b.ref_cnt for b in blocks] == [holders[b.block_id] for b in blocks]
     used = [b for b in blocks if b.ref_cnt > 0]
+    num_refs = sum(holders.values())
     return KVCacheStats(
         num_blocks=len(blocks), block_size=bs, num_used_blocks=len(used),
         num_cached_blocks=sum(1 for b in blocks if b.ref_cnt == 0 and b.block_hash is not None),
         num_empty_blocks=sum(1 for b in blocks if b.ref_cnt == 0 and b.block_hash is None),
         num_filled_slots=sum(fill.values()), num_shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
-        num_block_refs=sum(holders.values()), num_host_blocks=kv.num_host_blocks,
+        num_block_refs=num_refs, num_allocated_slots=len(used) * bs, num_saved_blocks=num_refs - len(used),
+        num_host_blocks=kv.num_host_blocks,
         num_swapped_blocks=sum(len(h) for h in kv.host.tables.values()),
         blocks_by_priority=dict(by_priority))
 

@@ -80,7 +80,7 @@ def test_the_engine_admits_only_workers_that_prove_the_secret():
         t.start()
     engine.join(20)
     assert not engine.is_alive()
-    ex._launched, ex._closed, ex._dead = True, False, None
+    ex._launched, ex._closed, ex.failure = True, False, None
     ex._finalizer = SimpleNamespace(detach=lambda: None)
     ex.shutdown()
     for t in good:

@@ -26,3 +26,12 @@ def test_every_flag_of_every_command_and_every_variable_is_on_the_page():
     assert {"--max-model-len", "--kv-cache-memory", "--api-key", "-tp", "--temperature"} <= options
     assert sorted(o for o in options if f"`{o}`" not in page) == []
     assert sorted(name for name in envs.VARIABLES if f"| `{name}` |" not in page) == []
+
+
+def test_the_experimental_switches_are_one_group_apart_from_the_settings():
+    settings, experimental = render().split("### Experimental")
+    assert {name for name, v in envs.VARIABLES.items() if f"| `{name}` |" in experimental} == \
+        {name for name, v in envs.VARIABLES.items() if v.experimental}
+    assert all(f"| `{name}` |" in settings for name, v in envs.VARIABLES.items() if not v.experimental)
+    # an A/B switch is a measurement's, not a deployment's
+    assert [name for name, v in envs.VARIABLES.items() if "A/B" in v.doc and not v.experimental] == []

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from starlette.requests import Request
 
-from pagedllm.engine.async_llm import EngineStoppingError, RequestFailedError, RequestTimeoutError
+from pagedllm.engine.async_llm import EngineStoppingError, RequestFailedError, RequestStream, RequestTimeoutError
 from pagedllm.entrypoints.openai.auth import find_api_key, tenant_cache_salt
-from pagedllm.entrypoints.openai.errors import APIError, api_error_from, check_failed, current_request_id
+from pagedllm.entrypoints.openai.errors import APIError, api_error_from, current_request_id
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.request_body import parse_model
 from pagedllm.errors import EngineDeadError, InvalidRequestError
@@ -35,11 +37,25 @@ def test_errors_map_to_openai_statuses():
     assert set(APIError(404, "x").body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_sequence_that_failed_alone_is_a_500_hiding_its_error(caplog):
-    output = RequestOutput("r", "p", [1], [CompletionOutput(0, "", [], None, None, "abort", error="NaN logits")], True)
-    with pytest.raises(APIError) as info:
-        check_failed(output)
-    assert info.value.status == 500 and "NaN logits" not in info.value.message
+def test_a_sequence_that_failed_alone_fails_its_stream_and_is_a_500_hiding_its_error(caplog):
+    ok = CompletionOutput(0, "fine", [1], None, None, None)
+    failed = CompletionOutput(1, "", [], None, None, "abort", error="NaN logits")
+    released = []
+
+    async def read() -> list:
+        stream = RequestStream("r", released.append)
+        stream.put(RequestOutput("r", "p", [1], [ok], False))
+        stream.put(RequestOutput("r", "p", [1], [ok, failed], True))
+        seen = []
+        with pytest.raises(RequestFailedError) as info:
+            async for output in stream:
+                seen.append(output)
+        return seen, info.value
+
+    seen, error = asyncio.run(read())
+    assert len(seen) == 1 and released == [released[0]] and "NaN logits" in str(error)  # closed once: aborted
+    mapped = api_error_from(error)
+    assert mapped.status == 500 and "NaN logits" not in mapped.message
     assert "NaN logits" in caplog.text
 
 

@@ -208,6 +208,9 @@ def test_switch_off_by_environment(tmp_path, monkeypatch):
     assert counter.calls == 0
     monkeypatch.setenv("PAGEDLLM_DISABLE_FUSED_DECODER", "0")
     PagedRunner(model, block_size=4).step(STEPS[0])
+    assert counter.calls == 0  # read once, at the first step: a step reads no environment
+    fused_decoder.set_enabled(None)  # the environment again
+    PagedRunner(model, block_size=4).step(STEPS[0])
     assert counter.calls == 1
 
 

@@ -164,7 +164,7 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
             raise APIError(400, "this model has no tokenizer")
 
         def run() -> JSONResponse:
-            engine.input_processor.check_token_ids(request.tokens, "tokens")
+            engine.check_token_ids(request.tokens, "tokens")
             return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
 
         return await engine.run_blocking(run)
@@ -178,8 +178,9 @@ def build_app(ctx: ServingContext, config: ServerConfig, metrics: ServerMetrics,
 
         add_dashboard_routes(app, ctx.engine, metrics, config.api_keys, lifecycle)
 
-    # Outermost last: request id, then draining, then CORS (its preflights need no key), then auth.
-    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    # Outermost last: request id, then draining, then CORS (its preflights need no key), then auth (with keys).
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
@@ -204,7 +205,7 @@ def lora_registry(engine_args: EngineArgs, config: ServerConfig, engine: AsyncLL
         if config.lora_modules or config.allow_runtime_lora_updating:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         return None
-    registry = LoRARegistry(engine.input_processor.check_lora)
+    registry = LoRARegistry(engine.check_lora)
     for module in config.lora_modules:
         registry.add(module.name, module.path, names, module.base_model_name)
     return registry

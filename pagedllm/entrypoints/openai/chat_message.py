@@ -111,6 +111,10 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(getattr(part, _TEXT_FIELD[part.type]) for part in self.content)
 
+    def turn(self) -> dict:
+        """The message as a chat template takes it when no tool is involved: its role and its text."""
+        return {"role": self.role, "content": self.text()}
+
 
 def check_tool_history(messages: list[ChatMessage]) -> None:
     """The rules across messages of the module doc; ValueError("messages.N.field: ...")."""

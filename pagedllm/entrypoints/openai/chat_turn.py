@@ -17,7 +17,6 @@ from typing import Literal, Union
 from fastapi import Request
 
 from pagedllm.entrypoints.openai.context import ServingContext
-from pagedllm.entrypoints.openai.errors import check_failed
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.request_body import parse_model
 from pagedllm.entrypoints.openai.serving_chat import ChatTurn, start_chat
@@ -106,7 +105,6 @@ class TurnReader:
     async def whole(self, raw_request: Request) -> tuple[list[Piece], TurnEnd]:
         """The whole answer (a client that disconnects meanwhile aborts it)."""
         (output,) = await final_outputs(raw_request, self.turn.streams)
-        check_failed(output)
         pieces = self._pieces(output.outputs[0].text, final=True)
         return pieces, self._end(output, len(output.outputs[0].token_ids))
 
@@ -115,7 +113,6 @@ class TurnReader:
         num_output_tokens = 0
         last = None
         async for _, output in outputs:
-            check_failed(output)
             c = output.outputs[0]
             num_output_tokens += len(c.token_ids)
             last = output

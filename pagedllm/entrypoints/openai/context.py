@@ -56,6 +56,9 @@ class ServingContext:
         return self.loras.adapters.get(model) if self.loras is not None else None
 
     def cache_salt(self, raw_request: Request, request_salt: str | None) -> str | None:
+        """The prefix-cache salt: the request's own, joined with its tenant's when the server has keys."""
+        if not self.config.api_keys:
+            return request_salt
         return tenant_cache_salt(request_api_key(raw_request), request_salt, self.config.share_prefix_cache_across_keys)
 
     def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:

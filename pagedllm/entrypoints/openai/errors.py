@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_llm import EngineStoppingError, RequestFailedError, RequestTimeoutError
 from pagedllm.errors import EngineDeadError, InvalidRequestError
-from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +84,3 @@ def api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, RequestFailedError):
         return internal_error(exc)
     return internal_error(exc)
-
-
-def check_failed(output: RequestOutput) -> None:
-    """A sequence that failed alone makes its request fail with a 500 (its error goes to the log)."""
-    for completion in output.outputs:
-        if completion.error is not None:
-            raise internal_error(completion.error)

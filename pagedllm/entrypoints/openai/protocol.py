@@ -256,7 +256,8 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _tools_and_history(self) -> ChatCompletionRequest:
         check_tool_history(self.messages)
-        self.tool_choice = check_tools(self.tools, self.tool_choice)
+        if self.tools or self.tool_choice is not None:  # else no tools are in play: nothing to check
+            self.tool_choice = check_tools(self.tools, self.tool_choice)
         return self
 
     @property

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.chat_template import ChatTemplateError, render_chat
 from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
-from pagedllm.entrypoints.openai.errors import APIError, check_failed
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
@@ -31,8 +31,11 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
     tools.py); 400 if it cannot be applied."""
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    turns, tools = conversation(messages, plan, "tools" in chat_template if chat_template
-                                else template_takes_tools(tokenizer))
+    if plan is not None or any(m.tool_calls or m.role == "tool" for m in messages):
+        turns, tools = conversation(messages, plan, "tools" in chat_template if chat_template
+                                    else template_takes_tools(tokenizer))
+    else:  # no tool in the request or its history: the messages as they are
+        turns, tools = [m.turn() for m in messages], None
     param = "chat_template" if chat_template else "messages"
     try:
         return render_chat(tokenizer, turns, tools=tools, add_generation_prompt=add_generation_prompt,
@@ -107,8 +110,10 @@ async def start_chat(request: ChatCompletionRequest, raw_request: Request, ctx: 
     engine = ctx.engine
     config = ctx.config
     reasoning = config.reasoning_parser
-    plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser, config.enable_auto_tool_choice,
-                                     reasoning)
+    plan = None
+    if request.tools or reasoning is not None:  # else prepare_tools has nothing to plan
+        plan = await engine.run_blocking(prepare_tools, request, config.tool_call_parser,
+                                         config.enable_auto_tool_choice, reasoning)
     params = request.to_sampling_params(ctx.engine.generation_defaults)
     template, template_kwargs = _request_template(request, config.trust_request_chat_template)
     prompt_ids = await engine.run_blocking(apply_chat_template, engine.tokenizer, request.messages,
@@ -142,7 +147,6 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 
 def _response(ctx: ServingContext, request: ChatCompletionRequest, output: RequestOutput, request_id: str,
               model: str, parsers) -> JSONResponse:
-    check_failed(output)
     choices = []
     for c in output.outputs:
         parser = parsers() if parsers is not None else None
@@ -175,7 +179,6 @@ async def _chunks(ctx: ServingContext, request: ChatCompletionRequest, outputs: 
                  for i in range(request.n)])
     num_prompt_tokens = num_completion_tokens = num_cached = 0
     async for _, output in outputs:
-        check_failed(output)
         num_prompt_tokens = len(output.prompt_token_ids)
         num_cached = output.num_cached_tokens
         choices = []

@@ -8,7 +8,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
-from pagedllm.entrypoints.openai.errors import check_failed
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
 from pagedllm.outputs import CompletionOutput, LogprobsDict, RequestOutput
@@ -82,7 +81,6 @@ def _response(ctx: ServingContext, request: CompletionRequest, n: int, outputs: 
     engine = ctx.engine
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
     for prompt_index, output in enumerate(outputs):
-        check_failed(output)
         num_prompt += len(output.prompt_token_ids)
         num_cached += output.num_cached_tokens
         for completion in output.outputs:
@@ -106,7 +104,6 @@ async def _chunks(ctx: ServingContext, request: CompletionRequest, outputs: Inde
     echoed: set[int] = set()
     text_offsets: dict[int, int] = {}
     async for prompt_index, output in outputs:
-        check_failed(output)
         if prompt_index not in num_prompt_tokens:
             num_prompt_tokens[prompt_index] = len(output.prompt_token_ids)
             num_cached += output.num_cached_tokens

@@ -24,7 +24,7 @@ class LoRARegistry:
     """The adapters this server serves, by name; each gets an id of its own (never reused)."""
 
     def __init__(self, check) -> None:
-        self._check = check  # InputProcessor.check_lora: LoRAError naming why an adapter cannot be served
+        self._check = check  # AsyncLLM.check_lora: LoRAError naming why an adapter cannot be served
         self._ids = itertools.count(1)
         self.adapters: dict[str, LoRARequest] = {}
         self.parents: dict[str, str] = {}

@@ -19,7 +19,6 @@ from pagedllm.engine.async_llm import RequestFailedError, RequestStream, Request
 from pagedllm.entrypoints.openai.context import ServingContext
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
 
 _DISCONNECT_POLL_S = 0.5
 
@@ -49,12 +48,9 @@ async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence, 
     if timeout_s:
         loop.call_later(timeout_s, _expire, streams, timeout_s, ctx)
     try:
-        # prompts x max(n, best_of) is bounded per request, not per prompt
-        if isinstance(params, SamplingParams):  # pooling requests sample nothing
-            engine.input_processor.check_limits(params, num_prompts=len(prompts))
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts):  # prompts x max(n, best_of) is bounded per request, not per prompt
             streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params, salt, stream, priority,
-                                                    lora_request))
+                                                    lora_request, num_prompts=len(prompts)))
     except BaseException as e:
         for s in streams:
             s.close()

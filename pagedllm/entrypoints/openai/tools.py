@@ -233,7 +233,7 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, native: boo
             else:
                 out.append({"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"})
         else:
-            out.append({"role": m.role, "content": m.text()})
+            out.append(m.turn())
     if tools is not None and not native:
         prompt = fallback_system_prompt(parser_name, plan.tools)
         if out and out[0]["role"] in ("system", "developer"):

@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_FUSED_CPU_OPS"
 
-_ops: list = []  # [] until resolved; then [None] (off or unusable) or [the op overloads]
+chosen: list = []
+"""[] until resolved; then [None] (off or unusable) or [the op overloads]. Read in place, not through ``ops()``,
+where a step asks: a call per step would cost more than the answer."""
 
 
 def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,28 +111,28 @@ _resolved: list = []  # the one _Ops instance (or None) resolved for this proces
 
 def ops() -> _Ops | None:
     """The op overloads, or None where they are off or unavailable (resolved once per process)."""
-    if not _ops:
+    if not chosen:
         if not _resolved:
             from pagedllm.model.attention import cpu_op
 
             usable = (not envs.PAGEDLLM_DISABLE_FUSED_CPU_OPS and cpu_op.load()
                       and hasattr(torch.ops.pagedllm, "rms_norm_cpu"))
             _resolved.append(_Ops() if usable else None)
-        _ops.append(_resolved[0])
-    return _ops[0]
+        chosen.append(_resolved[0])
+    return chosen[0]
 
 
 def set_enabled(enabled: bool) -> None:
     """Switch the ops off, or back on where they are available, in this process: an A/B switch for
     step profiles (``bench profile --compare-fused-ops``) and tests."""
-    _ops.clear()
+    chosen.clear()
     if not enabled:
-        _ops.append(None)
+        chosen.append(None)
 
 
 def reset() -> None:
     """Resolve again at the next call (tests switching the environment)."""
-    _ops.clear()
+    chosen.clear()
     _resolved.clear()
 
 
@@ -138,4 +140,4 @@ def usable(x: torch.Tensor) -> _Ops | None:
     """The ops when they handle ``x`` (CPU float32), else None: the caller uses the torch reference."""
     if x.dtype != torch.float32 or not x.is_cpu:  # is_cpu: x.device builds a device object per call
         return None
-    return _ops[0] if _ops else ops()  # inlined: this runs ~5 times a layer
+    return chosen[0] if chosen else ops()  # inlined: this runs ~5 times a layer

@@ -54,18 +54,21 @@ MAX_TOKENS = 256
 (``linear.GEMM_ROWS``) for MKL, which this call does not reach."""
 
 _ATTR = "_fused_decoder"  # on the LlamaModel instance: (attention, backend, a FusedDecoder or None once refused)
-_enabled: list[bool] = []  # [] = follow the environment; [flag] = set_enabled's choice
+_enabled: list[bool] = []  # [] = not decided yet; [flag] = set_enabled's choice, or the environment's at the first step
 
 
 def set_enabled(enabled: bool | None) -> None:
-    """Force the fused call on (where it applies) or off in this process; None = the environment again."""
+    """Force the fused call on (where it applies) or off in this process; None = the environment again (read
+    at the next step, then kept: a step reads no environment)."""
     _enabled.clear()
     if enabled is not None:
         _enabled.append(enabled)
 
 
 def enabled() -> bool:
-    return _enabled[0] if _enabled else not envs.PAGEDLLM_DISABLE_FUSED_DECODER
+    if not _enabled:
+        _enabled.append(not envs.PAGEDLLM_DISABLE_FUSED_DECODER)
+    return _enabled[0]
 
 
 def invalidate(model) -> None:
@@ -75,7 +78,7 @@ def invalidate(model) -> None:
 
 def for_step(model, input_ids: torch.Tensor) -> FusedDecoder | None:
     """The fused call for this step of ``model`` (a ``LlamaModel``), or None: run the layers one by one."""
-    if not (_enabled[0] if _enabled else not envs.PAGEDLLM_DISABLE_FUSED_DECODER):
+    if not (_enabled[0] if _enabled else enabled()):  # inlined: a call per step for a switch read once
         return None
     # (the first layer's attention, the backend it was decided for, the FusedDecoder or None): decided
     # again when the backend changes (a model stepped first under the torch reference, then by the runner).
@@ -170,7 +173,7 @@ class FusedDecoder:
             self._checked_caches = caches
         if not self._caches_ok:
             return False
-        if cpu_fused.ops() is None:  # the small ops switched off (an A/B run of theirs)
+        if (cpu_fused.chosen[0] if cpu_fused.chosen else cpu_fused.ops()) is None:  # switched off (an A/B run)
             return False
         for module in self._watched:
             if module._forward_hooks or module._forward_pre_hooks:
