@@ -11,8 +11,8 @@
 //                y += (d sc_s) dx (sum_k q qx - 4 sx16_s)         sc_s = the 6-bit scale - 32, int8)
 //
 // The weights are unsigned (vpdpbusd's unsigned operand; Q6_K's - 32 and Q3_K's - 4 are taken off as a start
-// value of -32 sx16 / -4 sx16, the way quant_gemm_int8.h takes off Q4_0's - 8). Repacked once at load from the GGUF rows,
-// per panel of 16 rows, per 256-weight super-block (the sub-block scales stay 6-bit integers, a byte each):
+// value of -32 sx16 / -4 sx16, the way quant_gemm_int8.h takes off Q4_0's - 8). Repacked once at load from the
+// GGUF rows, per panel of 16 rows, per 256-weight super-block (the sub-block scales stay 6-bit integers, a byte each):
 //
 //   Q4_K (2368 B = 16 x 148):  [d fp16 x16][dmin fp16 x16][sc u8: 8 x16][m u8: 8 x16][nibbles]
 //   Q5_K (2880 B = 16 x 180):  [d x16][dmin x16][sc 8 x16][m 8 x16][high bits: 2 quads][nibbles]

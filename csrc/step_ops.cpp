@@ -149,7 +149,8 @@ at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Ten
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQX || is_kq(qtype),
               "quant_rows_cpu: qtype ", qtype);
   const int64_t block_bytes = qtype == kQ4_0 ? 32 + 256 : qtype == kQ4_1 ? 64 + 256 : qtype == kQ8_0 ? 32 + 512
-                              : qtype == kQ3_K ? 1824 : qtype == kQ4_K ? 2368 : qtype == kQ5_K ? 2880 : qtype == kQ6_K ? 3360 : 768;
+                              : qtype == kQ3_K ? 1824 : qtype == kQ4_K ? 2368 : qtype == kQ5_K ? 2880
+                              : qtype == kQ6_K ? 3360 : 768;
   const int64_t block_k = is_kq(qtype) ? 256 : 32;  // K-quants: 256-wide super-blocks
   TORCH_CHECK(packed.size(2) == block_bytes, "quant_rows_cpu: ", packed.size(2), " bytes a block for type ", qtype);
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "quant_rows_cpu: int64 CPU ids expected");

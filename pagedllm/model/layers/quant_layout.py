@@ -31,8 +31,8 @@ Q4_0, Q4_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 2, 3, 8, 11, 12, 13, 14, 30  # 
 QX = 100  # the kernel's expanded layout for the K-quants (csrc/quant_gemm.h), no GGUF type
 BF16_KERNEL = 101  # bfloat16 panels (csrc/bf16_gemm.h), no GGUF type
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
-GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-               BF16: (1, 2)}
+GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
+               Q6_K: (256, 210), BF16: (1, 2)}
 """(weights, bytes) of one block in the GGUF file."""
 KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q3_K: QX, Q4_K: QX, Q5_K: QX, Q6_K: QX, BF16: BF16_KERNEL}
 PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 512, BF16_KERNEL: 1024}
