@@ -64,6 +64,32 @@ inline void int8_block_row(const uint8_t* blk, int r, uint16_t* out) {
   }
 }
 
+// Row r's 8 bytes of a Q3_K [group g: 2][row: 16][byte i: 4] run: byte 4g + i of the result.
+inline uint64_t row_bytes8(const uint8_t* q, int r) {
+  uint32_t d[2];
+  for (int g = 0; g < 2; ++g) std::memcpy(&d[g], q + g * 64 + r * 4, 4);
+  return static_cast<uint64_t>(d[0]) | static_cast<uint64_t>(d[1]) << 32;
+}
+
+// One 256-weight super-block of one row of a Q3_K panel (quant_gemm_kq.h) into out[0, 256): field j of
+// byte m (m = 4g + i) is q[8j + m] of the 32-block.
+inline void q3k_superblock_row(const uint8_t* sbp, int r, uint16_t* out) {
+  const float d = half(sbp + 2 * r);
+  const __m512 off = _mm512_set1_ps(4.0f);
+  for (int b = 0; b < 8; ++b) {
+    const uint64_t low = row_bytes8(sbp + 800 + b * 128, r), high = row_bytes8(sbp + 288 + (b / 2) * 128, r);
+    const int u = b % 2;
+    uint64_t q[4];
+    for (int j = 0; j < 4; ++j)
+      q[j] = ((low >> (2 * j)) & 0x0303030303030303ull) | (((high >> (4 * u + j)) & 0x0101010101010101ull) << 2);
+    for (int h = 0; h < 2; ++h) {  // k 0..15, then 16..31: fields 2h and 2h + 1
+      const __m512 scale = _mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(sbp[32 + (2 * b + h) * 16 + r])));
+      const __m128i bytes = _mm_set_epi64x(static_cast<long long>(q[2 * h + 1]), static_cast<long long>(q[2 * h]));
+      store16(_mm512_mul_ps(scale, _mm512_sub_ps(to_float(bytes), off)), out + 32 * b + 16 * h);
+    }
+  }
+}
+
 // One 256-weight super-block of one row of a K-quant panel (quant_gemm_kq.h's layout and formulas) into
 // out[0, 256).
 template <int QT>
@@ -114,7 +140,9 @@ void dequant_panels(const uint8_t* packed, int64_t k, int64_t n, uint16_t* out, 
       const uint8_t* blk = packed + (p * nb + b) * bb;
       for (int r = 0; r < rows; ++r) {
         uint16_t* row_out = out + ((p - p_begin) * kPanelRows + r) * k + b * block_k;
-        if constexpr (kq) {
+        if constexpr (QT == kQ3_K_I8) {
+          q3k_superblock_row(blk, r, row_out);
+        } else if constexpr (kq) {
           kq_superblock_row<QT>(blk, r, row_out);
         } else {
           int8_block_row<QT>(blk, r, row_out);
@@ -132,6 +160,7 @@ void dequant_bf16_panels_avx512(int qtype, const uint8_t* packed, int64_t k, int
     case kQ4_0_I8: dequant_panels<kQ4_0_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ4_1_I8: dequant_panels<kQ4_1_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ8_0_I8: dequant_panels<kQ8_0_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ3_K_I8: dequant_panels<kQ3_K_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ4_K_I8: dequant_panels<kQ4_K_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ5_K_I8: dequant_panels<kQ5_K_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ6_K_I8: dequant_panels<kQ6_K_I8>(packed, k, n, out, p_begin, p_end); break;

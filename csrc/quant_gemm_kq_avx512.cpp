@@ -1,6 +1,6 @@
 // The K-quant int8-activation kernel for AVX-512 VNNI CPUs (quant_gemm_kq.h): a panel's 16 rows are
 // one zmm of int32 lanes, one vpdpbusd per 4 k-steps of 16 rows. Blocks of up to 6 rows (6 float
-// sums, 12 integer sums for Q6_K's two 16-blocks, the weight, its nibbles and high bits: under 32
+// sums, 12 integer sums for Q3_K's and Q6_K's two 16-blocks, the weight, its nibbles and high bits: under 32
 // registers). The op calls it only where the CPU reports avx512vnni.
 #pragma GCC target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")
 #include "quant_gemm_kq.h"

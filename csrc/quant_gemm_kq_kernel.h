@@ -41,13 +41,68 @@ inline void add_high_bits(vi h, vi& lo, vi& hi) {
   }
 }
 
+// Bit P of each byte of h moved to bit 2 (Q3_K's third bit, mask 0x04).
+template <int P>
+inline vi bit_to_2(vi h) {
+  if constexpr (P < 2) {
+    return iand(shl16<2 - P>(h), ibytes(0x04));
+  } else if constexpr (P > 2) {
+    return iand(shr16<P - 2>(h), ibytes(0x04));
+  } else {
+    return iand(h, ibytes(0x04));
+  }
+}
+
+// The 2-bit field J of each byte of w (bits 2J..2J+1) at bits 0-1.
+template <int J>
+inline vi low2(vi w) {
+  if constexpr (J == 0) {
+    return iand(w, ibytes(0x03));
+  } else {
+    return iand(shr16<2 * J>(w), ibytes(0x03));
+  }
+}
+
+// Q3_K and Q6_K: int8 scales per 16-block and an offset taken off every q (q - 4, q - 32).
+template <int QT>
+constexpr bool kq_signed() { return QT == kQ3_K_I8 || QT == kQ6_K_I8; }
+
 template <int QT>
 struct KQOffsets {  // byte offsets inside one panel's super-block (quant_gemm_kq.h)
-  static constexpr int64_t kScales = QT == kQ6_K_I8 ? 32 : 64;
+  static constexpr int64_t kScales = kq_signed<QT>() ? 32 : 64;
   static constexpr int64_t kMins = 192;
-  static constexpr int64_t kHigh = QT == kQ6_K_I8 ? 288 : 320;
-  static constexpr int64_t kNibbles = QT == kQ4_K_I8 ? 320 : QT == kQ5_K_I8 ? 832 : 1312;
+  static constexpr int64_t kHigh = kq_signed<QT>() ? 288 : 320;
+  static constexpr int64_t kNibbles = QT == kQ4_K_I8 ? 320 : QT == kQ5_K_I8 ? 832 : QT == kQ3_K_I8 ? 800 : 1312;
+  static constexpr int32_t kOffset = QT == kQ3_K_I8 ? 4 : 32;  // of the signed types
 };
+
+// Q3_K's 32-block B for MR rows: per group g (4 k's a row), the 2-bit fields J = 0..3 hold k + 8 J, the
+// pair's byte the third bits (bit 4 u + J, u = B % 2); J 0-1 are the first 16-block, 2-3 the second.
+template <int B, int MR>
+inline void q3k_block_sums(const uint8_t* __restrict sbp, const int8_t* __restrict x, int64_t k,
+                           vi (&isum)[2][MR][NV]) {
+  using O = KQOffsets<kQ3_K_I8>;
+  const uint8_t* q = sbp + O::kNibbles + B * 128;
+  const uint8_t* hb = sbp + O::kHigh + (B / 2) * 128;
+  constexpr int U = B % 2;
+#pragma GCC unroll 2
+  for (int g = 0; g < 2; ++g) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const vi w = load_w(q + g * 64, v), h = load_w(hb + g * 64, v);
+      const vi q0 = ior(low2<0>(w), bit_to_2<4 * U>(h)), q1 = ior(low2<1>(w), bit_to_2<4 * U + 1>(h));
+      const vi q2 = ior(low2<2>(w), bit_to_2<4 * U + 2>(h)), q3 = ior(low2<3>(w), bit_to_2<4 * U + 3>(h));
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = x + r * k + B * 32 + 4 * g;
+        isum[0][r][v] = dot_u(isum[0][r][v], q0, bcast4(xr));
+        isum[0][r][v] = dot_u(isum[0][r][v], q1, bcast4(xr + 8));
+        isum[1][r][v] = dot_u(isum[1][r][v], q2, bcast4(xr + 16));
+        isum[1][r][v] = dot_u(isum[1][r][v], q3, bcast4(xr + 24));
+      }
+    }
+  }
+}
 
 // One 32-block b of super-block `sb` for MR rows: the integer sums of its low and high 16 k's.
 template <int QT, int B, int MR, int S>
@@ -86,15 +141,19 @@ inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 2
       for (int v = 0; v < NV; ++v) {
-        // Q6_K's - 32 comes out up front: each 16-block's chain starts at -32 sx16
-        const int32_t start = QT == kQ6_K_I8 ? -32 * a.xs16[(row0 + r) * (nb * 2) + 2 * b + s] : 0;
+        // Q6_K's - 32 (Q3_K's - 4) comes out up front: each 16-block's chain starts at -32 sx16
+        const int32_t start = kq_signed<QT>() ? -O::kOffset * a.xs16[(row0 + r) * (nb * 2) + 2 * b + s] : 0;
         isum[s][r][v] = start != 0 ? iset1(start) : izero();
       }
-  kq_block_sums<QT, B, MR, S>(sbp, x, k, isum);
+  if constexpr (QT == kQ3_K_I8) {
+    q3k_block_sums<B, MR>(sbp, x, k, isum);
+  } else {
+    kq_block_sums<QT, B, MR, S>(sbp, x, k, isum);
+  }
 #pragma GCC unroll 2
   for (int v = 0; v < NV; ++v) {
     const vf d = load_f16(sbp, v);
-    if constexpr (QT == kQ6_K_I8) {
+    if constexpr (kq_signed<QT>()) {
       const vf scale0 = vmul(d, vcvt(load_i8(sbp + O::kScales + (2 * B) * 16, v)));  // d sc, exact in float32
       const vf scale1 = vmul(d, vcvt(load_i8(sbp + O::kScales + (2 * B + 1) * 16, v)));
 #pragma GCC unroll 16
@@ -119,7 +178,7 @@ inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row
   }
 }
 
-template <int QT, int MR, int S = QT == kQ6_K_I8 ? 2 : kq_split<MR>()>
+template <int QT, int MR, int S = kq_signed<QT>() ? 2 : kq_split<MR>()>
 void micro_kq(const KQArgs& a, const uint8_t* __restrict panel, int64_t row0, float* __restrict y, const float* bias,
               int cols) {
   constexpr int64_t BB = kq_block_bytes(QT);
@@ -181,6 +240,7 @@ void kq_panels_for(const KQArgs& a, int64_t p_begin, int64_t p_end) {
 template <int... R>
 void kq_panels_dispatch(const KQArgs& a, int64_t p_begin, int64_t p_end) {
   switch (a.qtype) {
+    case kQ3_K_I8: kq_panels_for<kQ3_K_I8, R...>(a, p_begin, p_end); break;
     case kQ4_K_I8: kq_panels_for<kQ4_K_I8, R...>(a, p_begin, p_end); break;
     case kQ5_K_I8: kq_panels_for<kQ5_K_I8, R...>(a, p_begin, p_end); break;
     case kQ6_K_I8: kq_panels_for<kQ6_K_I8, R...>(a, p_begin, p_end); break;

@@ -109,7 +109,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtyp
   return y;
 }
 
-// Each row's sums of xq over its 16-blocks (Q6_K's - 32 offset), rows split over the pool.
+// Each row's sums of xq over its 16-blocks (Q6_K's - 32 and Q3_K's - 4 offsets), rows split over the pool.
 at::Tensor sums_of_16(const at::Tensor& xq) {
   const int64_t m = xq.size(0), k = xq.size(1);
   at::Tensor xs16 = at::empty({m, k / 16}, xq.options().dtype(at::kInt));
@@ -130,7 +130,8 @@ at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
   const int64_t chosen = quant_gemm_int8_isa(isa);
   TORCH_CHECK(chosen != 0, "quant_gemm_cpu: no int8-activation kernel for isa ", isa, " on this CPU");
   auto [xq, xd, xs] = quantize_activations(x);
-  const at::Tensor xs16 = qtype == quant::kQ6_K_I8 ? sums_of_16(xq) : at::Tensor();
+  const bool per_16 = qtype == quant::kQ6_K_I8 || qtype == quant::kQ3_K_I8;  // an offset per 16-block
+  const at::Tensor xs16 = per_16 ? sums_of_16(xq) : at::Tensor();
   const quant::KQArgs args{static_cast<int>(qtype), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
                            xs.data_ptr<int32_t>(), xs16.defined() ? xs16.data_ptr<int32_t>() : nullptr,
                            packed.data_ptr<uint8_t>(), bias_p, y.data_ptr<float>(), n, x.size(0), n, x.size(1)};

@@ -25,10 +25,10 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQX = 100;  // quantized.py's kernel types
-constexpr int64_t kQ4_K = 122, kQ5_K = 123, kQ6_K = 124;         // kquant.py's (csrc/quant_gemm_kq.h)
+constexpr int64_t kQ3_K = 121, kQ4_K = 122, kQ5_K = 123, kQ6_K = 124;  // kquant.py's (csrc/quant_gemm_kq.h)
 constexpr int64_t kLanes = 16;                                   // rows per panel
 
-constexpr bool is_kq(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+constexpr bool is_kq(int64_t qtype) { return qtype == kQ3_K || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -81,6 +81,29 @@ void dequantize_row(const uint8_t* panel, int64_t nb, int64_t bb, int64_t qtype,
   }
 }
 
+// One row (panel lane `lane`) of nsb Q3_K super-blocks (quant_gemm_kq.h's layout) -> out[nsb * 256], each
+// weight (d sc)(q - 4) as gguf's numpy dequantize forms it (every product exact in float32).
+void dequantize_q3k_row(const uint8_t* panel, int64_t nsb, int64_t lane, float* out) {
+  constexpr int64_t bb = 1824, high = 288, low = 800;
+  for (int64_t sb = 0; sb < nsb; ++sb, out += 256) {
+    const uint8_t* s = panel + sb * bb;
+    const float d = half_at(s + 2 * lane);
+    for (int64_t b = 0; b < 8; ++b) {
+      for (int64_t g = 0; g < 2; ++g) {
+        for (int64_t i = 0; i < 4; ++i) {
+          const int64_t at = g * 64 + lane * 4 + i;  // [group][row][4 bytes]
+          const uint8_t l = s[low + b * 128 + at], h = s[high + (b / 2) * 128 + at];
+          for (int64_t j = 0; j < 4; ++j) {
+            const int32_t q = ((l >> (2 * j)) & 3) | (((h >> (4 * (b % 2) + j)) & 1) << 2);
+            const float scale = d * static_cast<float>(static_cast<int8_t>(s[32 + (2 * b + j / 2) * kLanes + lane]));
+            out[b * 32 + 8 * j + 4 * g + i] = scale * static_cast<float>(q - 4);
+          }
+        }
+      }
+    }
+  }
+}
+
 // One row (panel lane `lane`) of nsb K-quant super-blocks of `bb` bytes each (quant_gemm_kq.h's
 // layout) -> out[nsb * 256], each weight formed as gguf's numpy dequantize does: (d sc) q - dmin m,
 // Q6_K (d sc)(q - 32).
@@ -126,7 +149,8 @@ at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Ten
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQX || is_kq(qtype),
               "quant_rows_cpu: qtype ", qtype);
   const int64_t block_bytes = qtype == kQ4_0 ? 32 + 256 : qtype == kQ4_1 ? 64 + 256 : qtype == kQ8_0 ? 32 + 512
-                              : qtype == kQ4_K ? 2368 : qtype == kQ5_K ? 2880 : qtype == kQ6_K ? 3360 : 768;
+                              : qtype == kQ3_K ? 1824 : qtype == kQ4_K ? 2368 : qtype == kQ5_K ? 2880
+                              : qtype == kQ6_K ? 3360 : 768;
   const int64_t block_k = is_kq(qtype) ? 256 : 32;  // K-quants: 256-wide super-blocks
   TORCH_CHECK(packed.size(2) == block_bytes, "quant_rows_cpu: ", packed.size(2), " bytes a block for type ", qtype);
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "quant_rows_cpu: int64 CPU ids expected");
@@ -143,7 +167,9 @@ at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Ten
   parallel_for(0, num, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* panel = base + (id[t] / kLanes) * nb * block_bytes;
-      if (is_kq(qtype)) {
+      if (qtype == kQ3_K) {
+        dequantize_q3k_row(panel, nb, id[t] % kLanes, dst + t * nb * block_k);
+      } else if (is_kq(qtype)) {
         dequantize_kq_row(panel, nb, block_bytes, qtype, id[t] % kLanes, dst + t * nb * block_k);
       } else {
         dequantize_row(panel, nb, block_bytes, qtype, id[t] % kLanes, dst + t * nb * 32);

@@ -4,6 +4,9 @@ Llama-3.2-1B shape (K = 2048; N = 8192 and 2048), and the bytes each weight hold
 
     PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/kquant_gemm_bench.py --threads 1
 
+    PYTHONPATH=$PWD .venv/bin/python scripts/kquant_gemm_bench.py --threads 2 --rows 1 32 \
+        --kinds Q3_K:int8 Q4_K:int8                                          (Q3_K against Q4_K)
+
     PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/kquant_gemm_bench.py --threads 1 \
         --rows 512 2048 --n 2048 --kinds Q4_K:int8 Q6_K:int8 Q4_0:int8      (prefill row counts)
 
@@ -27,7 +30,8 @@ import torch
 
 K = 2048
 NS = (8192, 2048)
-KINDS = (("Q4_K", "int8"), ("Q4_K", "float"), ("Q6_K", "int8"), ("Q6_K", "float"), ("Q4_0", "int8"))
+KINDS = (("Q4_K", "int8"), ("Q4_K", "float"), ("Q6_K", "int8"), ("Q6_K", "float"), ("Q3_K", "int8"), ("Q3_K", "float"),
+         ("Q4_0", "int8"))
 
 
 def random_weight(type_name: str, n: int, k: int, rng) -> tuple[np.ndarray, int]:
@@ -43,7 +47,7 @@ def random_weight(type_name: str, n: int, k: int, rng) -> tuple[np.ndarray, int]
         return quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32), qtype), qtype
     bb = quantized.GGUF_BLOCKS[qtype][1]
     blocks = rng.integers(0, 256, (n, k // 256, bb), dtype=np.uint8)
-    for offset in ((208,) if type_name == "Q6_K" else (0, 2)):
+    for offset in {"Q6_K": (208,), "Q3_K": (108,)}.get(type_name, (0, 2)):  # d (and dmin)
         blocks[:, :, offset : offset + 2] = rng.uniform(1e-4, 1e-3, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1), qtype
 

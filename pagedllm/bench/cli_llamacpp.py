@@ -23,8 +23,8 @@ process, so that its memory is the system's again before the servers start).
 
 KV caches are sized for every request at once: `--concurrency x (prompt + output + 16)` tokens, in
 float32 for pagedllm (its default) and f16 for llama.cpp (its default); the table gives both sizes.
-Random files (`--random-shape`) are written by bench/random_gguf.py, Q4_K_M included (its blocks written
-directly, each tensor in the type llama.cpp's Q4_K_M gives it); the other K-quant mixes (`--random-qtype Q5_K_M`,
+Random files (`--random-shape`) are written by bench/random_gguf.py, Q4_K_M and Q3_K_M included (their blocks
+written directly, each tensor in the type llama.cpp's mix gives it); the other K-quant mixes (`--random-qtype Q5_K_M`,
 ...) are made as users make them: a random Q8_0 file requantized by llama.cpp's `llama-quantize
 --allow-requantize` (built beside llama-server).
 """
@@ -41,9 +41,9 @@ from pathlib import Path
 from pagedllm.bench.common import bench_subparser, format_table, machine_info, write_result
 
 SLACK_TOKENS = 16  # a KV block of slack per request
-LLAMA_QUANTIZE_TYPES = ("Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M")
+LLAMA_QUANTIZE_TYPES = ("Q4_K_S", "Q5_K_M", "Q6_K")
 """Random file types made by llama-quantize from a random Q8_0 file (the rest random_gguf.py writes itself)."""
-RANDOM_QTYPES = ("Q4_0", "Q8_0", "Q4_K_M")
+RANDOM_QTYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q3_K_M")
 
 
 def add_parser(subparsers) -> None:
@@ -54,7 +54,8 @@ def add_parser(subparsers) -> None:
                    help="instead of --model: write (once, cached) a random-weight GGUF of this shape "
                         "(llama-3.2-1b, smollm2-135m, qwen3-30b-a3b, tiny, tiny-qwen3moe)")
     p.add_argument("--random-qtype", default="Q4_0", choices=(*RANDOM_QTYPES, *LLAMA_QUANTIZE_TYPES),
-                   help="the random file's type; Q4_0, Q8_0 and Q4_K_M written directly, the other K-quant mixes "
+                   help="the random file's type; Q4_0, Q8_0, Q4_K_M and Q3_K_M written directly, the other K-quant "
+                        "mixes "
                         "requantized from Q8_0 by llama-quantize")
     p.add_argument("--one-at-a-time", action="store_true",
                    help="run one server at a time (the default only for a file that would not fit in memory twice)")

@@ -18,7 +18,8 @@ Weights are random quantized blocks written directly (``random_blocks.py``: the 
 standard deviation ~0.02 as in Llama's initialization): the same bytes a quantizer would write, but a file
 takes seconds to minutes, not numpy quantization's hours. ``Q4_0`` and ``Q8_0`` put every 2-D weight, the
 embedding included, in the one type ("pure", like llama-quantize --pure); ``Q4_K_M`` mixes Q4_K and Q6_K as
-llama.cpp's llama-quantize does (``random_blocks.q4_k_m_type``). Norms are float32 ones, a mixture-of-experts
+llama.cpp's llama-quantize does (``random_blocks.q4_k_m_type``), ``Q3_K_M`` Q3_K with Q4_K, Q5_K and Q6_K
+(``random_blocks.q3_k_m_type``). Norms are float32 ones, a mixture-of-experts
 router float32 random. The file is written one tensor at a time (headers first, then each tensor made,
 written and dropped), so a 17 GiB file takes the memory of its largest tensor, not its size.
 """
@@ -34,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedllm.bench.random_blocks import BLOCK, WEIGHT_STD, q4_k_m_type, random_blocks
+from pagedllm.bench.random_blocks import BLOCK, WEIGHT_STD, q3_k_m_type, q4_k_m_type, random_blocks
 
-QTYPES = ("Q4_0", "Q8_0", "Q4_K_M")
+QTYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q3_K_M")
+MIXES = {"Q4_K_M": q4_k_m_type, "Q3_K_M": q3_k_m_type}
+"""llama.cpp's mixes: the type each tensor gets, by name."""
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,15 @@ class TensorPlan:
 
 
 def tensor_plan(s: Shape, qtype: str, vocab: int) -> list[TensorPlan]:
-    """Every tensor of the file, in file order, with its shape and type. Q4_K_M needs every weight's columns
-    to be a multiple of 256 (llama.cpp would fall back to another type per tensor; the shapes here need none)."""
+    """Every tensor of the file, in file order, with its shape and type. Q4_K_M and Q3_K_M need every weight's
+    columns to be a multiple of 256 (llama.cpp would fall back to another type per tensor; the shapes here need
+    none)."""
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {', '.join(QTYPES)}, got {qtype!r}")
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
     def weight(name: str, *shape: int) -> TensorPlan:
-        kind = q4_k_m_type(name, s.layers, s.tied_embeddings) if qtype == "Q4_K_M" else qtype
+        kind = MIXES[qtype](name, s.layers, s.tied_embeddings) if qtype in MIXES else qtype
         if kind is not None and shape[-1] % BLOCK[kind][0]:
             raise ValueError(f"{qtype} puts {name} in {kind}, whose rows need a multiple of {BLOCK[kind][0]} "
                              f"columns; the shape gives {shape[-1]}")
@@ -179,7 +183,7 @@ def _copy_tokenizer(writer, source: Path) -> int:
 def write_random_gguf(path: str | Path, shape: str | Shape = "llama-3.2-1b", qtype: str = "Q4_0",
                       tokenizer_gguf: str | Path | None = None, seed: int = 0) -> Path:
     """Write a random-weight GGUF of ``shape`` (llama, or qwen3moe where it has experts) in ``qtype`` (Q4_0,
-    Q8_0 or the Q4_K_M mix) with the tokenizer of ``tokenizer_gguf`` (default: the embedded model's), one
+    Q8_0 or the Q4_K_M or Q3_K_M mix) with the tokenizer of ``tokenizer_gguf`` (default: the embedded model's), one
     tensor at a time. Returns the path."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
@@ -194,7 +198,7 @@ def write_random_gguf(path: str | Path, shape: str | Shape = "llama-3.2-1b", qty
     writer = GGUFWriter(None, s.arch)
     writer.add_name(f"random {shape if isinstance(shape, str) else 'custom'} {qtype}")
     writer.add_file_type({"Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
-                          "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}[qtype])
+                          "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M, "Q3_K_M": LlamaFileType.MOSTLY_Q3_K_M}[qtype])
     writer.add_quantization_version(2)
     vocab = _copy_tokenizer(writer, Path(tokenizer_gguf) if tokenizer_gguf else default_gguf_path())
     writer.add_block_count(s.layers)

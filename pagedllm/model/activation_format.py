@@ -13,7 +13,7 @@
 The int8 kernel quantizes each row of x per 32-wide block (``csrc/quant_gemm_int8.h``). It reaches the
 decoder's linears and the mixture-of-experts experts; the embedding lookup and the LM head keep float32
 (the head's logits choose the tokens; docs/int8-activations.md has the measurements behind that).
-The K-quants (Q4_K / Q5_K / Q6_K) take their int8 layout when built (``takes_int8_at_load``; model/layers/kquant.py),
+The K-quants (Q3_K / Q4_K / Q5_K / Q6_K) take their int8 layout when built (``takes_int8_at_load``; model/layers/kquant.py),
 the embedding and a tied LM head included, so they are held at the file's size. A weight type the kernel lacks
 (bf16) keeps float32 activations: the switch is per weight (``QuantizedWeight.use_int8_activations``), so a new type plugs in
 by adding its entry to ``quantized.INT8_KERNEL_TYPE``.

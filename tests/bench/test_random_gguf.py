@@ -1,5 +1,5 @@
 """bench/random_gguf.py and random_blocks.py: random K-quant blocks decode to finite weights of the intended
-scale, the Q4_K_M mix is llama.cpp's (by its rule, and by its own llama-quantize where that is built), a
+scale, the Q4_K_M and Q3_K_M mixes are llama.cpp's (by its rule, and by its own llama-quantize where that is built), a
 Qwen3-MoE file carries the keys llama.cpp's qwen3moe loader reads and loads and generates in pagedllm with its
 experts held at the file's size, and a file is written one tensor at a time."""
 
@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from pagedllm.bench.random_blocks import BLOCK, WEIGHT_STD, q4_k_m_type, random_blocks, use_more_bits
+from pagedllm.bench.random_blocks import BLOCK, WEIGHT_STD, q3_k_m_type, q4_k_m_type, random_blocks, use_more_bits
 from pagedllm.bench.random_gguf import SHAPES, Shape, tensor_plan, write_random_gguf
 
 
@@ -24,7 +24,7 @@ def tiny_moe(tmp_path_factory):
                              "Q4_K_M")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_random_blocks_decode_finite_at_the_intended_scale(qtype):
     raw = random_blocks(64, 2048, qtype, np.random.default_rng(1))
     assert raw.shape == (64, 2048 // BLOCK[qtype][0] * BLOCK[qtype][1])
@@ -32,17 +32,18 @@ def test_random_blocks_decode_finite_at_the_intended_scale(qtype):
     assert w.shape == (64, 2048) and np.isfinite(w).all()
     assert abs(w.std() - WEIGHT_STD) < 0.03 * WEIGHT_STD
     assert abs(w.mean()) < 0.03 * WEIGHT_STD
-    if qtype in ("Q4_K", "Q6_K"):  # the super-block scales (Q4_K: d and dmin) are normal f16 numbers
+    if qtype not in ("Q4_0", "Q8_0"):  # the super-block scales (Q4_K, Q5_K: d and dmin) are normal f16 numbers
         blocks = raw.reshape(-1, BLOCK[qtype][1])
-        scales = np.ascontiguousarray(blocks[:, 208:210] if qtype == "Q6_K" else blocks[:, 0:4]).view(np.float16)
+        at = {"Q6_K": slice(208, 210), "Q3_K": slice(108, 110)}.get(qtype, slice(0, 4))
+        scales = np.ascontiguousarray(blocks[:, at]).view(np.float16)
         assert (np.abs(scales.astype(np.float32)) >= 2.0**-14).all()
 
 
 def test_random_blocks_refuse_rows_that_do_not_fill_their_blocks():
     with pytest.raises(ValueError, match="Q4_K row needs a multiple of 256 columns, got 64"):
         random_blocks(4, 64, "Q4_K", np.random.default_rng(0))
-    with pytest.raises(ValueError, match="not Q5_K"):
-        random_blocks(4, 256, "Q5_K", np.random.default_rng(0))
+    with pytest.raises(ValueError, match="not Q2_K"):
+        random_blocks(4, 256, "Q2_K", np.random.default_rng(0))
 
 
 def test_q4_k_m_is_llama_cpps_rule():
@@ -58,6 +59,20 @@ def test_q4_k_m_is_llama_cpps_rule():
     assert q4_k_m_type("token_embd.weight", 16, True) == "Q6_K"  # tied: the embedding is the output too
     for name in ("blk.0.ffn_gate_inp.weight", "blk.0.attn_q_norm.weight", "output_norm.weight"):
         assert q4_k_m_type(name, 48, False) is None, name
+
+
+def test_q3_k_m_is_llama_cpps_rule():
+    assert [q3_k_m_type(f"blk.{i}.attn_v.weight", 48, False) for i in (0, 1, 2, 47)] == ["Q5_K"] * 2 + ["Q4_K"] * 2
+    assert [q3_k_m_type(f"blk.{i}.ffn_down.weight", 48, False) for i in (2, 3)] == ["Q5_K", "Q4_K"]  # 48 / 16 = 3
+    assert [q3_k_m_type(f"blk.{i}.ffn_down_exps.weight", 16, False) for i in (0, 1)] == ["Q5_K", "Q4_K"]
+    assert q3_k_m_type("blk.5.attn_output.weight", 48, False) == "Q4_K"
+    for name in ("attn_q", "attn_k", "ffn_gate_exps", "ffn_up_exps", "ffn_gate", "ffn_up"):
+        assert q3_k_m_type(f"blk.0.{name}.weight", 48, False) == "Q3_K", name
+    assert q3_k_m_type("output.weight", 48, False) == "Q6_K"
+    assert q3_k_m_type("token_embd.weight", 48, False) == "Q3_K"
+    assert q3_k_m_type("token_embd.weight", 16, True) == "Q6_K"
+    for name in ("blk.0.ffn_gate_inp.weight", "blk.0.attn_q_norm.weight", "output_norm.weight"):
+        assert q3_k_m_type(name, 48, False) is None, name
 
 
 def test_the_30b_shape_is_qwen3_30b_a3bs_and_17_gib():
@@ -155,14 +170,17 @@ def _llama_quantize():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _llama_quantize().is_file(), reason="llama-quantize not built (scripts/build_llama_server.sh)")
-def test_q4_k_m_types_equal_what_llama_quantize_gives(tmp_path):
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M"])
+def test_mix_types_equal_what_llama_quantize_gives(mix, tmp_path):
     """llama.cpp's own choice, tensor by tensor, over 16 layers (where use_more_bits picks some and not others)."""
     shape = Shape(hidden=256, layers=16, heads=4, kv_heads=2, intermediate=512, dim_per_head=64, experts=4,
                   experts_used=2, expert_intermediate=256, tied_embeddings=False)
-    ours = write_random_gguf(tmp_path / "ours.gguf", shape, "Q4_K_M")
+    ours = write_random_gguf(tmp_path / "ours.gguf", shape, mix)
     theirs = tmp_path / "theirs.gguf"
-    subprocess.run([str(_llama_quantize()), "--allow-requantize", str(ours), str(theirs), "Q4_K_M"], check=True,
+    subprocess.run([str(_llama_quantize()), "--allow-requantize", str(ours), str(theirs), mix], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     types = {path: {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors} for path in (ours, theirs)}
     assert types[ours] == types[theirs]
-    assert sum(v == "Q6_K" for v in types[ours].values()) > 2  # the rule picked some layers, not none
+    kinds = list(types[ours].values())
+    assert len({v for v in kinds if v.startswith("Q")}) >= (2 if mix == "Q4_K_M" else 4)  # a mix, not one type
+    assert sum(v == ("Q6_K" if mix == "Q4_K_M" else "Q5_K") for v in kinds) > 2  # the rule picked some layers

@@ -11,10 +11,10 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from pagedllm.model.layers import quantized
-from pagedllm.model.layers.quantized import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, QuantizedWeight, QuantTensor
+from pagedllm.model.layers.quantized import Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, QuantizedWeight, QuantTensor
 
-QTYPES = [Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K]
-K_QUANTS = (Q4_K, Q5_K, Q6_K)
+QTYPES = [Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K]
+K_QUANTS = (Q3_K, Q4_K, Q5_K, Q6_K)
 needs_kernel = pytest.mark.skipif(not quantized.kernel_available(), reason="compiled quantized kernel unavailable")
 
 
@@ -27,13 +27,18 @@ def isas() -> list[str]:
     return names
 
 
+def d_offsets(qtype: int) -> tuple[int, ...]:
+    """Where a K-quant block's fp16 super-block scale d (and Q4_K / Q5_K's dmin) sit."""
+    return {Q3_K: (108,), Q6_K: (208,)}.get(qtype, (0, 2))
+
+
 def random_k_quant(qtype: int, n: int, k: int, rng, scale=(1e-4, 1e-2)) -> np.ndarray:
     """Random K-quant rows ``[n, k / 256 * block bytes]``: random sub-block scales and values,
     fp16 super-block scales drawn from ``scale`` (some rows 40x)."""
     bb = quantized.GGUF_BLOCKS[qtype][1]
     blocks = rng.integers(0, 256, (n, k // 256, bb), dtype=np.uint8)
     big = np.where(rng.random((n, 1, 1)) < 0.1, 40.0, 1.0)
-    for offset in ((208,) if qtype == Q6_K else (0, 2)):  # d (and dmin)
+    for offset in d_offsets(qtype):
         d = (rng.uniform(*scale, (n, k // 256, 1)) * big).astype(np.float16)
         blocks[:, :, offset : offset + 2] = d.view(np.uint8)
     return blocks.reshape(n, -1)

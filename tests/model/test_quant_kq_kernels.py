@@ -9,12 +9,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from pagedllm.model.layers import kquant, quantized
-from pagedllm.model.layers.quantized import Q4_K, Q5_K, Q6_K, QuantizedWeight
-from tests.model.test_quant_kernels import random_k_quant
+from pagedllm.model.layers.quantized import Q3_K, Q4_K, Q5_K, Q6_K, QuantizedWeight
+from tests.model.test_quant_kernels import d_offsets, random_k_quant
 
 needs_kernel = pytest.mark.skipif(not quantized.int8_kernel_available(), reason="int8-activation kernel unavailable")
 pytestmark = [needs_kernel, pytest.mark.usefixtures("int8_kernels_only")]
-K_QUANTS = (Q4_K, Q5_K, Q6_K)
+K_QUANTS = (Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def isas() -> list[int]:
@@ -68,17 +68,19 @@ def test_kernel_matches_float64_reference(qtype, n, k):
 
 @pytest.mark.parametrize("qtype", K_QUANTS)
 def test_saturation_extremes(qtype):
-    """Every quant at its largest (15 / 31 / 63), every 6-bit scale and min at 63 (Q6_K's int8 scales at
-    127 and -128), activations at +-127: the AVX2 int16 pair sums stay unsaturated."""
+    """Every quant at its largest (15 / 31 / 63; Q3_K's 7, every hmask bit set), every 6-bit scale and min at
+    63 (Q6_K's int8 scales at 127 and -128, Q3_K's at 31 and -32), activations at +-127: the AVX2 int16 pair
+    sums stay unsaturated."""
     n, k = 32, 512
     bb = kquant.GGUF_BYTES[qtype]
     blocks = np.full((n, k // 256, bb), 0xFF, dtype=np.uint8)
-    scale_at = (208,) if qtype == Q6_K else (0, 2)
-    for offset in scale_at:
+    for offset in d_offsets(qtype):
         blocks[:, :, offset : offset + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
     if qtype == Q6_K:
         blocks[::2, :, 192:208] = np.uint8(0x80)  # scales -128 and 127 on alternate rows
         blocks[1::2, :, 192:208] = np.uint8(0x7F)
+    if qtype == Q3_K:
+        blocks[::2, :, 96:108] = 0  # 6-bit scales 0: sc - 32 = -32 on alternate rows (31 on the others)
     raw = blocks.reshape(n, -1)
     w = weight(qtype, raw, k)
     signs = np.where(np.arange(k) % 3 == 0, -1.0, 1.0).astype(np.float32)
@@ -94,7 +96,7 @@ def test_zero_scales_give_zeros_and_the_bias(qtype):
     n, k = 20, 256
     rng = np.random.default_rng(5)
     raw = random_k_quant(qtype, n, k, rng).reshape(n, 1, -1)
-    for offset in ((208,) if qtype == Q6_K else (0, 2)):
+    for offset in d_offsets(qtype):
         raw[:, :, offset : offset + 2] = 0
     w = weight(qtype, raw.reshape(n, -1), k)
     bias = torch.arange(n, dtype=torch.float32)
@@ -155,7 +157,7 @@ def test_bad_packed_shape_is_refused():
         torch.ops.pagedllm.quant_gemm_invariant_cpu(torch.randn(2, 256), w.packed, w.kernel_type, 16, None, 0)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, quantized.Q4_0])
+@pytest.mark.parametrize("qtype", [Q3_K, Q4_K, Q6_K, quantized.Q4_0])
 def test_rows_past_one_tile(qtype):
     """300 rows of K = 2048 span three tiles of x (csrc/panel_tiles.h): each row still equals itself
     alone and the reference (the Q4_0 int8 kernel shares the tiling)."""

@@ -1,4 +1,4 @@
-"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) held at their file's size for the int8-activation kernel
+"""GGUF K-quant weights (Q3_K, Q4_K, Q5_K, Q6_K) held at their file's size for the int8-activation kernel
 (``csrc/quant_gemm_kq*``; the layout diagram is in ``csrc/quant_gemm_kq.h``).
 
 ``repack`` turns the GGUF rows into the kernel's panels in one pass over row chunks (the 4-6 bit
@@ -11,6 +11,7 @@ LM head's table is this same weight):
     Q4_K  d dmin sc/m(12, 6-bit) qs(128)  144  ->  d x16, dmin x16, sc 8 x16, m 8 x16, nibbles   148 x16
     Q5_K  d dmin sc/m(12) qh(32) qs(128)  176  ->  ... as Q4_K, 5th bits (2 quads), nibbles     180 x16
     Q6_K  ql(128) qh(64) sc(16) d          210  ->  d x16, sc 16 x16, 5th-6th bits (4 pairs), nibbles  210 x16
+    Q3_K  hmask(32) qs(64) sc(12) d        110  ->  d x16, sc - 32 16 x16, 3rd bits (4 pairs), 2-bit fields  114 x16
 
 Used when the model runs with int8 activations (``--quant-activations int8``): ``QuantizedWeight``
 takes this layout at construction, so the 12-bit expansion the float-activation path uses (QX, in
@@ -22,13 +23,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
-KERNEL_TYPE = {Q4_K: 122, Q5_K: 123, Q6_K: 124}
+Q3_K, Q4_K, Q5_K, Q6_K = 11, 12, 13, 14  # GGMLQuantizationType values
+KERNEL_TYPE = {Q3_K: 121, Q4_K: 122, Q5_K: 123, Q6_K: 124}
 """The kernel's types (csrc/quant_gemm_kq.h) by GGUF type."""
 GGUF_TYPE = {v: k for k, v in KERNEL_TYPE.items()}
-GGUF_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+GGUF_BYTES = {Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 """Bytes of one 256-weight GGUF super-block (one row's)."""
-PANEL_BYTES = {Q4_K: 2368, Q5_K: 2880, Q6_K: 3360}
+PANEL_BYTES = {Q3_K: 1824, Q4_K: 2368, Q5_K: 2880, Q6_K: 3360}
 """Bytes of one 16-row panel's super-block."""
 SUPER_K = 256
 PANEL_ROWS = 16
@@ -39,15 +40,26 @@ def _offsets(qtype: int) -> dict[str, int]:
     """Byte offsets inside a panel's super-block (csrc/quant_gemm_kq_kernel.h's KQOffsets)."""
     if qtype == Q6_K:
         return {"scales": 32, "high": 288, "nibbles": 1312}
+    if qtype == Q3_K:  # "nibbles": the 2-bit fields
+        return {"scales": 32, "high": 288, "nibbles": 800}
     return {"scales": 64, "mins": 192, "high": 320, "nibbles": 320 if qtype == Q4_K else 832}
 
 
 def _unpack(qtype: int, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
     """GGUF super-blocks ``[num, bytes]`` -> ``(q uint8 [num, 256], d fp16 bytes [num, 2], ...)``:
-    Q4_K / Q5_K add dmin bytes and the 8 scales and mins (uint8); Q6_K its 16 int8 scales (as bytes)."""
+    Q4_K / Q5_K add dmin bytes and the 8 scales and mins (uint8); Q6_K its 16 int8 scales (as bytes); Q3_K its
+    16 scales - 32 (int8, as bytes) and q + 4 (0..7) for gguf's q."""
     from gguf.quants import Q4_K as GGUF_Q4_K
 
     num = blocks.shape[0]
+    if qtype == Q3_K:  # q = the 2 low bits + 4 x the hmask bit (0..7; gguf's q + 4), scales - 32 as int8
+        ql = blocks[:, 32:96].reshape(num, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        qh = blocks[:, :32].reshape(num, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = (ql & np.uint8(3)).reshape(num, SUPER_K) | ((qh & np.uint8(1)).reshape(num, SUPER_K) << np.uint8(2))
+        low = blocks[:, 96:104].reshape(num, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+        high = blocks[:, 104:108].reshape(num, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
+        sc = (low & np.uint8(15)).reshape(num, 16) | ((high & np.uint8(3)).reshape(num, 16) << np.uint8(4))
+        return q, blocks[:, 108:110], sc - np.uint8(32)  # uint8 wrap-around: the int8 bytes of sc - 32
     if qtype == Q6_K:
         ql = blocks[:, :128].reshape(num, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         qh = blocks[:, 128:192].reshape(num, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
@@ -83,6 +95,15 @@ def _fill(qtype: int, out: np.ndarray, blocks: np.ndarray) -> None:
         np.reshape(out[:, :, start : start + width], panels.shape, copy=False)[...] = panels
 
     put(0, d.reshape(-1, 1, 2))
+    if qtype == Q3_K:  # per 32-block b: [g: 2][row][i] = sum_j (q[32 b + 8 j + 4 g + i] & 3) << 2 j
+        put(off["scales"], rest[0].reshape(-1, 16, 1))
+        fields = q.reshape(-1, 8, 4, 2, 4) & np.uint8(3)
+        put(off["nibbles"], np.bitwise_or.reduce(fields << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1, 1),
+                                                 axis=2))
+        bits = (q.reshape(-1, 4, 2, 4, 2, 4) >> np.uint8(2)) & np.uint8(1)  # pair t, block u: bit 4 u + j
+        shifts = (4 * np.arange(2).reshape(2, 1) + np.arange(4).reshape(1, 4)).astype(np.uint8)
+        put(off["high"], np.bitwise_or.reduce(bits << shifts.reshape(1, 1, 2, 4, 1, 1), axis=(2, 3)))
+        return
     if qtype == Q6_K:
         put(off["scales"], rest[0].reshape(-1, 16, 1))
     else:
@@ -122,7 +143,7 @@ def repack(qtype: int, raw: torch.Tensor) -> torch.Tensor:
 
 def rows(kernel_type: int, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a repacked weight as float32 ``[len(ids), K]``, formed as gguf's numpy
-    dequantize forms them ((d sc) q - dmin m; Q6_K (d sc)(q - 32)), so equal to it bit for bit: the
+    dequantize forms them ((d sc) q - dmin m; Q6_K (d sc)(q - 32); Q3_K (d sc)(q - 4)), so equal to it bit for bit: the
     reference of the compiled lookup (csrc/step_ops.cpp), and the path without it."""
     qtype = GGUF_TYPE[kernel_type]
     a = packed.numpy()
@@ -138,6 +159,17 @@ def rows(kernel_type: int, packed: torch.Tensor, ids: torch.Tensor) -> torch.Ten
 
     def fp16(start: int) -> np.ndarray:  # [T, nsb, 1, 1] float32
         return np.ascontiguousarray(lane_bytes(start, 32, 2)).view(np.float16).astype(np.float32)
+
+    if qtype == Q3_K:  # k = 32 b + 8 j + 4 g + i
+        low = lane_bytes(off["nibbles"], 1024, 4).reshape(t, nsb, 8, 1, 2, 4)
+        q = (low >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1, 1)) & np.uint8(3)
+        high = lane_bytes(off["high"], 512, 4).reshape(t, nsb, 4, 1, 1, 2, 4)
+        shifts = (4 * np.arange(2).reshape(2, 1) + np.arange(4).reshape(1, 4)).astype(np.uint8)
+        q = q.reshape(t, nsb, 4, 2, 4, 2, 4) | (((high >> shifts.reshape(1, 1, 1, 2, 4, 1, 1)) & np.uint8(1)) << 2)
+        scales = np.ascontiguousarray(lane_bytes(off["scales"], 256, 1)).view(np.int8).astype(np.float32)
+        dsc = fp16(0).reshape(t, nsb, 1, 1) * scales  # [T, nsb, 16, 1]
+        values = (q.reshape(t, nsb, 16, 16).astype(np.int8) - np.int8(4)).astype(np.float32)
+        return torch.from_numpy((dsc * values).reshape(t, nsb * SUPER_K))
 
     nib = lane_bytes(off["nibbles"], 2048, 4).reshape(t, nsb, 8, 1, 4, 4)
     q = np.concatenate([nib & np.uint8(15), nib >> np.uint8(4)], axis=3).reshape(t, nsb, 8, 32)

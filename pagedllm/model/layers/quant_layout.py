@@ -27,19 +27,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 2, 3, 8, 12, 13, 14, 30  # GGMLQuantizationType values
+Q4_0, Q4_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 2, 3, 8, 11, 12, 13, 14, 30  # GGMLQuantizationType values
 QX = 100  # the kernel's expanded layout for the K-quants (csrc/quant_gemm.h), no GGUF type
 BF16_KERNEL = 101  # bfloat16 panels (csrc/bf16_gemm.h), no GGUF type
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
-GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-               BF16: (1, 2)}
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
+GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
+               Q6_K: (256, 210), BF16: (1, 2)}
 """(weights, bytes) of one block in the GGUF file."""
-KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q4_K: QX, Q5_K: QX, Q6_K: QX, BF16: BF16_KERNEL}
+KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q3_K: QX, Q4_K: QX, Q5_K: QX, Q6_K: QX, BF16: BF16_KERNEL}
 PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 512, BF16_KERNEL: 1024}
 """Bytes of one K-block of a 16-row panel once repacked (csrc/quant_gemm.h), by kernel type."""
 BLOCK_K = 32
 PANEL_ROWS = 16
-SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K))
+SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K))
 """The GGUF types the GGUF loader keeps as they are (BF16 reaches the kernel from safetensors, ``convert``)."""
 INT8_KERNEL_TYPE = {Q4_0: 112, Q4_1: 113, Q8_0: 118}
 """The int8-activation kernel's types (csrc/quant_gemm_int8.h) by kernel type: the same panels with
@@ -151,6 +151,13 @@ def expand_k_quant(qtype: int, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray,
             qh = blocks[:, 16:48].reshape(num, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
             q = q | ((qh & np.uint8(1)).reshape(num, 8, 32) << np.uint8(4))
         scale, minv = np.repeat(scale, 2, axis=1), np.repeat(minv, 2, axis=1)  # per 16 weights
+    elif qtype == Q3_K:
+        from pagedllm.model.layers.kquant import _unpack
+
+        q4, d, sc = _unpack(Q3_K, blocks)  # q + 4 (0..7), d bytes, sc - 32 (int8 bytes)
+        scale = sc.view(np.int8).astype(np.float32) * d.copy().view(np.float16).astype(np.float32)  # [num, 16]
+        minv = np.zeros_like(scale)
+        q = q4.astype(np.int8) - np.int8(4)
     else:  # Q6_K
         scale = blocks[:, 192:208].copy().view(np.int8).astype(np.float32) * \
             blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [num, 16]

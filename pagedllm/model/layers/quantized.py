@@ -1,4 +1,4 @@
-"""GGUF-quantized weights kept quantized in memory (Q8_0, Q4_0, Q4_1 in their own size; Q4_K, Q5_K,
+"""GGUF-quantized weights kept quantized in memory (Q8_0, Q4_0, Q4_1 in their own size; Q3_K, Q4_K, Q5_K,
 Q6_K expanded to 12 bits a weight), multiplied by the compiled kernel of ``csrc/quant_gemm*.cpp``; float
 checkpoints kept as bf16 or int8 panels for the same kernel. This module is what a load does with them:
 it stages a layer's shards and installs the repacked weight, and it decides which float weights convert.
@@ -49,6 +49,7 @@ from pagedllm.model.layers.quant_layout import (  # noqa: F401 - the names calle
     NAMES,
     PACKED_BLOCK_BYTES,
     PANEL_ROWS,
+    Q3_K,
     Q4_0,
     Q4_1,
     Q4_K,
