@@ -43,3 +43,17 @@ def test_embed_bench_smoke(tmp_path, capsys):
 def test_embed_bench_refuses_unknown_shape(tmp_path):
     with pytest.raises(SystemExit, match="unknown shape 'bert-huge'"):
         main(["bench", "embed", "--out", str(tmp_path), "--shapes", "bert-huge"])
+
+
+def test_embed_bench_bfloat16_dtype_is_recorded_and_close(tmp_path, capsys):
+    """--dtype bfloat16 reaches pagedllm's engine (sentence-transformers stays float32): the vectors differ by
+    bfloat16 rounding, not more, and the result and table say which dtype ran."""
+    out = tmp_path / "out"
+    argv = ["--log-level", "WARNING", "bench", "embed", "--out", str(out), "--shapes", "bert-tiny", "--rerank-shape",
+            "none", "--num-texts", "6", "--max-len", "64", "--rounds", "1", "--threads", "1", "--dtype", "bfloat16"]
+    assert main(argv) == 0
+    result = json.loads((out / "embed.json").read_text())
+    assert result["dtype"] == "bfloat16"
+    agreement = result["embed"][0]["agreement"]
+    assert 1e-6 < agreement["max_abs_diff"] < 5e-2 and agreement["min_cosine"] > 0.999, agreement
+    assert "pagedllm dtype bfloat16" in capsys.readouterr().out
