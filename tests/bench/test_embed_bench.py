@@ -57,3 +57,19 @@ def test_embed_bench_bfloat16_dtype_is_recorded_and_close(tmp_path, capsys):
     agreement = result["embed"][0]["agreement"]
     assert 1e-6 < agreement["max_abs_diff"] < 5e-2 and agreement["min_cosine"] > 0.999, agreement
     assert "pagedllm dtype bfloat16" in capsys.readouterr().out
+
+
+def test_embed_mixed_bench_smoke(tmp_path, capsys):
+    """`bench embed-mixed` on the default model served with --runner both: each round times the generation load
+    alone and with embedding requests, every embedding token counted in the share."""
+    out = tmp_path / "out"
+    argv = ["--log-level", "WARNING", "bench", "embed-mixed", "--out", str(out), "--num-generations", "2",
+            "--prompt-len", "16", "--output-len", "4", "--num-embed-requests", "2", "--embed-inputs", "3",
+            "--embed-len", "8", "--rounds", "1", "--threads", "1"]
+    assert main(argv) == 0
+    result = json.loads((out / "embed-mixed.json").read_text())
+    assert result["serve_args"][:2] == ["--runner", "both"]
+    assert result["embedding"]["tokens"] == 2 * 3 * 8 and result["generation"]["tokens"] == 2 * 16 + 2 * 4
+    assert result["token_share"] == pytest.approx(48 / (48 + 40))
+    assert len(result["alone_s"]) == len(result["mixed_s"]) == 1 and result["alone_s"][0] > 0
+    assert "within the share" in capsys.readouterr().out
