@@ -12,9 +12,8 @@ an untimed warm-up call each on a few texts; best and median rates are reported.
 on query/document pairs vs `CrossEncoder.predict` on a one-label BertForSequenceClassification, the same
 way. The vectors and scores of the two systems are compared too (a rate of wrong answers means nothing).
 
-Generation mixed with embeddings is not measured: an engine serves one runner ('generate' or 'pooling'),
-so embedding requests cannot share a generating engine's batches; two engines on one CPU would only
-measure how the operating system shares the cores.
+Generation mixed with embeddings in one engine (runner 'both') is `pagedllm bench embed-mixed`
+(embed_mixed.py).
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ from pathlib import Path
 from pagedllm.bench.common import bench_subparser, format_table, write_result
 
 WARMUP_INPUTS = 8
-MIXED_LOAD_SKIPPED = ("not measured: an engine runs one runner ('generate' or 'pooling'), so embedding requests "
-                      "cannot be mixed into a generating engine's batches; two engines on one CPU would only "
-                      "measure how the operating system shares the cores")
+MIXED_LOAD = "measured by `pagedllm bench embed-mixed` (one engine with --runner both, over HTTP)"
 
 
 def add_parser(subparsers) -> None:
@@ -184,7 +181,7 @@ def bench_embed(args, engine_args: dict) -> dict:
     threads = args.threads or torch.get_num_threads()
     result: dict = {"threads": threads, "dtype": args.dtype, "lengths": [args.min_len, args.max_len],
                     "rounds": args.rounds, "st_batch_size": args.st_batch_size, "weights": "random",
-                    "embed": [], "rerank": None, "mixed_load": MIXED_LOAD_SKIPPED}
+                    "embed": [], "rerank": None, "mixed_load": MIXED_LOAD}
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-embed-") as tmp:
         for shape in shapes:
             result["embed"].append(_with_ratios(bench_embedder(shape, Path(tmp), args, threads)))
