@@ -128,3 +128,20 @@ def test_field_docs_reads_the_string_under_each_field():
 def test_no_config_module_passes_450_lines():
     for path in (Path(config.__file__).parent).glob("*.py"):
         assert len(path.read_text().splitlines()) <= 450, path.name
+
+
+def test_bfloat16_on_a_cpu_without_amx_is_warned_about(monkeypatch, caplog):
+    """--dtype bfloat16 is fast only where oneDNN multiplies on AMX tiles; elsewhere the engine says so."""
+    import logging
+
+    import torch
+
+    from pagedllm.model.layers import greedy_head
+    from pagedllm.worker.gpu import resolve_dtype
+
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="pagedllm.worker.gpu"):
+        assert resolve_dtype("float32", cpu) == torch.float32 and not caplog.records
+        monkeypatch.setattr(greedy_head, "cpu_has_fast_bf16", lambda: False)  # the CPU's flags, as an AVX2 CPU has
+        assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert "without AMX-BF16" in caplog.text

@@ -22,6 +22,7 @@
     pagedllm bench serve-memory --burst 16   (resident memory of each server process: ready, 1 request, a burst)
     pagedllm bench kv-disk --prefix-len 8000   (the KV disk tier: time to first token after eviction and restart)
     pagedllm bench embed --shapes minilm,qwen3-0.6b   (embeddings/s and rerank pairs/s beside sentence-transformers)
+    pagedllm bench embed-mixed --rounds 2   (a generation load slowed by embedding requests in its engine)
     pagedllm bench all --out docs/bench --report docs/bench/results.md   (what `make bench` runs)
 
 Each module in BENCHMARK_MODULES has `add_parser(subparsers)`, which declares its subcommands' arguments on
@@ -60,6 +61,7 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.serve_memory",  # serve-memory (not in `bench all`)
     "pagedllm.bench.kv_disk",  # kv-disk (not in `bench all`)
     "pagedllm.bench.embed",  # embed (not in `bench all`)
+    "pagedllm.bench.embed_mixed",  # embed-mixed (not in `bench all`)
 )
 """Modules light enough to import when the CLI starts (no torch at import); each declares its subcommands."""
 

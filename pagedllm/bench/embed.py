@@ -1,6 +1,7 @@
 """`pagedllm bench embed`: embeddings/s and rerank pairs/s beside sentence-transformers on the same weights.
 
     pagedllm bench embed --shapes minilm,qwen3-0.6b --num-texts 256 --rounds 3
+    pagedllm bench embed --shapes minilm --dtype bfloat16       (pagedllm on AMX tiles; sentence-transformers float32)
     pagedllm bench embed --shapes bert-tiny --rerank-shape bert-tiny --num-texts 8 --rounds 1   (a smoke run)
 
 For each shape, a random-weight sentence-transformers model is saved in a temporary directory
@@ -11,9 +12,8 @@ an untimed warm-up call each on a few texts; best and median rates are reported.
 on query/document pairs vs `CrossEncoder.predict` on a one-label BertForSequenceClassification, the same
 way. The vectors and scores of the two systems are compared too (a rate of wrong answers means nothing).
 
-Generation mixed with embeddings is not measured: an engine serves one runner ('generate' or 'pooling'),
-so embedding requests cannot share a generating engine's batches; two engines on one CPU would only
-measure how the operating system shares the cores.
+Generation mixed with embeddings in one engine (runner 'both') is `pagedllm bench embed-mixed`
+(embed_mixed.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ from pathlib import Path
 from pagedllm.bench.common import bench_subparser, format_table, write_result
 
 WARMUP_INPUTS = 8
-MIXED_LOAD_SKIPPED = ("not measured: an engine runs one runner ('generate' or 'pooling'), so embedding requests "
-                      "cannot be mixed into a generating engine's batches; two engines on one CPU would only "
-                      "measure how the operating system shares the cores")
+MIXED_LOAD = "measured by `pagedllm bench embed-mixed` (one engine with --runner both, over HTTP)"
 
 
 def add_parser(subparsers) -> None:
@@ -46,6 +44,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-len", type=int, default=256, help="longest text, in tokens")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each system, alternating")
     p.add_argument("--threads", type=int, default=None, help="torch threads of both systems (default: torch's)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="pagedllm's --dtype (sentence-transformers stays float32): bfloat16 multiplies on AMX "
+                        "tiles where the CPU has them (docs/embeddings.md, Speed; elsewhere ~100x slower)")
     p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch size (its default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm's step budget (default: its own)")
     p.add_argument("--kv-cache-memory", default="1GiB",
@@ -60,7 +61,9 @@ def _rates(seconds: list[float], num_items: int) -> dict:
 
 def _alternate(systems: dict, inputs: list, rounds: int, threads: int) -> tuple[dict[str, list[float]], dict]:
     """Time each system on `inputs` `rounds` times, one phase each per round, after an untimed warm-up call
-    on a few inputs (weights paged in, kernels picked); returns the seconds and each system's last answer."""
+    on a few inputs (weights paged in, kernels picked); returns the seconds and each system's last answer.
+    Both run in this process on torch's intra-op threads; a system that left another thread count behind
+    would be timed at it, so that ends the run."""
     import torch
 
     seconds: dict[str, list[float]] = {name: [] for name in systems}
@@ -75,6 +78,8 @@ def _alternate(systems: dict, inputs: list, rounds: int, threads: int) -> tuple[
             start = time.perf_counter()
             answers[name] = run(inputs)
             seconds[name].append(time.perf_counter() - start)
+            if torch.get_num_threads() != threads:
+                raise SystemExit(f"{name} ran at {torch.get_num_threads()} torch threads, not {threads}")
     return seconds, answers
 
 
@@ -96,7 +101,7 @@ def _engine(model: Path, args, threads: int, is_decoder: bool):
     if is_decoder:  # an encoder keeps no K/V
         # no prefix cache: every round embeds the same texts, which would be cache hits but the last token
         extra.update(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
-    return LLM(str(model), runner="pooling", num_threads=threads, **extra)
+    return LLM(str(model), runner="pooling", num_threads=threads, dtype=args.dtype, **extra)
 
 
 def bench_embedder(shape_name: str, root: Path, args, threads: int) -> dict:
@@ -174,9 +179,9 @@ def bench_embed(args, engine_args: dict) -> dict:
         raise SystemExit(f"need 1 <= --min-len <= --max-len <= 480 (texts and pairs within 512 tokens), "
                          f"got {args.min_len}..{args.max_len}")
     threads = args.threads or torch.get_num_threads()
-    result: dict = {"threads": threads, "lengths": [args.min_len, args.max_len],
+    result: dict = {"threads": threads, "dtype": args.dtype, "lengths": [args.min_len, args.max_len],
                     "rounds": args.rounds, "st_batch_size": args.st_batch_size, "weights": "random",
-                    "embed": [], "rerank": None, "mixed_load": MIXED_LOAD_SKIPPED}
+                    "embed": [], "rerank": None, "mixed_load": MIXED_LOAD}
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-embed-") as tmp:
         for shape in shapes:
             result["embed"].append(_with_ratios(bench_embedder(shape, Path(tmp), args, threads)))
@@ -200,7 +205,7 @@ def format_rows(rows: list[dict], unit: str) -> str:
 
 
 def format_result(r: dict) -> str:
-    lines = [f"{r['threads']} threads, texts of {r['lengths'][0]}..{r['lengths'][1]} tokens, "
+    lines = [f"{r['threads']} threads, pagedllm dtype {r.get('dtype', 'auto')}, texts of {r['lengths'][0]}..{r['lengths'][1]} tokens, "
              f"{r['rounds']} rounds, random weights", "", "embeddings (LLM.embed vs SentenceTransformer.encode):",
              format_rows(r["embed"], "texts")]
     if r["rerank"]:

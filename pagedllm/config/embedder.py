@@ -18,6 +18,7 @@ decoder (what decoder embedders such as Qwen3-Embedding are trained with), mean 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,8 @@ class EmbedderConfig:
     """Set for a cross-encoder (a *ForSequenceClassification model): it scores text pairs, its one logit
     through this activation (a value of ACTIVATIONS: sentence-transformers' activation_fn, by default
     sigmoid); None: an embedder."""
+    generates: bool = False
+    """The engine also generates text (runner 'both'); False: it pools only."""
 
     @property
     def embedding_size(self) -> int | None:
@@ -122,18 +125,18 @@ ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 
 
 def embedder_for(runner: str, model_path: str, model: str | None = None) -> EmbedderConfig | None:
-    """The pooling an engine of `runner` applies: the model's (runner 'pooling'), else None. `model_path`: the
-    Hugging Face directory loaded; `model`: what the user named, whose GGUF metadata, if it is a GGUF file,
-    says the pooling when no sentence-transformers files do (llama.cpp's pooling_type; normalized, as
-    llama.cpp's embeddings are by default)."""
-    if runner != "pooling":
+    """The pooling an engine of `runner` applies: the model's (runner 'pooling' or 'both'), else None.
+    `model_path`: the Hugging Face directory loaded; `model`: what the user named, whose GGUF metadata, if it
+    is a GGUF file, says the pooling when no sentence-transformers files do (llama.cpp's pooling_type;
+    normalized, as llama.cpp's embeddings are by default)."""
+    if runner not in ("pooling", "both"):
         return None
     config = read_embedder_config(model_path)
     mode = None if config.from_sentence_transformers else gguf_pooling(model)
-    if mode is None:
-        return config
-    return EmbedderConfig((mode,), normalize=True, matryoshka_dimensions=config.matryoshka_dimensions,
-                          hidden_size=config.hidden_size)
+    if mode is not None:
+        config = EmbedderConfig((mode,), normalize=True, matryoshka_dimensions=config.matryoshka_dimensions,
+                                hidden_size=config.hidden_size)
+    return dataclasses.replace(config, generates=runner == "both")
 
 
 GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "lasttoken"}

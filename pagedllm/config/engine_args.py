@@ -31,7 +31,7 @@ from pagedllm.config.runtime import (
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-RUNNERS = ("generate", "pooling")
+RUNNERS = ("generate", "pooling", "both")
 _TP, _DP, _LIMITS, _DEVICE = "tensor parallelism", "data parallelism", "request limits", "device"
 _LORA = "LoRA adapters"
 
@@ -76,8 +76,10 @@ class EngineArgs:
                                           "run. none: float32 activations, the exact mode (greedy tokens equal "
                                           "transformers' on the same weights).",
                                   choices=("auto", "none", "int8"))
-    runner: str = flag("generate", "What the model serves: generate (text) or pooling (embeddings as its "
-                                   "sentence-transformers files say, docs/embeddings.md; generation refused).",
+    runner: str = flag("generate", "What the model serves: generate (text), pooling (embeddings as its "
+                                   "sentence-transformers files say, docs/embeddings.md; generation refused) or "
+                                   "both (a decoder with its LM head: text, and embeddings of prompts pooled in "
+                                   "the same batches; by default its last token, normalized).",
                        choices=RUNNERS)
     seed: int = flag(0, "Seed of the engine's shared random generator (unseeded sampling).")
     generation_config: str = flag("auto", "Where the sampling defaults of a request that leaves them unset come from "
@@ -178,12 +180,12 @@ class EngineArgs:
         if self.quant_activations == "int8" and (self.device.startswith("cuda") or self.dtype not in ("auto", "float32")):
             raise ValueError("quant_activations 'int8' applies to float32 CPU models (auto falls back to float32 "
                              "activations elsewhere)")
-        if self.runner == "pooling":
+        if self.runner != "generate":
             unsupported = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
                            "speculative_config": self.speculative_config is not None, "enable_lora": self.enable_lora}
             refused = [name for name, given in unsupported.items() if given]
             if refused:
-                raise ValueError(f"runner 'pooling' does not support {', '.join(refused)} yet")
+                raise ValueError(f"runner {self.runner!r} does not support {', '.join(refused)} yet")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

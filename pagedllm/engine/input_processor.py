@@ -32,7 +32,8 @@ class InputProcessor:
                  lora_config: LoRAConfig | None = None, embedder: EmbedderConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.embedder = embedder
-        """The model's pooling (runner 'pooling'): pooling requests only; None: generation requests only."""
+        """The model's pooling: pooling requests only (runner 'pooling'), or both kinds (`generates`, runner
+        'both'); None: generation requests only."""
         self.lora_config = lora_config
         """Adapters a request may name (None: LoRA is off, a lora_request is refused)."""
         self._checked_loras: dict[LoRARequest, None] = {}
@@ -79,7 +80,7 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if self.embedder is not None:
+        if self.embedder is not None and not self.embedder.generates:
             raise InvalidRequestError("this model is served for embeddings (runner 'pooling'): it does not "
                                       "generate; ask for embeddings (LLM.embed, POST /v1/embeddings) instead")
         self.check_limits(params, num_prompts)
@@ -136,8 +137,9 @@ class InputProcessor:
         unless `params.truncate_prompt_tokens` asks to keep its last tokens (-1: as many as fit)."""
         embedder = self.embedder
         if embedder is None:
-            raise InvalidRequestError("this model is served for generation (runner 'generate'); start it with "
-                                      "runner='pooling' (--runner pooling) to compute embeddings or scores")
+            raise InvalidRequestError("this model is served for generation only (runner 'generate'); start it "
+                                      "with runner='pooling' (--runner pooling) to compute embeddings or scores, "
+                                      "or runner='both' (--runner both) for a decoder to do both")
         if not isinstance(params, PoolingParams):
             raise InvalidRequestError(f"pooling params must be PoolingParams, got {type(params).__name__}")
         if text_pair is None and embedder.score_activation is not None:

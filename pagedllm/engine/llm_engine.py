@@ -67,8 +67,8 @@ class LLMEngine:
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
                             priority: int = 0, prompt_name: str | None = None, text_pair: str | None = None) -> None:
-        """Queue an embedding request (runner 'pooling'); raises InvalidRequestError (nothing queued) if it
-        is malformed. `prompt_name`: one of the model's sentence-transformers prompts (default: its
+        """Queue an embedding request (runner 'pooling' or 'both'); raises InvalidRequestError (nothing queued)
+        if it is malformed. `prompt_name`: one of the model's sentence-transformers prompts (default: its
         default_prompt_name) put before a text input. `text_pair`: score (`prompt`, `text_pair`) with a
         cross-encoder."""
         self.frontend.add_pooling_request(request_id, prompt, params if params is not None else PoolingParams(),

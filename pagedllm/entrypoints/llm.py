@@ -93,7 +93,7 @@ class LLM:
         params = PoolingParams(dimensions=dimensions, truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = self._run_requests(
             [lambda request_id, p=p: self.engine.add_pooling_request(request_id, p, params, prompt_name=prompt_name)
-             for p in prompts], use_tqdm, "Embedding")
+             for p in prompts], use_tqdm, "Embedding", queue_order=_by_length([_length_hint(p) for p in prompts]))
         failed = [o for o in outputs if o.data is None]
         if failed:
             raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
@@ -107,7 +107,8 @@ class LLM:
         pairs = score_pairs(text_1, text_2)
         outputs = self._run_requests(
             [lambda request_id, a=a, b=b: self.engine.add_pooling_request(request_id, a, text_pair=b)
-             for a, b in pairs], use_tqdm, "Scoring")
+             for a, b in pairs], use_tqdm, "Scoring",
+            queue_order=_by_length([_length_hint(a) + _length_hint(b) for a, b in pairs]))
         failed = [o for o in outputs if o.data is None]
         if failed:
             raise RuntimeError(f"scoring request {failed[0].request_id} failed: {failed[0].error}")
@@ -165,16 +166,17 @@ class LLM:
                                                           loras or [None] * len(prompts))]
         return self._run_requests(adds, use_tqdm, "Generating")
 
-    def _run_requests(self, adds: list, use_tqdm: bool, desc: str) -> list:
-        """Queue each request (`add(request_id)`), step until all finish; their final outputs in order."""
-        request_ids = []
+    def _run_requests(self, adds: list, use_tqdm: bool, desc: str, queue_order: list[int] | None = None) -> list:
+        """Queue each request (`add(request_id)`; in `queue_order`, indices into `adds`, when given), step
+        until all finish; their final outputs in the order of `adds`."""
+        request_ids: list[str | None] = [None] * len(adds)
         try:
-            for add in adds:
+            for i in (queue_order if queue_order is not None else range(len(adds))):
                 request_id = str(next(self._counter))
-                add(request_id)
-                request_ids.append(request_id)
+                adds[i](request_id)
+                request_ids[i] = request_id
         except Exception:
-            self.engine.abort_request(request_ids)
+            self.engine.abort_request([r for r in request_ids if r is not None])
             raise
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc=desc, disable=not use_tqdm, unit="req")
@@ -190,6 +192,19 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _length_hint(prompt: PromptType) -> int:
+    """A prompt's size before tokenizing: characters of a text, else token ids."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt", ""))
+    return len(prompt)
+
+
+def _by_length(lengths: list[int]) -> list[int]:
+    """Indices, shortest first. Pooling requests queued so share steps with inputs of similar length, and an
+    encoder's attention groups (model/bert.py) pad little, as sentence-transformers sorts its batches."""
+    return sorted(range(len(lengths)), key=lengths.__getitem__)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -3,8 +3,10 @@ attention over a sequence's own tokens, absolute position embeddings, token type
 
 Prefill only, one whole sequence at a time: every token attends to every other, so a sequence is
 never split into chunks and no K/V is kept between steps (`uses_kv_cache = False`: the engine backs
-its blocks with no tensors). Attention is torch's scaled_dot_product_attention over each sequence,
-without a mask. Module names are Hugging Face's, so a checkpoint loads by name.
+its blocks with no tensors). The linears and norms run on the packed tokens (no padding); attention is
+torch's scaled_dot_product_attention over groups of sequences of similar length (`AttentionGroups`),
+each padded to its longest with the padded keys masked. Module names are Hugging Face's, so a checkpoint
+loads by name.
 
     input_ids, positions, token types  [num_tokens] each, sequences side by side
     seq_lens                           tokens of each sequence, in order
@@ -35,6 +37,44 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x)  # [num_tokens, hidden]
 
 
+class AttentionGroups:
+    """Sequences sorted by length and cut into groups of `GROUP_SIZE`, each gathered into one padded batch.
+    One call per sequence is one parallel region over a few small matrices, hundreds per layer, which cost
+    more than the padding (docs/embeddings.md, Speed); sorted, a group pads little. Made once per forward,
+    used by every layer.
+
+        rows[g]   [seqs, longest] token row of each (sequence, position); padding points at row 0
+        valid[g]  [seqs, longest] True where the position exists
+        keep[g]   [seqs, 1, 1, longest] the attention mask: padded keys are never attended to
+    """
+
+    GROUP_SIZE = 16
+
+    def __init__(self, seq_lens: list[int], device: torch.device) -> None:
+        starts = torch.tensor([0, *seq_lens], device=device).cumsum(0)[:-1]
+        lens = torch.tensor(seq_lens, device=device)
+        order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+        self.rows, self.valid, self.keep = [], [], []
+        for g in range(0, len(order), self.GROUP_SIZE):
+            members = torch.tensor(order[g:g + self.GROUP_SIZE], device=device)
+            longest = int(lens[members].max())
+            positions = torch.arange(longest, device=device)
+            valid = positions[None, :] < lens[members, None]  # [seqs, longest]
+            self.rows.append(torch.where(valid, starts[members, None] + positions[None, :], 0))
+            self.valid.append(valid)
+            self.keep.append(valid[:, None, None, :])
+        self.flat_rows = [rows[valid] for rows, valid in zip(self.rows, self.valid)]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, heads, head_dim] each -> [num_tokens, heads, head_dim], each sequence on its own."""
+        out = torch.empty_like(q)
+        for rows, valid, keep, flat in zip(self.rows, self.valid, self.keep, self.flat_rows):
+            qg, kg, vg = (t[rows].transpose(1, 2) for t in (q, k, v))  # [seqs, heads, longest, head_dim]
+            attended = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=keep).transpose(1, 2)
+            out[flat] = attended[valid]
+        return out
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -44,13 +84,11 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: AttentionGroups) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = (proj(x).view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)
-                   for proj in (self.query, self.key, self.value))  # [heads, num_tokens, head_dim]
-        out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in
-                         zip(q.split(seq_lens, 1), k.split(seq_lens, 1), v.split(seq_lens, 1))], dim=1)
-        return out.transpose(0, 1).reshape(num_tokens, -1)  # [num_tokens, hidden]
+        q, k, v = (proj(x).view(num_tokens, self.num_heads, self.head_dim)
+                   for proj in (self.query, self.key, self.value))  # [num_tokens, heads, head_dim]
+        return groups.attend(q, k, v).reshape(num_tokens, -1)  # [num_tokens, hidden]
 
 
 class BertSelfOutput(nn.Module):
@@ -71,8 +109,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config.hidden_size, config)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        return self.output(self.self(x, seq_lens), x)
+    def forward(self, x: torch.Tensor, groups: AttentionGroups) -> torch.Tensor:
+        return self.output(self.self(x, groups), x)
 
 
 class BertIntermediate(nn.Module):
@@ -94,8 +132,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertSelfOutput(config.intermediate_size, config)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        attended = self.attention(x, seq_lens)
+    def forward(self, x: torch.Tensor, groups: AttentionGroups) -> torch.Tensor:
+        attended = self.attention(x, groups)
         return self.output(self.intermediate(attended), attended)
 
 
@@ -133,8 +171,9 @@ class BertModel(nn.Module):
         """[num_tokens] ids and token types of whole sequences -> [num_tokens, hidden]."""
         positions = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]) + self.position_offset
         x = self.embeddings(input_ids, positions, token_types.clamp(max=self.num_token_types - 1))
+        groups = AttentionGroups(seq_lens, input_ids.device)
         for layer in self.encoder.layer:
-            x = layer(x, seq_lens)
+            x = layer(x, groups)
         return x
 
     def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:

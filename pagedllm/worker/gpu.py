@@ -36,6 +36,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto' -> bfloat16 on CUDA, float32 on the CPU (bf16 matmuls are far slower there)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bfloat16" and device.type == "cpu":
+        from pagedllm.model.layers.greedy_head import cpu_has_fast_bf16
+
+        if not cpu_has_fast_bf16():
+            logger.warning("dtype bfloat16 on a CPU without AMX-BF16 tiles: its bfloat16 matmuls run far slower "
+                           "than float32 (up to ~100x); leave dtype auto (float32) for speed")
     return _DTYPES[name]
 
 

@@ -32,14 +32,15 @@ def make_lora_manager(model, config):
 
 
 def make_pooling_runner(loaded, model_config: ModelConfig, device: torch.device):
-    """The PoolingRunner of a model served with runner 'pooling'; None for 'generate' (which a head-less
-    checkpoint cannot serve: ModelLoadError)."""
+    """The PoolingRunner of a model served with runner 'pooling' or 'both'; None for 'generate'. A head-less
+    checkpoint cannot generate ('generate', 'both': ModelLoadError)."""
     if model_config.runner != "pooling":
         if not getattr(loaded.model, "has_lm_head", True):
             raise ModelLoadError(f"{loaded.model_path} is a {type(loaded.model).__name__} checkpoint, without a "
                                  f"language-model head: it cannot generate; load it with runner='pooling' "
                                  f"(--runner pooling) to embed with it")
-        return None
+        if model_config.runner == "generate":
+            return None
     from pagedllm.model.layers.pooler import Pooler, ScoreHead
     from pagedllm.config.embedder import embedder_for
     from pagedllm.worker.pooling import PoolingRunner

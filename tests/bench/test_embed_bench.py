@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedllm.bench.embed import MIXED_LOAD_SKIPPED
+from pagedllm.bench.embed import MIXED_LOAD
 from pagedllm.bench.embed_models import mixed_lengths
 from pagedllm.entrypoints.cli import main
 
@@ -34,7 +34,7 @@ def test_embed_bench_smoke(tmp_path, capsys):
         assert (entry["num_texts"], entry["num_tokens"]) == expected[entry["shape"]]
         assert entry["agreement"]["min_cosine"] > 0.9999
     assert result["rerank"]["num_pairs"] == 6
-    assert result["mixed_load"] == MIXED_LOAD_SKIPPED
+    assert result["mixed_load"] == MIXED_LOAD
     printed = capsys.readouterr().out
     assert "| bert-tiny | 6 |" in printed and "| qwen3-tiny | 4 |" in printed and "ratio best" in printed
     assert "reranking (LLM.score vs CrossEncoder.predict)" in printed
@@ -43,3 +43,33 @@ def test_embed_bench_smoke(tmp_path, capsys):
 def test_embed_bench_refuses_unknown_shape(tmp_path):
     with pytest.raises(SystemExit, match="unknown shape 'bert-huge'"):
         main(["bench", "embed", "--out", str(tmp_path), "--shapes", "bert-huge"])
+
+
+def test_embed_bench_bfloat16_dtype_is_recorded_and_close(tmp_path, capsys):
+    """--dtype bfloat16 reaches pagedllm's engine (sentence-transformers stays float32): the vectors differ by
+    bfloat16 rounding, not more, and the result and table say which dtype ran."""
+    out = tmp_path / "out"
+    argv = ["--log-level", "WARNING", "bench", "embed", "--out", str(out), "--shapes", "bert-tiny", "--rerank-shape",
+            "none", "--num-texts", "6", "--max-len", "64", "--rounds", "1", "--threads", "1", "--dtype", "bfloat16"]
+    assert main(argv) == 0
+    result = json.loads((out / "embed.json").read_text())
+    assert result["dtype"] == "bfloat16"
+    agreement = result["embed"][0]["agreement"]
+    assert 1e-6 < agreement["max_abs_diff"] < 5e-2 and agreement["min_cosine"] > 0.999, agreement
+    assert "pagedllm dtype bfloat16" in capsys.readouterr().out
+
+
+def test_embed_mixed_bench_smoke(tmp_path, capsys):
+    """`bench embed-mixed` on the default model served with --runner both: each round times the generation load
+    alone and with embedding requests, every embedding token counted in the share."""
+    out = tmp_path / "out"
+    argv = ["--log-level", "WARNING", "bench", "embed-mixed", "--out", str(out), "--num-generations", "2",
+            "--prompt-len", "16", "--output-len", "4", "--num-embed-requests", "2", "--embed-inputs", "3",
+            "--embed-len", "8", "--rounds", "1", "--threads", "1"]
+    assert main(argv) == 0
+    result = json.loads((out / "embed-mixed.json").read_text())
+    assert result["serve_args"][:2] == ["--runner", "both"]
+    assert result["embedding"]["tokens"] == 2 * 3 * 8 and result["generation"]["tokens"] == 2 * 16 + 2 * 4
+    assert result["token_share"] == pytest.approx(48 / (48 + 40))
+    assert len(result["alone_s"]) == len(result["mixed_s"]) == 1 and result["alone_s"][0] > 0
+    assert "within the share" in capsys.readouterr().out

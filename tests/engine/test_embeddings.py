@@ -171,3 +171,44 @@ def test_pooling_runner_pools_each_position_once_across_chunks_and_recompute():
     for start, end in [(0, 4), (6, 10)]:  # positions 4 and 5 never arrived
         runner.collect([_piece_state(tokens, start)], [end - start], hidden[start:end], pooled, failed)
     assert pooled == {} and "not covering" in failed["r"]
+
+
+def test_runner_both_generates_and_embeds_in_the_same_batches(decoders):
+    """runner='both': a causal LM's generation is unchanged (greedy tokens equal a generate-only engine's)
+    while prompts pooled in the same steps are its last hidden state, normalized, as transformers computes
+    it (the head-less model of the same checkpoint)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from pagedllm import SamplingParams
+    from pagedllm.outputs import PoolingRequestOutput
+
+    path = decoders["qwen3"]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference_text = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE | {"runner": "generate"})
+                      .generate(TEXTS[:2], greedy)]
+    llm = LLM(str(path), **ENGINE | {"runner": "both"})
+    for i, text in enumerate(TEXTS):
+        llm.engine.add_pooling_request(f"e{i}", text)
+    for i, text in enumerate(TEXTS[:2]):
+        llm.engine.add_request(f"g{i}", text, greedy)
+    vectors, tokens, mixed_steps = {}, {}, 0
+    while llm.engine.has_unfinished_requests():
+        outputs = llm.engine.step()
+        kinds = {isinstance(o, PoolingRequestOutput) for o in outputs}
+        mixed_steps += kinds == {True, False}
+        for out in outputs:
+            if isinstance(out, PoolingRequestOutput):
+                vectors[out.request_id] = out.data
+            elif out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    assert mixed_steps >= 1  # some step finished a pooled prompt and advanced a generation together
+    assert [tokens["g0"], tokens["g1"]] == reference_text
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = [torch.nn.functional.normalize(model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, -1],
+                                                  dim=-1).tolist() for t in TEXTS]
+    assert_vectors_equal([vectors[f"e{i}"] for i in range(len(TEXTS))], expected, "runner both")
+    assert llm.engine.core.check_kv_leaks() == []
+    with pytest.raises(ValueError, match="runner 'both' does not support tensor_parallel_size"):
+        LLM(str(path), runner="both", tensor_parallel_size=2)

@@ -36,3 +36,22 @@ def test_encoder_refuses_generation(tmp_path):
     # no sentence-transformers files: mean pooling, as sentence-transformers builds around a bare encoder
     llm = LLM(str(path), **ENGINE)
     assert_vectors_equal(llm.embed(TEXTS), st_encode(path, TEXTS), "bare encoder")
+
+
+def test_many_mixed_lengths_in_one_step_attend_within_their_own_sequence(tmp_path):
+    """40 inputs of 1..80 words in one step: several length groups (model/bert.py AttentionGroups), each padded
+    to its longest; a padded key leaking into a shorter input, or rows scattered back to the wrong input,
+    would move its vector away from sentence-transformers'."""
+    import random
+
+    from pagedllm.model.bert import AttentionGroups
+
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over lazy dog paged attention keeps cache in fixed size blocks".split()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 80))) for _ in range(40)]
+    rng.shuffle(texts)
+    path = save_st_model(build_encoder_dir(tmp_path / "hf", "bert"), tmp_path / "st", "mean", None, True)
+    llm = LLM(str(path), runner="pooling", max_num_batched_tokens=8192)
+    lengths = sorted(len(llm.get_tokenizer().encode(t)) for t in texts)
+    assert len(texts) > 2 * AttentionGroups.GROUP_SIZE and lengths[0] != lengths[-1]
+    assert_vectors_equal(llm.embed(texts), st_encode(path, texts), "40 mixed lengths")
