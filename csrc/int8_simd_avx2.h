@@ -59,6 +59,9 @@ template <int N>
 inline vi shl16(vi v) { return _mm256_slli_epi16(v, N); }
 template <int N>
 inline vi shr16(vi v) { return _mm256_srli_epi16(v, N); }
+// 16-bit shifts by a count known once a loop is unrolled (Q5_0 / Q5_1's fifth bits, quant_gemm_int8.h).
+inline vi shl16n(vi v, int n) { return _mm256_sll_epi16(v, _mm_cvtsi32_si128(n)); }
+inline vi shr16n(vi v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
 }  // namespace
 }  // namespace quant
 }  // namespace pagedllm
