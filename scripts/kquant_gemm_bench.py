@@ -7,6 +7,9 @@ Llama-3.2-1B shape (K = 2048; N = 8192 and 2048), and the bytes each weight hold
     PYTHONPATH=$PWD .venv/bin/python scripts/kquant_gemm_bench.py --threads 2 --rows 1 32 \
         --kinds Q3_K:int8 Q4_K:int8                                          (Q3_K against Q4_K)
 
+    PYTHONPATH=$PWD .venv/bin/python scripts/kquant_gemm_bench.py --threads 2 --rows 1 32 \
+        --kinds Q4_0:int8 Q4_1:int8 Q5_0:int8 Q5_1:int8                     (Q5_0 / Q5_1 against Q4_0 / Q4_1)
+
     PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/kquant_gemm_bench.py --threads 1 \
         --rows 512 2048 --n 2048 --kinds Q4_K:int8 Q6_K:int8 Q4_0:int8      (prefill row counts)
 
@@ -35,15 +38,15 @@ KINDS = (("Q4_K", "int8"), ("Q4_K", "float"), ("Q6_K", "int8"), ("Q6_K", "float"
 
 
 def random_weight(type_name: str, n: int, k: int, rng) -> tuple[np.ndarray, int]:
-    """GGUF rows of ``type_name`` (K-quants: random blocks with small fp16 scales; Q4_0: quantized
-    Gaussian weights) and their qtype."""
+    """GGUF rows of ``type_name`` (K-quants: random blocks with small fp16 scales; the 32-weight types:
+    quantized Gaussian weights) and their qtype."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     from pagedllm.model.layers import quantized
 
     qtype = int(GGMLQuantizationType[type_name])
-    if type_name == "Q4_0":
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32), qtype), qtype
     bb = quantized.GGUF_BLOCKS[qtype][1]
     blocks = rng.integers(0, 256, (n, k // 256, bb), dtype=np.uint8)
