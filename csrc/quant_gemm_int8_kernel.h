@@ -8,6 +8,7 @@
 //                       is what it adds on top of the signed product (AVX-512: 128; AVX2 undoes it)
 //   lo_nib / hi_nib     the low / high nibble of each byte
 //   ibytes, iand, ior, shl16n / shr16n   Q5_0 / Q5_1's fifth bits: bytes set, bitwise ops, 16-bit shifts
+//   table16, lookup16   IQ4_NL's values: a 16-byte table in every 128-bit lane, a byte shuffle by the nibbles
 // x's rows go in tiles, panels, then blocks of at most MAXR rows (panel_tiles.h); a block keeps MR x NV float sums
 // in registers over the whole K and each K-block's integer sums in S independent chains (a lone row
 // would otherwise wait on one chain's latency, 8 dependent dot products a block).
@@ -49,12 +50,30 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         // Q8_0's +128, Q4_0's -8 and Q5_0's -16 come out of the sum up front: start at -offset * sum(qx)
-        constexpr int32_t offset = QT == kQ8_0_I8 ? kQ8Start : QT == kQ4_0_I8 ? 8 : QT == kQ5_0_I8 ? 16 : 0;
+        constexpr int32_t offset = QT == kQ8_0_I8 || QT == kIQ4_NL_I8 ? kQ8Start : QT == kQ4_0_I8 ? 8
+                                   : QT == kQ5_0_I8 ? 16 : 0;
         const int32_t start = s != 0 ? 0 : -offset * xs[r * nb + b];
 #pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) isum[s][r][v] = start != 0 ? iset1(start) : izero();
       }
-    if (QT == kQ8_0_I8) {
+    if (QT == kIQ4_NL_I8) {  // the table's values in Q8_0's stored form, then Q8_0's dot product
+      static constexpr Bytes16 stored = iq4nl_stored();
+      const vi table = table16(stored.v);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const int s0 = (2 * g) % S, s1 = (2 * g + 1) % S;
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) {
+          const vi w = load_w(q + g * 64, v);
+          const vi lo = lookup16(table, lo_nib(w)), hi = lookup16(table, hi_nib(w));
+#pragma GCC unroll 16
+          for (int r = 0; r < MR; ++r) {
+            isum[s0][r][v] = dot_q8(isum[s0][r][v], lo, bcast4(xq + r * k + b * 32 + 4 * g));
+            isum[s1][r][v] = dot_q8(isum[s1][r][v], hi, bcast4(xq + r * k + b * 32 + 16 + 4 * g));
+          }
+        }
+      }
+    } else if (QT == kQ8_0_I8) {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const int s = g % S;
@@ -146,6 +165,7 @@ void int8_panels_dispatch(const I8Args& a, int64_t p_begin, int64_t p_end) {
     case kQ4_1_I8: int8_panels_for<kQ4_1_I8, R...>(a, p_begin, p_end); break;
     case kQ5_0_I8: int8_panels_for<kQ5_0_I8, R...>(a, p_begin, p_end); break;
     case kQ5_1_I8: int8_panels_for<kQ5_1_I8, R...>(a, p_begin, p_end); break;
+    case kIQ4_NL_I8: int8_panels_for<kIQ4_NL_I8, R...>(a, p_begin, p_end); break;
   }
 }
 

@@ -27,7 +27,8 @@ namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQX = 100;  // quantized.py's kernel types
 constexpr int64_t kQ3_K = 121, kQ4_K = 122, kQ5_K = 123, kQ6_K = 124;  // kquant.py's (csrc/quant_gemm_kq.h)
-constexpr int64_t kQ5_0 = 116, kQ5_1 = 117;  // q5.py's (csrc/quant_gemm_int8.h)
+constexpr int64_t kQ5_0 = 116, kQ5_1 = 117, kIQ4_NL = 130;  // q5.py's and iq4nl.py's (csrc/quant_gemm_int8.h)
+constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr int64_t kLanes = 16;                                   // rows per panel
 
 constexpr bool is_kq(int64_t qtype) { return qtype == kQ3_K || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
@@ -172,13 +173,29 @@ void dequantize_q5_row(const uint8_t* panel, int64_t nb, int64_t qtype, int64_t 
   }
 }
 
+// One row (panel lane `lane`) of nb IQ4_NL blocks (Q4_0's int8 layout, quant_gemm_int8.h) -> out[nb * 32], each
+// weight d * table[nibble] as gguf's numpy dequantize forms it.
+void dequantize_iq4nl_row(const uint8_t* panel, int64_t nb, int64_t lane, float* out) {
+  for (int64_t b = 0; b < nb; ++b, out += 32) {
+    const uint8_t* block = panel + b * 288;
+    const float d = half_at(block + 2 * lane);
+    for (int64_t g = 0; g < 4; ++g) {
+      for (int64_t i = 0; i < 4; ++i) {  // k = 4 g + i (low nibble), k + 16 (high)
+        const uint8_t byte = block[32 + g * 64 + lane * 4 + i];
+        out[4 * g + i] = d * static_cast<float>(kIQ4NLValues[byte & 15]);
+        out[4 * g + i + 16] = d * static_cast<float>(kIQ4NLValues[byte >> 4]);
+      }
+    }
+  }
+}
+
 at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Tensor& ids) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous(), "quant_rows_cpu: contiguous uint8 panels [P, nb, block bytes] expected");
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQX || is_kq(qtype) || qtype == kQ5_0 ||
-                  qtype == kQ5_1, "quant_rows_cpu: qtype ", qtype);
+                  qtype == kQ5_1 || qtype == kIQ4_NL, "quant_rows_cpu: qtype ", qtype);
   const int64_t block_bytes = qtype == kQ4_0 ? 32 + 256 : qtype == kQ4_1 ? 64 + 256 : qtype == kQ8_0 ? 32 + 512
-                              : qtype == kQ5_0 ? 352 : qtype == kQ5_1 ? 384
+                              : qtype == kQ5_0 ? 352 : qtype == kQ5_1 ? 384 : qtype == kIQ4_NL ? 288
                               : qtype == kQ3_K ? 1824 : qtype == kQ4_K ? 2368 : qtype == kQ5_K ? 2880
                               : qtype == kQ6_K ? 3360 : 768;
   const int64_t block_k = is_kq(qtype) ? 256 : 32;  // K-quants: 256-wide super-blocks
@@ -197,7 +214,9 @@ at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Ten
   parallel_for(0, num, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* panel = base + (id[t] / kLanes) * nb * block_bytes;
-      if (qtype == kQ5_0 || qtype == kQ5_1) {
+      if (qtype == kIQ4_NL) {
+        dequantize_iq4nl_row(panel, nb, id[t] % kLanes, dst + t * nb * block_k);
+      } else if (qtype == kQ5_0 || qtype == kQ5_1) {
         dequantize_q5_row(panel, nb, qtype, id[t] % kLanes, dst + t * nb * block_k);
       } else if (qtype == kQ3_K) {
         dequantize_q3k_row(panel, nb, id[t] % kLanes, dst + t * nb * block_k);

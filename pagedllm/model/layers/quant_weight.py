@@ -3,8 +3,9 @@
 repacked weight (the embedding's, a tied LM head's).
 
 The panels are ``layers/quant_layout.py``'s; with int8 activations (``use_int8_activations``) the Q8_0 /
-Q4_0 / Q4_1 panels are reordered in place for the int8 kernel, which quantizes x per 32-block; a K-quant or Q5_0 /
-Q5_1 weight built with ``int8_activations`` takes its int8 layout at the file's size (``kquant.py``, ``q5.py``).
+Q4_0 / Q4_1 panels are reordered in place for the int8 kernel, which quantizes x per 32-block; a K-quant, Q5_0 / Q5_1 or
+IQ4_NL weight built with ``int8_activations`` takes its int8 layout at the file's size (``kquant.py``, ``q5.py``,
+``iq4nl.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import envs
-from pagedllm.model.layers import kquant, q5
+from pagedllm.model.layers import iq4nl, kquant, q5
 from pagedllm.model.layers.quant_layout import (
     BF16_KERNEL,
     INT8_KERNEL_TYPE,
@@ -23,9 +24,9 @@ from pagedllm.model.layers.quant_layout import (
 )
 
 ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
-AT_FILE_SIZE = {**{t: kquant for t in kquant.KERNEL_TYPE}, **{t: q5 for t in q5.KERNEL_TYPE}}
+AT_FILE_SIZE = {t: module for module in (kquant, q5, iq4nl) for t in module.KERNEL_TYPE}
 """The GGUF types whose int8-activation layout is built straight from the file's rows, by the module building it."""
-FILE_SIZE_KERNEL = {kt: module for module in (kquant, q5) for kt in module.GGUF_TYPE}
+FILE_SIZE_KERNEL = {kt: module for module in (kquant, q5, iq4nl) for kt in module.GGUF_TYPE}
 """The same modules by the kernel types of those layouts."""
 
 

@@ -1,5 +1,6 @@
-"""A tiny Llama written as a Q5_0 GGUF, and as a mix of Q5_0 and Q5_1 with a tied embedding (the fused q/k/v a row
-group of Q5_0 beside one of Q5_1, as llama-quantize's fallbacks leave a Q4_K_M file of 896-wide rows): in the exact
+"""A tiny Llama written as a Q5_0 GGUF, as a mix of Q5_0 and Q5_1 with a tied embedding (the fused q/k/v a row
+group of Q5_0 beside one of Q5_1, as llama-quantize's fallbacks leave a Q4_K_M file of 896-wide rows), and as an
+IQ4_NL GGUF: in the exact
 mode (``--quant-activations none``) its greedy tokens equal Hugging Face transformers' on the dequantized weights;
 with int8 activations every weight, the embedding and the LM head included, is held in the int8 kernel's file-size
 layout (the file's bytes exactly), the rows looked up are gguf's bit for bit, and the engine (the one-call decoder)
@@ -14,7 +15,8 @@ from gguf.quants import dequantize
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.random_blocks import random_blocks
 from pagedllm.model import load_model
-from pagedllm.model.layers import q5, quantized
+from pagedllm.model.layers import iq4nl, quantized
+from pagedllm.model.layers.quant_weight import AT_FILE_SIZE
 from tests.model.gguf_writer_helpers import _inverse, gguf_name, write_llama_gguf
 from tests.model.test_quant_model import IDS, greedy, linears
 from tests.model.test_quant_q3k_model import WEIGHT_SCALE, held_weights, parts
@@ -34,8 +36,13 @@ def mixed_type(name: str) -> str:
 
 
 def scaled_blocks(rows: int, cols: int, type_name: str, rng) -> np.ndarray:
+    if type_name == "IQ4_NL":  # random indices; d for weights of standard deviation 0.02 x WEIGHT_SCALE
+        blocks = rng.integers(0, 256, (rows * cols // 32, 18), dtype=np.uint8)
+        rms = float(np.sqrt(np.mean(iq4nl.KVALUES.astype(np.float64) ** 2)))
+        blocks[:, :2] = np.full((blocks.shape[0], 1), 0.02 * WEIGHT_SCALE / rms, np.float16).view(np.uint8)
+        return blocks.reshape(rows, -1)
     raw = random_blocks(rows, cols, type_name, rng)
-    blocks = raw.reshape(-1, q5.GGUF_BYTES[int(GGMLQuantizationType[type_name])])
+    blocks = raw.reshape(-1, quantized.GGUF_BLOCKS[int(GGMLQuantizationType[type_name])][1])
     for offset in (0, 2) if type_name == "Q5_1" else (0,):  # d (and m): the weights scale with them
         scaled = blocks[:, offset : offset + 2].copy().view(np.float16) * np.float16(WEIGHT_SCALE)
         blocks[:, offset : offset + 2] = scaled.view(np.uint8)
@@ -43,7 +50,8 @@ def scaled_blocks(rows: int, cols: int, type_name: str, rng) -> np.ndarray:
 
 
 def write_q5_file(tmp_path, mix: str):
-    """``(path, hf twin on the dequantized weights, {GGUF name: (raw, type)})`` for ``mix`` Q5_0 or Q5_mixed."""
+    """``(path, hf twin on the dequantized weights, {GGUF name: (raw, type)})`` for ``mix`` Q5_0, Q5_mixed or
+    IQ4_NL."""
     hf = make_hf_model("llama", seed=7, hidden_size=256, intermediate_size=512, head_dim=64,
                        tie_word_embeddings=mix == "Q5_mixed")
     cfg = hf.config
@@ -53,7 +61,7 @@ def write_q5_file(tmp_path, mix: str):
         if tensor.dim() != 2 or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         target = gguf_name(name)
-        type_name = "Q5_0" if mix == "Q5_0" else mixed_type(target)
+        type_name = mixed_type(target) if mix == "Q5_mixed" else mix
         qtype = GGMLQuantizationType[type_name]
         raw = scaled_blocks(tensor.shape[0], tensor.shape[1], type_name, rng)
         override[target] = (raw, qtype)
@@ -72,11 +80,11 @@ def write_q5_file(tmp_path, mix: str):
 
 
 @needs_kernel
-@pytest.mark.parametrize("mix", ["Q5_0", "Q5_mixed"])
-def test_q5_files_equal_transformers_exactly_and_run_int8_at_the_files_size(mix, tmp_path):
+@pytest.mark.parametrize("mix", ["Q5_0", "Q5_mixed", "IQ4_NL"])
+def test_q5_and_iq4_nl_files_equal_transformers_exactly_and_run_int8_at_the_files_size(mix, tmp_path):
     path, hf, override = write_q5_file(tmp_path, mix)
     types = {qtype.name for _, qtype in override.values()}
-    assert types == ({"Q5_0"} if mix == "Q5_0" else {"Q5_0", "Q5_1"})
+    assert types == ({"Q5_0", "Q5_1"} if mix == "Q5_mixed" else {mix})
 
     exact = load_model(str(path), quant_activations="none").model
     assert {p.kernel_type for w in held_weights(exact) for p in parts(w)} == {quantized.QX}
@@ -93,7 +101,7 @@ def test_q5_files_equal_transformers_exactly_and_run_int8_at_the_files_size(mix,
     held_types = set()
     for weight in weights:
         for part in parts(weight):
-            assert part.kernel_type == q5.KERNEL_TYPE[part.qtype], (part.qtype, part.kernel_type)
+            assert part.kernel_type == AT_FILE_SIZE[part.qtype].KERNEL_TYPE[part.qtype], (part.qtype, part.kernel_type)
             held_types.add(GGMLQuantizationType(part.qtype).name)
     assert held_types == types
     if mix == "Q5_mixed":  # q and k in Q5_0, v in Q5_1: one linear of two row groups; the head is the embedding
