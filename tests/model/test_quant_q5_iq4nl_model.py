@@ -1,10 +1,9 @@
 """A tiny Llama written as a Q5_0 GGUF, as a mix of Q5_0 and Q5_1 with a tied embedding (the fused q/k/v a row
 group of Q5_0 beside one of Q5_1, as llama-quantize's fallbacks leave a Q4_K_M file of 896-wide rows), and as an
-IQ4_NL GGUF: in the exact
-mode (``--quant-activations none``) its greedy tokens equal Hugging Face transformers' on the dequantized weights;
-with int8 activations every weight, the embedding and the LM head included, is held in the int8 kernel's file-size
-layout (the file's bytes exactly), the rows looked up are gguf's bit for bit, and the engine (the one-call decoder)
-generates what the model steps."""
+IQ4_NL GGUF: in the exact mode (``--quant-activations none``) its greedy tokens equal Hugging Face transformers' on
+the dequantized weights; with int8 activations every weight, the embedding and the LM head included, is held in the int8 kernel's file-size
+layout (the file's bytes exactly), the rows looked up are gguf's bit for bit, the one-call decoder steps as the
+per-op path, and the engine generates what the model steps."""
 
 import numpy as np
 import pytest
@@ -15,9 +14,10 @@ from gguf.quants import dequantize
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.random_blocks import random_blocks
 from pagedllm.model import load_model
-from pagedllm.model.layers import iq4nl, quantized
+from pagedllm.model.layers import fused_decoder, iq4nl, quantized
 from pagedllm.model.layers.quant_weight import AT_FILE_SIZE
 from tests.model.gguf_writer_helpers import _inverse, gguf_name, write_llama_gguf
+from tests.model.test_fused_decoder import assert_fused_equals_per_op, with_cpu_backend
 from tests.model.test_quant_model import IDS, greedy, linears
 from tests.model.test_quant_q3k_model import WEIGHT_SCALE, held_weights, parts
 from tests.model.tiny_models import make_hf_model
@@ -81,7 +81,7 @@ def write_q5_file(tmp_path, mix: str):
 
 @needs_kernel
 @pytest.mark.parametrize("mix", ["Q5_0", "Q5_mixed", "IQ4_NL"])
-def test_q5_and_iq4_nl_files_equal_transformers_exactly_and_run_int8_at_the_files_size(mix, tmp_path):
+def test_q5_and_iq4_nl_files_equal_transformers_exactly_and_run_int8_at_the_files_size(mix, tmp_path, monkeypatch):
     path, hf, override = write_q5_file(tmp_path, mix)
     types = {qtype.name for _, qtype in override.values()}
     assert types == ({"Q5_0", "Q5_1"} if mix == "Q5_mixed" else {mix})
@@ -126,6 +126,11 @@ def test_q5_and_iq4_nl_files_equal_transformers_exactly_and_run_int8_at_the_file
         want = exact_layer.quant_weight.matmul((q.float().view(5, -1, 32) * d.unsqueeze(-1)).reshape(rows.shape))
         got = int8_layer.quant_weight.matmul(rows)
         torch.testing.assert_close(got, want, atol=2e-6 * float(want.abs().max()) * rows.shape[1] ** 0.5, rtol=0)
+
+    try:  # the one-call decoder (its row groups, its embedding lookup) steps as the per-op path, bit for bit
+        assert_fused_equals_per_op(with_cpu_backend(model), monkeypatch)
+    finally:
+        fused_decoder.set_enabled(None)
 
     llm = LLM(model=str(path), quant_activations="int8", num_kv_blocks=64, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
