@@ -1,9 +1,9 @@
 """A tiny Llama written as a Q5_0 GGUF, as a mix of Q5_0 and Q5_1 with a tied embedding (the fused q/k/v a row
 group of Q5_0 beside one of Q5_1, as llama-quantize's fallbacks leave a Q4_K_M file of 896-wide rows), and as an
 IQ4_NL GGUF: in the exact mode (``--quant-activations none``) its greedy tokens equal Hugging Face transformers' on
-the dequantized weights; with int8 activations every weight, the embedding and the LM head included, is held in the int8 kernel's file-size
-layout (the file's bytes exactly), the rows looked up are gguf's bit for bit, the one-call decoder steps as the
-per-op path, and the engine generates what the model steps."""
+the dequantized weights; with int8 activations every weight, the embedding and the LM head included, is held in
+the int8 kernel's file-size layout (the file's bytes exactly), the rows looked up are gguf's bit for bit, the
+one-call decoder steps as the per-op path, and the engine generates what the model steps."""
 
 import numpy as np
 import pytest
