@@ -1,6 +1,6 @@
 """The KV disk tier on a sliding-window model (a tiny random Mistral, every layer a 16-token window, blocks of 4):
 every evicted block is kept, but a prefix hit reads back only the blocks its window reads; greedy outputs are
-Hugging Face's and the tier-off engine's, after an eviction and after a restart.
+Hugging Face's and the tier-off engine's, after an eviction and after a restart, at one rank and at two.
 
     W = 16, blocks of 4, a 64-token prefix (blocks 0..15): the first computed token, at 64, reads keys 49..64,
     so the hit needs blocks 12..15 only (core/kv_cache_manager.py, num_dead_blocks)
@@ -72,3 +72,18 @@ def test_a_windowed_prefix_reads_back_only_its_window(setup, tmp_path):
     assert tokens == expected[-1]
     assert num_cached == 13 * BLOCK_SIZE and restarted.engine.core.stats().kv_disk_hit_tokens == WINDOW
     assert restarted.engine.core.check_kv_leaks() == []
+
+
+@pytest.mark.slow  # tensor-parallel ranks in worker processes
+def test_a_windowed_prefix_at_two_ranks_reads_both_shards_of_its_window_only(setup, tmp_path):
+    path, prompts, expected, hashes = setup
+    llm = LLM(model=path, kv_disk_cache=str(tmp_path), tensor_parallel_size=2, **SMALL)
+    try:
+        core = llm.engine.core
+        results = [_run(llm, p) for p in prompts]
+        assert [tokens for tokens, _ in results] == expected
+        assert results[-1][1] == NUM_PREFIX_BLOCKS * BLOCK_SIZE and core.stats().kv_disk_hit_tokens == WINDOW
+        assert all(core.disk_tier.store._path(hashes[12], rank).exists() for rank in (0, 1))
+        assert core.check_kv_leaks() == []
+    finally:
+        llm.engine.core.shutdown()
