@@ -28,6 +28,9 @@ inline vf load_f16(const uint8_t* p, int v) {
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vi izero() { return _mm256_setzero_si256(); }
 inline vi iset1(int32_t x) { return _mm256_set1_epi32(x); }
+inline vi iload1(const int32_t* p) {  // *p in every lane, by a load port alone
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
 inline vi iadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline vi load_w(const uint8_t* p, int v) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v)); }
 inline vi bcast4(const int8_t* p) {

@@ -28,6 +28,9 @@ inline vf load_f16(const uint8_t* p, int) {
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vi izero() { return _mm512_setzero_si512(); }
 inline vi iset1(int32_t x) { return _mm512_set1_epi32(x); }
+inline vi iload1(const int32_t* p) {  // *p in every lane, by a load port alone
+  return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(p))));
+}
 inline vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
 inline vi load_w(const uint8_t* p, int) { return _mm512_loadu_si512(p); }
 inline vi bcast4(const int8_t* p) {

@@ -74,7 +74,6 @@ struct KQOffsets {  // byte offsets inside one panel's super-block (quant_gemm_k
   static constexpr int64_t kMins = 192;
   static constexpr int64_t kHigh = kq_signed<QT>() ? 288 : 320;
   static constexpr int64_t kNibbles = QT == kQ4_K_I8 ? 320 : QT == kQ5_K_I8 ? 832 : QT == kQ3_K_I8 ? 800 : 1312;
-  static constexpr int32_t kOffset = QT == kQ3_K_I8 ? 4 : 32;  // of the signed types
 };
 
 // Q3_K's 32-block B for MR rows: per group g (4 k's a row), the 2-bit fields J = 0..3 hold k + 8 J, the
@@ -143,9 +142,9 @@ inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 2
       for (int v = 0; v < NV; ++v) {
-        // Q6_K's - 32 (Q3_K's - 4) comes out up front: each 16-block's chain starts at -32 sx16
-        const int32_t start = kq_signed<QT>() ? -O::kOffset * a.xs16[(row0 + r) * (nb * 2) + 2 * b + s] : 0;
-        isum[s][r][v] = start != 0 ? iset1(start) : izero();
+        // Q6_K's - 32 (Q3_K's - 4) comes out up front: each 16-block's chain starts at -32 sx16, broadcast
+        // from memory (a load, where a register's broadcast would take a vector port from the dot products)
+        isum[s][r][v] = kq_signed<QT>() ? iload1(a.start16 + (row0 + r) * (nb * 2) + 2 * b + s) : izero();
       }
   if constexpr (QT == kQ3_K_I8) {
     q3k_block_sums<U, MR>(sbp, x, k, B, isum);

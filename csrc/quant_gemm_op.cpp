@@ -109,20 +109,21 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtyp
   return y;
 }
 
-// Each row's sums of xq over its 16-blocks (Q6_K's - 32 and Q3_K's - 4 offsets), rows split over the pool.
-at::Tensor sums_of_16(const at::Tensor& xq) {
+// Each row's sums of xq over its 16-blocks times - offset (Q6_K's - 32, Q3_K's - 4): the start of each
+// 16-block's integer sum in the kernel. Rows split over the pool.
+at::Tensor starts_of_16(const at::Tensor& xq, int32_t offset) {
   const int64_t m = xq.size(0), k = xq.size(1);
-  at::Tensor xs16 = at::empty({m, k / 16}, xq.options().dtype(at::kInt));
+  at::Tensor starts = at::empty({m, k / 16}, xq.options().dtype(at::kInt));
   const int8_t* q = xq.data_ptr<int8_t>();
-  int32_t* s = xs16.data_ptr<int32_t>();
+  int32_t* s = starts.data_ptr<int32_t>();
   parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * (k / 16); i < end * (k / 16); ++i) {
       int32_t sum = 0;
       for (int j = 0; j < 16; ++j) sum += q[i * 16 + j];
-      s[i] = sum;
+      s[i] = -offset * sum;
     }
   });
-  return xs16;
+  return starts;
 }
 
 // Each row's - xd xs per 32-block, the factor of Q4_K's and Q5_K's min term: computed once per row here instead
@@ -142,10 +143,10 @@ at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
   TORCH_CHECK(chosen != 0, "quant_gemm_cpu: no int8-activation kernel for isa ", isa, " on this CPU");
   auto [xq, xd, xs] = quantize_activations(x);
   const bool per_16 = qtype == quant::kQ6_K_I8 || qtype == quant::kQ3_K_I8;  // an offset per 16-block
-  const at::Tensor xs16 = per_16 ? sums_of_16(xq) : at::Tensor();
+  const at::Tensor start16 = per_16 ? starts_of_16(xq, qtype == quant::kQ6_K_I8 ? 32 : 4) : at::Tensor();
   const at::Tensor xds_neg = per_16 ? at::Tensor() : negated_scaled_sums(xd, xs);
   const quant::KQArgs args{static_cast<int>(qtype), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                           xs.data_ptr<int32_t>(), xs16.defined() ? xs16.data_ptr<int32_t>() : nullptr,
+                           xs.data_ptr<int32_t>(), start16.defined() ? start16.data_ptr<int32_t>() : nullptr,
                            xds_neg.defined() ? xds_neg.data_ptr<float>() : nullptr,
                            packed.data_ptr<uint8_t>(), bias_p, y.data_ptr<float>(), n, x.size(0), n, x.size(1)};
   auto kernel = chosen == 2 ? &quant::kq_panels_avx512vnni : &quant::kq_panels_avx2;
