@@ -64,6 +64,12 @@ constexpr bool is_int8_type(int64_t t) {
 constexpr bool is_q5_type(int64_t t) { return t == kQ5_0_I8 || t == kQ5_1_I8; }
 constexpr bool has_min(int64_t t) { return t == kQ4_1_I8 || t == kQ5_1_I8; }  // an fp16 m per row after d
 
+// What each weight's stored value is off by (Q4_0 - 8, Q5_0 - 16; Q8_0 / IQ4_NL + 128 where the ISA's dot product
+// takes them unsigned, kQ8Start): taken off the integer sum up front, as a start of - offset * sum(qx).
+constexpr int32_t int8_offset(int64_t t, int32_t q8_start) {
+  return t == kQ8_0_I8 || t == kIQ4_NL_I8 ? q8_start : t == kQ4_0_I8 ? 8 : t == kQ5_0_I8 ? 16 : 0;
+}
+
 constexpr int64_t int8_block_bytes(int64_t t) {
   return t == kQ8_0_I8 ? 32 + 512 : t == kQ4_0_I8 || t == kIQ4_NL_I8 ? 32 + 256 : t == kQ4_1_I8 ? 64 + 256
          : t == kQ5_0_I8 ? 32 + 64 + 256 : t == kQ5_1_I8 ? 64 + 64 + 256 : 0;
@@ -74,6 +80,8 @@ struct I8Args {
   const int8_t* xq;        // [M, K] the quantized activations, dense
   const float* xd;         // [M, K / 32] their scales
   const int32_t* xs;       // [M, K / 32] each block's sum of xq
+  const int32_t* start;    // [M, K / 32] - offset xs (int8_offset), the integer sums' start, or nullptr
+  const float* xds;        // [M, K / 32] xd xs, the min term's factor (Q4_1, Q5_1), or nullptr
   const uint8_t* packed;   // [panels, K / 32, int8_block_bytes]
   const float* bias;       // [N] or nullptr
   float* y;                // [M, N], row stride ldy

@@ -32,7 +32,8 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
   const int64_t k = a.k, nb = k / 32;
   const int8_t* xq = a.xq + row0 * k;
   const float* xd = a.xd + row0 * nb;
-  const int32_t* xs = a.xs + row0 * nb;
+  const int32_t* start = a.start + row0 * nb;
+  const float* xds = a.xds + row0 * nb;
   vf acc[MR][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -49,12 +50,10 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
     for (int s = 0; s < S; ++s)
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        // Q8_0's +128, Q4_0's -8 and Q5_0's -16 come out of the sum up front: start at -offset * sum(qx)
-        constexpr int32_t offset = QT == kQ8_0_I8 || QT == kIQ4_NL_I8 ? kQ8Start : QT == kQ4_0_I8 ? 8
-                                   : QT == kQ5_0_I8 ? 16 : 0;
-        const int32_t start = s != 0 ? 0 : -offset * xs[r * nb + b];
+        // Q8_0's +128, Q4_0's -8 and Q5_0's -16 come out of the sum up front (int8_offset), broadcast from
+        // memory: a load, where a register's broadcast would take a vector port from the dot products
 #pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) isum[s][r][v] = start != 0 ? iset1(start) : izero();
+        for (int v = 0; v < NV; ++v) isum[s][r][v] = s == 0 && int8_offset(QT, kQ8Start) != 0 ? iload1(start + r * nb + b) : izero();
       }
     if (QT == kIQ4_NL_I8) {  // the table's values in Q8_0's stored form, then Q8_0's dot product
       static constexpr Bytes16 stored = iq4nl_stored();
@@ -117,7 +116,7 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
         for (int s = 1; s < S; ++s) total = iadd(total, isum[s][r][v]);
         const float dx = xd[r * nb + b];
         acc[r][v] = vfma(vcvt(total), vmul(dw, vset1(dx)), acc[r][v]);
-        if (has_min(QT)) acc[r][v] = vfma(mw, vset1(dx * static_cast<float>(xs[r * nb + b])), acc[r][v]);
+        if (has_min(QT)) acc[r][v] = vfma(mw, vset1(xds[r * nb + b]), acc[r][v]);
       }
     }
   }

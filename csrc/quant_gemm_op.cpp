@@ -97,13 +97,37 @@ int64_t quant_gemm_int8_isa(int64_t isa) {
   return 0;
 }
 
+// sign xd xs for every 32-block of every row: the min terms' factor (Q4_1, Q5_1: + ; Q4_K, Q5_K: -), computed once
+// per row here instead of once per row for every panel in the kernels.
+at::Tensor scaled_sums(const at::Tensor& xd, const at::Tensor& xs, float sign) {
+  at::Tensor out = at::empty_like(xd);
+  const float* d = xd.data_ptr<float>();
+  const int32_t* s = xs.data_ptr<int32_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0, total = xd.numel(); i < total; ++i) o[i] = sign * d[i] * static_cast<float>(s[i]);
+  return out;
+}
+
+// - offset xs for every 32-block of every row: the start of its integer sum (quant_gemm_int8.h's int8_offset).
+at::Tensor offset_starts(const at::Tensor& xs, int32_t offset) {
+  at::Tensor out = at::empty_like(xs);
+  const int32_t* s = xs.data_ptr<int32_t>();
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int64_t i = 0, total = xs.numel(); i < total; ++i) o[i] = -offset * s[i];
+  return out;
+}
+
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, const float* bias_p,
                      int64_t isa, at::Tensor y) {
   const int64_t chosen = quant_gemm_int8_isa(isa);
   TORCH_CHECK(chosen != 0, "quant_gemm_cpu: no int8-activation kernel for isa ", isa, " on this CPU");
   auto [xq, xd, xs] = quantize_activations(x);
+  const int32_t offset = quant::int8_offset(qtype, chosen == 2 ? 128 : 0);  // each ISA's kQ8Start
+  const at::Tensor start = offset != 0 ? offset_starts(xs, offset) : at::Tensor();
+  const at::Tensor xds = quant::has_min(qtype) ? scaled_sums(xd, xs, 1.0f) : at::Tensor();
   const quant::I8Args args{static_cast<int>(qtype), xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(),
-                           packed.data_ptr<uint8_t>(), bias_p, y.data_ptr<float>(), n, x.size(0), n, x.size(1)};
+                           start.defined() ? start.data_ptr<int32_t>() : nullptr,
+                           xds.defined() ? xds.data_ptr<float>() : nullptr, packed.data_ptr<uint8_t>(), bias_p, y.data_ptr<float>(), n, x.size(0), n, x.size(1)};
   auto kernel = chosen == 2 ? &quant::int8_panels_avx512vnni : &quant::int8_panels_avx2;
   parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   return y;
@@ -126,17 +150,6 @@ at::Tensor starts_of_16(const at::Tensor& xq, int32_t offset) {
   return starts;
 }
 
-// Each row's - xd xs per 32-block, the factor of Q4_K's and Q5_K's min term: computed once per row here instead
-// of once per row for every panel in the kernel.
-at::Tensor negated_scaled_sums(const at::Tensor& xd, const at::Tensor& xs) {
-  at::Tensor out = at::empty_like(xd);
-  const float* d = xd.data_ptr<float>();
-  const int32_t* s = xs.data_ptr<int32_t>();
-  float* o = out.data_ptr<float>();
-  for (int64_t i = 0, total = xd.numel(); i < total; ++i) o[i] = -d[i] * static_cast<float>(s[i]);
-  return out;
-}
-
 at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, const float* bias_p,
                    int64_t isa, at::Tensor y) {
   const int64_t chosen = quant_gemm_int8_isa(isa);
@@ -144,7 +157,7 @@ at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
   auto [xq, xd, xs] = quantize_activations(x);
   const bool per_16 = qtype == quant::kQ6_K_I8 || qtype == quant::kQ3_K_I8;  // an offset per 16-block
   const at::Tensor start16 = per_16 ? starts_of_16(xq, qtype == quant::kQ6_K_I8 ? 32 : 4) : at::Tensor();
-  const at::Tensor xds_neg = per_16 ? at::Tensor() : negated_scaled_sums(xd, xs);
+  const at::Tensor xds_neg = per_16 ? at::Tensor() : scaled_sums(xd, xs, -1.0f);
   const quant::KQArgs args{static_cast<int>(qtype), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
                            xs.data_ptr<int32_t>(), start16.defined() ? start16.data_ptr<int32_t>() : nullptr,
                            xds_neg.defined() ? xds_neg.data_ptr<float>() : nullptr,
