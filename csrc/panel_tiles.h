@@ -1,6 +1,6 @@
-// The row order of the int8-activation kernels (quant_gemm_int8_kernel.h, quant_gemm_kq_kernel.h). A
-// call's rows of x go in tiles of about kTileBytes of quantized activations, and within a tile in
-// blocks of at most kMaxRows (split evenly), each block passing over the whole K of one panel:
+// The row order of the int8-activation kernels (quant_gemm_int8_kernel.h, quant_gemm_kq_kernel.h), and how a
+// block of rows is stored. A call's rows of x go in tiles of about kTileBytes of quantized activations, and
+// within a tile in blocks of at most kMaxRows (split evenly), each block passing over the whole K of one panel:
 //
 //   for tile:  for panel p in [p_begin, p_end):  for block of the tile:  block(p, row, rows)
 //
@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace pagedllm {
 namespace quant {
@@ -32,6 +33,29 @@ inline void for_panel_row_blocks(int64_t m, int64_t k, int64_t p_begin, int64_t 
         row += rows;
       }
     }
+  }
+}
+
+// A block's MR rows of float sums (one panel's 16 columns) stored to y, row stride ldy, bias added. A panel
+// narrower than 16 columns (the weight's last) goes through a row buffer, and bias is never read past its end.
+// Needs the ISA's vector helpers (int8_simd_*.h) included first.
+template <int MR>
+inline void store_panel_rows(const vf (&acc)[MR][NV], float* __restrict y, int64_t ldy, const float* bias, int cols) {
+  alignas(64) float row[16];
+  alignas(64) float padded_bias[16];
+  if (bias != nullptr && cols < 16) {
+    std::memset(padded_bias, 0, sizeof(padded_bias));
+    std::memcpy(padded_bias, bias, sizeof(float) * cols);
+    bias = padded_bias;
+  }
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      vf out = acc[r][v];
+      if (bias != nullptr) out = vadd(out, vload(bias + v * VW));
+      vstore(cols == 16 ? y + r * ldy + v * VW : row + v * VW, out);
+    }
+    if (cols < 16) std::memcpy(y + r * ldy, row, sizeof(float) * cols);
   }
 }
 

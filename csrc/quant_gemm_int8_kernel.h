@@ -120,26 +120,7 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
       }
     }
   }
-  alignas(64) float row[16];
-  alignas(64) float padded_bias[16];
-  if (bias != nullptr && cols < 16) {  // never read past the end of bias
-    std::memset(padded_bias, 0, sizeof(padded_bias));
-    std::memcpy(padded_bias, bias, sizeof(float) * cols);
-    bias = padded_bias;
-  }
-  for (int r = 0; r < MR; ++r) {
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) {
-      vf out = acc[r][v];
-      if (bias != nullptr) out = vadd(out, vload(bias + v * VW));
-      if (cols == 16) {
-        vstore(y + r * a.ldy + v * VW, out);
-      } else {
-        vstore(row + v * VW, out);
-      }
-    }
-    if (cols < 16) std::memcpy(y + r * a.ldy, row, sizeof(float) * cols);
-  }
+  store_panel_rows<MR>(acc, y, a.ldy, bias, cols);
 }
 
 using MicroI8Fn = void (*)(const I8Args&, const uint8_t*, int64_t, float*, const float*, int);

@@ -209,26 +209,7 @@ void micro_kq(const KQArgs& a, const uint8_t* __restrict panel, int64_t row0, fl
       _mm_prefetch(reinterpret_cast<const char*>(sbp + BB + line), _MM_HINT_T0);
     for (int b = 0; b < 8; b += kq_unrolled<QT>()) kq_blocks<QT, MR, S>(sbp, a, row0, sb, b, acc, Unrolled<QT>{});
   }
-  alignas(64) float row[16];
-  alignas(64) float padded_bias[16];
-  if (bias != nullptr && cols < 16) {  // never read past the end of bias
-    std::memset(padded_bias, 0, sizeof(padded_bias));
-    std::memcpy(padded_bias, bias, sizeof(float) * cols);
-    bias = padded_bias;
-  }
-  for (int r = 0; r < MR; ++r) {
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) {
-      vf out = acc[r][v];
-      if (bias != nullptr) out = vadd(out, vload(bias + v * VW));
-      if (cols == 16) {
-        vstore(y + r * a.ldy + v * VW, out);
-      } else {
-        vstore(row + v * VW, out);
-      }
-    }
-    if (cols < 16) std::memcpy(y + r * a.ldy, row, sizeof(float) * cols);
-  }
+  store_panel_rows<MR>(acc, y, a.ldy, bias, cols);
 }
 
 using MicroKQFn = void (*)(const KQArgs&, const uint8_t*, int64_t, float*, const float*, int);
