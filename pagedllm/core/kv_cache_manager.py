@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedllm.core.block_hash import extend_block_hashes, prefix_extra_keys
-from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.block_pool import BlockPool, KVBlock, extend_block_hashes, prefix_extra_keys
 from pagedllm.core.host_swap import NULL_ENTRY, HostSwapSpace
 from pagedllm.core.kv_stats import KVCacheStats
 from pagedllm.core.request import Request

@@ -1,6 +1,6 @@
 """The prefix cache's disk tier: KV blocks evicted from memory kept in files, read back on a later miss.
 
-A block's file is named by its prefix hash (core/block_hash.py: the SHA-256 chain over every token
+A block's file is named by its prefix hash (core/block_pool.py: the SHA-256 chain over every token
 before it, with the request's cache salt and LoRA adapter), so the same request finds it after an
 eviction or a restart, and a tenant never finds another's. The files live under a folder named by a
 fingerprint of everything the K/V depend on (model files, dtypes, block layout, engine version):
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedllm.core.block_hash import BlockHash
+from pagedllm.core.block_pool import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.block_hash import BlockHash
-from pagedllm.core.block_pool import KVBlock
+from pagedllm.core.block_pool import BlockHash, KVBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_disk_store import KVDiskStore
 from pagedllm.core.request import Request

@@ -25,9 +25,8 @@ from typing import Any
 
 from pagedllm.config import EngineArgs, LoRAConfig, RequestLimits
 from pagedllm.config.embedder import EmbedderConfig, embedder_for
-from pagedllm.engine.core_client import MPCoreClient
+from pagedllm.engine.core_client import FrontendCore, MPCoreClient
 from pagedllm.engine.dp_client import ReplicaLostMsg
-from pagedllm.engine.frontend import FrontendCore
 from pagedllm.engine.frontend_files import load_tokenizer, prepare_model_files_in_child
 from pagedllm.engine.generation_defaults import log_generation_defaults, resolve_generation_defaults
 from pagedllm.engine.input_processor import PromptType

@@ -6,7 +6,7 @@ what finished, so the decisions are unit-testable with exact expectations.
     least-loaded:     the up replica with the fewest in-flight sequences; ties go round-robin
                       (so a trickle of one request at a time still alternates)
     prefix-affinity:  hash the prompt's first `num_affinity_blocks` full blocks with the prefix cache's
-                      own chain (core/block_hash.py, the cache salt as extra key) and look the chain up
+                      own chain (core/block_pool.py, the cache salt as extra key) and look the chain up
                       from its deepest block: the replica that last served the longest known prefix of
                       it holds those blocks most likely. It wins unless its load exceeds the least-loaded
                       replica's by more than `max_load_imbalance`; then least-loaded, so one hot prefix
@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.core.block_hash import BlockHash, hash_block_tokens, prefix_extra_keys
+from pagedllm.core.block_pool import BlockHash, hash_block_tokens, prefix_extra_keys
 
 
 class RoutingPolicy(str, enum.Enum):

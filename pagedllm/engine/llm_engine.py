@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.frontend import FrontendCore
+from pagedllm.engine.core_client import FrontendCore
 from pagedllm.engine.generation_defaults import log_generation_defaults, resolve_generation_defaults
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineStatsMsg

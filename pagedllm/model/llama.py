@@ -273,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | GreedyFallback:
         """[N, hidden] -> [N] int64, each row's argmax of compute_logits computed without the float32
-        logits (layers/greedy_head.py), or why that does not apply (``sampling/greedy.py`` then takes
-        the argmax of compute_logits)."""
+        logits (layers/greedy_head.py), or why that does not apply (``sampling/sampler.py``'s ``greedy_tokens``
+        then takes the argmax of compute_logits)."""
         if self.final_softcap is not None:
             return GreedyFallback.FINAL_SOFTCAP
         return self.lm_head.greedy_token_ids(hidden_states)

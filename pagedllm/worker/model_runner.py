@@ -21,10 +21,9 @@ from pagedllm.model import batch_invariant as batch_invariant_mode
 from pagedllm.model.attention.backend import make_attention_backend
 from pagedllm.model.attention.layer import set_attention_backend
 from pagedllm.model.forward_context import set_forward_context
-from pagedllm.model.sampling.greedy import greedy_tokens
 from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
 from pagedllm.model.sampling.metadata import RequestTensorCache, SamplingMetadata, SamplingRow, plain_greedy
-from pagedllm.model.sampling.sampler import Sampler, SamplerOutput
+from pagedllm.model.sampling.sampler import Sampler, SamplerOutput, greedy_tokens
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_block_io, spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches

@@ -10,7 +10,7 @@ from pagedllm.bench.agent_apis import APIS, agent_apis_table, measure_stream, re
 from pagedllm.entrypoints.anthropic.serving_messages import MessageBuilder
 from pagedllm.entrypoints.openai.chat_turn import Piece, TurnEnd
 from pagedllm.entrypoints.openai.responses_output import ResponseBuilder
-from pagedllm.entrypoints.openai.streaming import named_sse_event, sse_event
+from pagedllm.entrypoints.openai.serving import named_sse_event, sse_event
 
 WORDS = ["Once", " upon", " a", " time"]
 END = TurnEnd("length", None, num_prompt_tokens=9, num_output_tokens=len(WORDS), num_cached_tokens=0)

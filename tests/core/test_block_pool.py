@@ -1,7 +1,6 @@
 import pytest
 
-from pagedllm.core.block_hash import extend_block_hashes, hash_block_tokens
-from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.block_pool import BlockPool, extend_block_hashes, hash_block_tokens
 
 
 def test_new_blocks_come_from_the_head_in_id_order():

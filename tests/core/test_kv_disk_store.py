@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from pagedllm.core.block_hash import hash_block_tokens
+from pagedllm.core.block_pool import hash_block_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_disk_store import KVDiskStore
 from pagedllm.core.kv_disk_tier import DiskTier

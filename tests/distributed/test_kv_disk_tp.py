@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_pool import extend_block_hashes
 from tests.model.tiny_models import make_hf_model, save_hf_model
 
 pytestmark = pytest.mark.slow  # tensor-parallel ranks in worker processes

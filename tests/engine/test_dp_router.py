@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_pool import extend_block_hashes
 from pagedllm.engine.dp_router import DPRouter, NoReplicaUpError, RouteReason
 
 
@@ -114,7 +114,7 @@ def test_bad_settings_are_refused():
 
 
 def test_an_adapters_prefix_is_its_own_so_it_neither_follows_nor_moves_the_bases():
-    from pagedllm.core.block_hash import prefix_extra_keys
+    from pagedllm.core.block_pool import prefix_extra_keys
     from pagedllm.lora.request import LoRARequest
 
     adapter = LoRARequest("ad", 1, "/adapters/ad").cache_key

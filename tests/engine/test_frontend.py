@@ -1,4 +1,5 @@
-"""FrontendCore without a model: one admission path (validation, fan-out, id registry) and one output path."""
+"""FrontendCore (engine/core_client.py) without a model: one admission path (validation, fan-out, id registry)
+and one output path."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from pagedllm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
-from pagedllm.engine.frontend import FrontendCore
+from pagedllm.engine.core_client import FrontendCore
 from pagedllm.engine.protocol import AddRequestMsg, FrontendMessage
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_pool import extend_block_hashes
 from tests.hf_reference import hf_greedy
 from tests.model.tiny_models import WINDOW, make_hf_model, save_hf_model
 

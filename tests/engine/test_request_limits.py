@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pagedllm.config import EngineArgs, RequestLimits
-from pagedllm.engine.frontend import FrontendCore
+from pagedllm.engine.core_client import FrontendCore
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
 

@@ -213,7 +213,7 @@ def test_deprecated_functions_are_refused_naming_tools():
 
 def test_cached_tokens_are_reported_only_where_they_leak_nothing():
     from pagedllm.entrypoints.openai.cli_args import ServerConfig
-    from pagedllm.entrypoints.openai.context import ServingContext
+    from pagedllm.entrypoints.openai.serving import ServingContext
 
     def reported(**config) -> bool:
         ctx = ServingContext(engine=None, served_model_names=["m"], config=ServerConfig(**config))

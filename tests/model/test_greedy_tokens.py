@@ -1,4 +1,4 @@
-"""One greedy path (model/sampling/greedy.py): each row's argmax of the logits, from the greedy head where it
+"""One greedy path (model/sampling/sampler.py `greedy_tokens`): each row's argmax of the logits, from the greedy head where it
 applies, else from the float32 logits with the reason it fell back."""
 
 import pytest
@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 from pagedllm.model.layers import greedy_head
 from pagedllm.model.layers.greedy_head import GreedyFallback, GreedyHead
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.sampling.greedy import greedy_tokens
+from pagedllm.model.sampling.sampler import greedy_tokens
 
 
 def _model() -> LlamaForCausalLM:

@@ -375,7 +375,7 @@ def _reference_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab", [256, 384, 300, 7])
 def test_inverse_cdf_draw_is_the_first_token_past_u_times_the_mass(vocab):
-    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
+    from pagedllm.model.sampling.sampler import inverse_cdf_draw
 
     g = torch.Generator().manual_seed(vocab)
     probs = torch.softmax(torch.randn(64, vocab, generator=g) * 3, dim=-1)
@@ -388,7 +388,7 @@ def test_inverse_cdf_draw_is_the_first_token_past_u_times_the_mass(vocab):
 
 
 def test_inverse_cdf_draw_never_picks_zero_probability_tokens_at_the_edges():
-    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
+    from pagedllm.model.sampling.sampler import inverse_cdf_draw
 
     probs = torch.zeros(4, 256)
     probs[0, 5] = 1.0  # one token
@@ -403,7 +403,7 @@ def test_inverse_cdf_draw_never_picks_zero_probability_tokens_at_the_edges():
 def test_inverse_cdf_draw_keeps_the_mass_of_tiny_probabilities():
     """Below the float32 resolution of a running sum over the vocabulary (~1e-7 here), a token still owns
     an interval of u as wide as its probability: found by bisection on the monotone map u -> token."""
-    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
+    from pagedllm.model.sampling.sampler import inverse_cdf_draw
 
     probs = torch.full((1, 512), 1.0 / 511)
     probs[0, 300] = 1e-10
@@ -425,7 +425,7 @@ def test_inverse_cdf_draw_keeps_the_mass_of_tiny_probabilities():
 
 
 def test_inverse_cdf_draw_survives_a_row_without_mass():
-    from pagedllm.model.sampling.top_k_top_p_sampler import inverse_cdf_draw
+    from pagedllm.model.sampling.sampler import inverse_cdf_draw
 
     probs = torch.softmax(torch.randn(3, 256), dim=-1)
     probs[1] = float("nan")
@@ -458,7 +458,7 @@ def test_random_sampling_frequencies_follow_top_k_over_a_large_vocabulary():
 def test_top_p_on_candidates_equals_the_full_sort():
     """The top-1024 shortcut keeps exactly the tokens the full sort keeps: peaked rows (shortcut), flat rows
     (fallback), rows with top_p off, with and without top_k, and a top_k above the candidates (fallback)."""
-    from pagedllm.model.sampling.top_k_top_p_sampler import _apply_top_k_top_p, _apply_top_p_on_candidates
+    from pagedllm.model.sampling.sampler import _apply_top_k_top_p, _apply_top_p_on_candidates
 
     g = torch.Generator().manual_seed(3)
     vocab = 4096
@@ -474,14 +474,14 @@ def test_top_p_on_candidates_equals_the_full_sort():
         assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
         assert torch.equal(got[torch.isfinite(got)], expected[torch.isfinite(expected)])
     # the shortcut really is taken for peaked rows: the full sort is never called
-    import pagedllm.model.sampling.top_k_top_p_sampler as top_k_top_p_module
+    import pagedllm.model.sampling.sampler as sampler_module
 
-    original = top_k_top_p_module._apply_top_k_top_p
-    top_k_top_p_module._apply_top_k_top_p = None
+    original = sampler_module._apply_top_k_top_p
+    sampler_module._apply_top_k_top_p = None
     try:
         assert torch.isfinite(_apply_top_p_on_candidates(peaked.clone(), None, top_p)).any()
     finally:
-        top_k_top_p_module._apply_top_k_top_p = original
+        sampler_module._apply_top_k_top_p = original
 
 
 def test_plain_greedy_rows_are_exactly_those_the_sampler_takes_argmax_of_raw_logits():

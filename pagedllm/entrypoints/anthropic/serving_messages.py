@@ -24,10 +24,9 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.openai.chat_turn import Piece, TurnEnd, TurnReader, chat_request
-from pagedllm.entrypoints.openai.context import ServingContext, new_id
+from pagedllm.entrypoints.openai.serving import IndexedOutputs, ServingContext, SSEResponse, named_sse_event, new_id
 from pagedllm.entrypoints.openai.errors import api_error_from
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template
-from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, named_sse_event
 from pagedllm.entrypoints.openai.tools import ToolPlan
 
 

@@ -24,7 +24,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.anthropic.serving_messages import add_messages_routes
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, add_serve_args, configs_from_args
-from pagedllm.entrypoints.openai.context import ServingContext, now_s
+from pagedllm.entrypoints.openai.serving import ServingContext, now_s
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from
 from pagedllm.entrypoints.openai.lifecycle import (
     DrainMiddleware,

@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from pagedllm.entrypoints.openai.chat_turn import Piece, TurnEnd
-from pagedllm.entrypoints.openai.context import now_s
+from pagedllm.entrypoints.openai.serving import now_s
 
 
 def item_id(prefix: str) -> str:

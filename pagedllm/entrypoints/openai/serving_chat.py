@@ -14,11 +14,18 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.chat_template import ChatTemplateError, render_chat
-from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
+from pagedllm.entrypoints.openai.serving import (
+    IndexedOutputs,
+    ServingContext,
+    SSEResponse,
+    final_outputs,
+    new_id,
+    now_s,
+    open_streams,
+)
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
 from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolPlan, conversation, prepare_tools, template_takes_tools
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 

@@ -7,9 +7,16 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
+from pagedllm.entrypoints.openai.serving import (
+    IndexedOutputs,
+    ServingContext,
+    SSEResponse,
+    final_outputs,
+    new_id,
+    now_s,
+    open_streams,
+)
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, final_outputs, open_streams
 from pagedllm.outputs import CompletionOutput, LogprobsDict, RequestOutput
 
 

@@ -16,12 +16,11 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.entrypoints.openai.auth import request_api_key
 from pagedllm.entrypoints.openai.chat_turn import TurnEnd, TurnReader, chat_request
-from pagedllm.entrypoints.openai.context import ServingContext, new_id
+from pagedllm.entrypoints.openai.serving import IndexedOutputs, ServingContext, SSEResponse, named_sse_event, new_id
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from
 from pagedllm.entrypoints.openai.responses_output import ResponseBuilder, item_id, output_as_items
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, truncated
 from pagedllm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from pagedllm.entrypoints.openai.streaming import IndexedOutputs, SSEResponse, named_sse_event
 from pagedllm.metrics.responses_store import ResponseStoreMetrics
 
 

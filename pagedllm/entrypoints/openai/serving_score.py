@@ -9,10 +9,9 @@ from typing import Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.entrypoints.openai.context import ServingContext, new_id, now_s
+from pagedllm.entrypoints.openai.serving import ServingContext, final_outputs, new_id, now_s, open_streams
 from pagedllm.entrypoints.openai.errors import APIError, internal_error
 from pagedllm.entrypoints.openai.protocol import OpenAIModel
-from pagedllm.entrypoints.openai.streaming import final_outputs, open_streams
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams, score_pairs
 

@@ -103,7 +103,7 @@ class LMHead(VocabEmbedding):
 
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | GreedyFallback:
         """Each row's argmax of ``compute_logits`` without the float32 logits, or why that path does not
-        apply (then the caller takes the argmax of compute_logits: ``sampling/greedy.py``)."""
+        apply (then the caller takes the argmax of compute_logits: ``sampling/sampler.py`` ``greedy_tokens``)."""
         if self.greedy_head is None:
             return GreedyFallback.NO_GREEDY_HEAD
         return self.greedy_head.argmax(hidden_states, self.weight)

@@ -23,8 +23,7 @@ import torch
 
 from pagedllm.model.sampling.logits_processors import apply_logits_processors
 from pagedllm.model.sampling.metadata import SamplingMetadata
-from pagedllm.model.sampling.sampler import argmax_rows
-from pagedllm.model.sampling.top_k_top_p_sampler import sampling_probs
+from pagedllm.model.sampling.sampler import argmax_rows, sampling_probs
 
 
 @dataclass(slots=True)
