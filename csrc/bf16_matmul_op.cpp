@@ -55,6 +55,12 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
   const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   float* c = y.data_ptr<float>();
+  const float* bias_p = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bf16_matmul_cpu: bias must be a contiguous float32 [n] tensor");
+    bias_p = bias->data_ptr<float>();
+  }
   for (int64_t m0 = 0; m0 < m; m0 += kChunkM) {
     const int64_t m1 = std::min(m, m0 + kChunkM);
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -63,18 +69,20 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
         const int64_t col = b * kBlockN, cols = std::min(kBlockN, n - col);
         for (int64_t r = m0; r < m1; r += kBlockM) {
           const int64_t rows = std::min(kBlockM, m1 - r);
-          if (cols == kBlockN) {
-            cpublas::brgemm(rows, kBlockN, k, k, kBlockN, n, false, a + r * k, w + b * k * kBlockN, c + r * n + col);
-          } else {
-            cpublas::brgemm(rows, kBlockN, k, k, kBlockN, kBlockN, false, a + r * k, w + b * k * kBlockN, tail);
+          const bool full = cols == kBlockN;
+          float* out = full ? c + r * n + col : tail;
+          const int64_t ldc = full ? n : kBlockN;
+          // the bias written first and the products added to it: no second pass over y
+          if (bias_p != nullptr)
+            for (int64_t i = 0; i < rows; ++i) std::memcpy(out + i * ldc, bias_p + col, cols * sizeof(float));
+          cpublas::brgemm(rows, kBlockN, k, k, kBlockN, ldc, bias_p != nullptr, a + r * k, w + b * k * kBlockN, out);
+          if (!full)
             for (int64_t i = 0; i < rows; ++i) std::memcpy(c + (r + i) * n + col, tail + i * kBlockN, cols * 4);
-          }
         }
       }
       cpublas::brgemm_release();
     });
   }
-  if (bias.has_value() && bias->defined()) y.add_(bias->unsqueeze(0));
   return y;
 }
 

@@ -120,3 +120,14 @@ def test_rerank_scores_float32_by_default_and_near_in_the_mode(models):
     mixed = LLM(str(models["cross"]), runner="pooling", dtype="bf16-matmul").score(queries, documents)
     # the mode misses the 1e-4 bar here (measured 3.7e-4), which is why auto does not pick it for scores
     assert 1e-6 < np.abs(np.asarray(mixed) - reference).max() < 2e-3
+
+
+def test_auto_is_the_mode_for_an_embedder_only_where_amx_is(models):
+    from pagedllm.model.layers.greedy_head import cpu_has_fast_bf16
+
+    texts = texts_of_lengths(SHAPES["minilm"], mixed_lengths(12, 8, 128, 5), 5)
+    vectors = {dtype: np.asarray(LLM(str(models["minilm"]), runner="pooling", dtype=dtype).embed(texts))
+               for dtype in ("auto", "bf16-matmul", "float32")}
+    expected = "bf16-matmul" if cpu_has_fast_bf16() else "float32"
+    assert np.array_equal(vectors["auto"], vectors[expected])
+    assert not np.array_equal(vectors["bf16-matmul"], vectors["float32"])
