@@ -50,6 +50,12 @@ template <int N>
 inline vi shl16(vi v) { return _mm512_slli_epi16(v, N); }
 template <int N>
 inline vi shr16(vi v) { return _mm512_srli_epi16(v, N); }
+// 16-bit shifts by a count known once a loop is unrolled (Q5_0 / Q5_1's fifth bits, quant_gemm_int8.h).
+inline vi shl16n(vi v, int n) { return _mm512_sll_epi16(v, _mm_cvtsi32_si128(n)); }
+inline vi shr16n(vi v, int n) { return _mm512_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+// IQ4_NL's table lookup: 16 bytes at p in every 128-bit lane, then each byte of idx (0..15) replaced by its entry.
+inline vi table16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vi lookup16(vi table, vi idx) { return _mm512_shuffle_epi8(table, idx); }
 }  // namespace
 }  // namespace quant
 }  // namespace pagedllm

@@ -40,7 +40,7 @@ inline __m512 to_float(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8
 inline __m128i low4(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(15)); }
 inline __m128i high4(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)); }
 
-// One 32-block of one row of a Q4_0 / Q4_1 / Q8_0 int8 panel (quant_gemm_int8.h) into out[0, 32).
+// One 32-block of one row of a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL int8 panel (quant_gemm_int8.h) into out[0, 32).
 template <int QT>
 inline void int8_block_row(const uint8_t* blk, int r, uint16_t* out) {
   const __m512 d = _mm512_set1_ps(half(blk + 2 * r));
@@ -51,15 +51,35 @@ inline void int8_block_row(const uint8_t* blk, int r, uint16_t* out) {
       store16(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))), out + 16 * h);
     }
   } else {
-    const __m128i bytes = row_bytes(blk + (QT == kQ4_1_I8 ? 64 : 32), r);
-    if constexpr (QT == kQ4_1_I8) {
+    constexpr int hoff = has_min(QT) ? 64 : 32;
+    const __m128i bytes = row_bytes(blk + hoff + (is_q5_type(QT) ? 64 : 0), r);
+    __m128i lo = low4(bytes), hi = high4(bytes);
+    if constexpr (is_q5_type(QT)) {  // group g's fifth bits to bit 4 of its 4 bytes (quant_gemm_int8.h)
+      uint32_t h;
+      std::memcpy(&h, blk + hoff + 4 * r, 4);
+      const __m128i l5 = _mm_setr_epi32(static_cast<int>(h & 0x10101010u), static_cast<int>((h >> 1) & 0x10101010u),
+                                        static_cast<int>((h >> 2) & 0x10101010u), static_cast<int>((h >> 3) & 0x10101010u));
+      const __m128i h5 = _mm_setr_epi32(static_cast<int>((h << 4) & 0x10101010u), static_cast<int>((h << 3) & 0x10101010u),
+                                        static_cast<int>((h << 2) & 0x10101010u), static_cast<int>((h << 1) & 0x10101010u));
+      lo = _mm_or_si128(lo, l5);
+      hi = _mm_or_si128(hi, h5);
+    }
+    if constexpr (has_min(QT)) {
       const __m512 m = _mm512_set1_ps(half(blk + 32 + 2 * r));
-      store16(_mm512_add_ps(_mm512_mul_ps(d, to_float(low4(bytes))), m), out);
-      store16(_mm512_add_ps(_mm512_mul_ps(d, to_float(high4(bytes))), m), out + 16);
+      store16(_mm512_add_ps(_mm512_mul_ps(d, to_float(lo)), m), out);
+      store16(_mm512_add_ps(_mm512_mul_ps(d, to_float(hi)), m), out + 16);
+    } else if constexpr (QT == kIQ4_NL_I8) {
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL));
+      store16(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, lo)))), out);
+      store16(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, hi)))), out + 16);
+    } else if constexpr (QT == kQ5_0_I8) {
+      const __m512 sixteen = _mm512_set1_ps(16.0f);
+      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(lo), sixteen)), out);
+      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(hi), sixteen)), out + 16);
     } else {
       const __m512 eight = _mm512_set1_ps(8.0f);
-      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(low4(bytes)), eight)), out);
-      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(high4(bytes)), eight)), out + 16);
+      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(lo), eight)), out);
+      store16(_mm512_mul_ps(d, _mm512_sub_ps(to_float(hi), eight)), out + 16);
     }
   }
 }
@@ -160,6 +180,9 @@ void dequant_bf16_panels_avx512(int qtype, const uint8_t* packed, int64_t k, int
     case kQ4_0_I8: dequant_panels<kQ4_0_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ4_1_I8: dequant_panels<kQ4_1_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ8_0_I8: dequant_panels<kQ8_0_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ5_0_I8: dequant_panels<kQ5_0_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kQ5_1_I8: dequant_panels<kQ5_1_I8>(packed, k, n, out, p_begin, p_end); break;
+    case kIQ4_NL_I8: dequant_panels<kIQ4_NL_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ3_K_I8: dequant_panels<kQ3_K_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ4_K_I8: dequant_panels<kQ4_K_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ5_K_I8: dequant_panels<kQ5_K_I8>(packed, k, n, out, p_begin, p_end); break;

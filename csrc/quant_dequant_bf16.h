@@ -1,4 +1,4 @@
-// A quantized weight's panels (the int8-activation layouts: quant_gemm_int8.h's Q4_0 / Q4_1 / Q8_0 and
+// A quantized weight's panels (the int8-activation layouts: quant_gemm_int8.h's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL and
 // quant_gemm_kq.h's Q3_K / Q4_K / Q5_K / Q6_K) dequantized to bf16 rows [n, K], for the prefill path of CPUs with
 // AMX-BF16 tiles: there a step of many rows multiplies faster as bf16 through oneDNN's AMX matmul (after
 // unpacking the weight, a part at a time, into a small scratch) than through the int8 dot products, whose

@@ -7,6 +7,8 @@
 //   dot_q8(acc, w, s)   the same for Q8_0's stored bytes (int8 + 128); the ISA's kQ8Start * sum(qx)
 //                       is what it adds on top of the signed product (AVX-512: 128; AVX2 undoes it)
 //   lo_nib / hi_nib     the low / high nibble of each byte
+//   ibytes, iand, ior, shl16n / shr16n   Q5_0 / Q5_1's fifth bits: bytes set, bitwise ops, 16-bit shifts
+//   table16, lookup16   IQ4_NL's values: a 16-byte table in every 128-bit lane, a byte shuffle by the nibbles
 // x's rows go in tiles, panels, then blocks of at most MAXR rows (panel_tiles.h); a block keeps MR x NV float sums
 // in registers over the whole K and each K-block's integer sums in S independent chains (a lone row
 // would otherwise wait on one chain's latency, 8 dependent dot products a block).
@@ -25,7 +27,8 @@ template <int QT, int MR, int S = i8_split<MR>()>
 void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, float* __restrict y,
               const float* bias, int cols) {
   constexpr int64_t BB = int8_block_bytes(QT);
-  constexpr int QOFF = QT == kQ4_1_I8 ? 64 : 32;
+  constexpr int HOFF = has_min(QT) ? 64 : 32;              // Q5's fifth bits, else the nibbles
+  constexpr int QOFF = HOFF + (is_q5_type(QT) ? 64 : 0);
   const int64_t k = a.k, nb = k / 32;
   const int8_t* xq = a.xq + row0 * k;
   const float* xd = a.xd + row0 * nb;
@@ -46,12 +49,31 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
     for (int s = 0; s < S; ++s)
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        // Q8_0's +128 and Q4_0's -8 come out of the sum up front: start at -offset * sum(qx)
-        const int32_t start = s != 0 ? 0 : QT == kQ8_0_I8 ? -kQ8Start * xs[r * nb + b] : QT == kQ4_0_I8 ? -8 * xs[r * nb + b] : 0;
+        // Q8_0's +128, Q4_0's -8 and Q5_0's -16 come out of the sum up front: start at -offset * sum(qx)
+        constexpr int32_t offset = QT == kQ8_0_I8 || QT == kIQ4_NL_I8 ? kQ8Start : QT == kQ4_0_I8 ? 8
+                                   : QT == kQ5_0_I8 ? 16 : 0;
+        const int32_t start = s != 0 ? 0 : -offset * xs[r * nb + b];
 #pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) isum[s][r][v] = start != 0 ? iset1(start) : izero();
       }
-    if (QT == kQ8_0_I8) {
+    if (QT == kIQ4_NL_I8) {  // the table's values in Q8_0's stored form, then Q8_0's dot product
+      static constexpr Bytes16 stored = iq4nl_stored();
+      const vi table = table16(stored.v);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const int s0 = (2 * g) % S, s1 = (2 * g + 1) % S;
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) {
+          const vi w = load_w(q + g * 64, v);
+          const vi lo = lookup16(table, lo_nib(w)), hi = lookup16(table, hi_nib(w));
+#pragma GCC unroll 16
+          for (int r = 0; r < MR; ++r) {
+            isum[s0][r][v] = dot_q8(isum[s0][r][v], lo, bcast4(xq + r * k + b * 32 + 4 * g));
+            isum[s1][r][v] = dot_q8(isum[s1][r][v], hi, bcast4(xq + r * k + b * 32 + 16 + 4 * g));
+          }
+        }
+      }
+    } else if (QT == kQ8_0_I8) {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const int s = g % S;
@@ -69,7 +91,12 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
 #pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) {
           const vi w = load_w(q + g * 64, v);
-          const vi lo = lo_nib(w), hi = hi_nib(w);
+          vi lo = lo_nib(w), hi = hi_nib(w);
+          if (is_q5_type(QT)) {  // group g's fifth bits to bit 4 (quant_gemm_int8.h)
+            const vi h = load_w(blk + HOFF, v), bit4 = ibytes(0x10);
+            lo = ior(lo, iand(shr16n(h, g), bit4));
+            hi = ior(hi, iand(shl16n(h, 4 - g), bit4));
+          }
 #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
             isum[s0][r][v] = dot_u(isum[s0][r][v], lo, bcast4(xq + r * k + b * 32 + 4 * g));
@@ -82,7 +109,7 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
     for (int v = 0; v < NV; ++v) {
       const vf dw = load_f16(blk, v);
       vf mw;
-      if (QT == kQ4_1_I8) mw = load_f16(blk + 32, v);
+      if (has_min(QT)) mw = load_f16(blk + 32, v);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         vi total = isum[0][r][v];
@@ -90,7 +117,7 @@ void micro_i8(const I8Args& a, const uint8_t* __restrict panel, int64_t row0, fl
         for (int s = 1; s < S; ++s) total = iadd(total, isum[s][r][v]);
         const float dx = xd[r * nb + b];
         acc[r][v] = vfma(vcvt(total), vmul(dw, vset1(dx)), acc[r][v]);
-        if (QT == kQ4_1_I8) acc[r][v] = vfma(mw, vset1(dx * static_cast<float>(xs[r * nb + b])), acc[r][v]);
+        if (has_min(QT)) acc[r][v] = vfma(mw, vset1(dx * static_cast<float>(xs[r * nb + b])), acc[r][v]);
       }
     }
   }
@@ -136,6 +163,9 @@ void int8_panels_dispatch(const I8Args& a, int64_t p_begin, int64_t p_end) {
     case kQ8_0_I8: int8_panels_for<kQ8_0_I8, R...>(a, p_begin, p_end); break;
     case kQ4_0_I8: int8_panels_for<kQ4_0_I8, R...>(a, p_begin, p_end); break;
     case kQ4_1_I8: int8_panels_for<kQ4_1_I8, R...>(a, p_begin, p_end); break;
+    case kQ5_0_I8: int8_panels_for<kQ5_0_I8, R...>(a, p_begin, p_end); break;
+    case kQ5_1_I8: int8_panels_for<kQ5_1_I8, R...>(a, p_begin, p_end); break;
+    case kIQ4_NL_I8: int8_panels_for<kIQ4_NL_I8, R...>(a, p_begin, p_end); break;
   }
 }
 

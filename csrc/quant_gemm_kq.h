@@ -58,6 +58,7 @@ struct KQArgs {
   const float* xd;         // [M, K / 32] their scales
   const int32_t* xs;       // [M, K / 32] each 32-block's sum of xq
   const int32_t* xs16;     // [M, K / 16] each 16-block's sum of xq (Q3_K, Q6_K), else nullptr
+  const float* xds_neg;    // [M, K / 32] - xd xs, the min term's factor (Q4_K, Q5_K), else nullptr
   const uint8_t* packed;   // [panels, K / 256, kq_block_bytes]
   const float* bias;       // [N] or nullptr
   float* y;                // [M, N], row stride ldy

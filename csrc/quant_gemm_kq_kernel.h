@@ -7,6 +7,7 @@
 // depend on how many rows share the call. Integer sums go in S independent chains (exact, so their
 // number, which follows the block's row count, changes nothing).
 #include <cstring>
+#include <utility>
 
 #include "panel_tiles.h"
 
@@ -78,13 +79,12 @@ struct KQOffsets {  // byte offsets inside one panel's super-block (quant_gemm_k
 
 // Q3_K's 32-block B for MR rows: per group g (4 k's a row), the 2-bit fields J = 0..3 hold k + 8 J, the
 // pair's byte the third bits (bit 4 u + J, u = B % 2); J 0-1 are the first 16-block, 2-3 the second.
-template <int B, int MR>
-inline void q3k_block_sums(const uint8_t* __restrict sbp, const int8_t* __restrict x, int64_t k,
+template <int U, int MR>
+inline void q3k_block_sums(const uint8_t* __restrict sbp, const int8_t* __restrict x, int64_t k, int B,
                            vi (&isum)[2][MR][NV]) {
   using O = KQOffsets<kQ3_K_I8>;
   const uint8_t* q = sbp + O::kNibbles + B * 128;
   const uint8_t* hb = sbp + O::kHigh + (B / 2) * 128;
-  constexpr int U = B % 2;
 #pragma GCC unroll 2
   for (int g = 0; g < 2; ++g) {
 #pragma GCC unroll 2
@@ -104,9 +104,10 @@ inline void q3k_block_sums(const uint8_t* __restrict sbp, const int8_t* __restri
   }
 }
 
-// One 32-block b of super-block `sb` for MR rows: the integer sums of its low and high 16 k's.
-template <int QT, int B, int MR, int S>
-inline void kq_block_sums(const uint8_t* __restrict sbp, const int8_t* __restrict x, int64_t k,
+// One 32-block B of a super-block for MR rows: the integer sums of its low and high 16 k's. U = B's place in
+// its quad (Q5_K) or pair (Q6_K), which fixes the high bits' shifts.
+template <int QT, int U, int MR, int S>
+inline void kq_block_sums(const uint8_t* __restrict sbp, const int8_t* __restrict x, int64_t k, int B,
                           vi (&isum)[S][MR][NV]) {
   using O = KQOffsets<QT>;
   const uint8_t* q = sbp + O::kNibbles + B * 256;
@@ -119,7 +120,7 @@ inline void kq_block_sums(const uint8_t* __restrict sbp, const int8_t* __restric
     for (int v = 0; v < NV; ++v) {
       const vi w = load_w(q + g * 64, v);
       vi lo = lo_nib(w), hi = hi_nib(w);
-      if constexpr (QT != kQ4_K_I8) add_high_bits<QT, QT == kQ5_K_I8 ? B % 4 : B % 2>(load_w(hb + g * 64, v), lo, hi);
+      if constexpr (QT != kQ4_K_I8) add_high_bits<QT, U>(load_w(hb + g * 64, v), lo, hi);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         isum[s0][r][v] = dot_u(isum[s0][r][v], lo, bcast4(x + r * k + B * 32 + 4 * g));
@@ -129,8 +130,9 @@ inline void kq_block_sums(const uint8_t* __restrict sbp, const int8_t* __restric
   }
 }
 
-template <int QT, int B, int MR, int S>
-inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row0, int64_t sb, vf (&acc)[MR][NV]) {
+template <int QT, int U, int MR, int S>
+inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row0, int64_t sb, int B,
+                     vf (&acc)[MR][NV]) {
   using O = KQOffsets<QT>;
   const int64_t k = a.k, nb = k / 32, b = sb * 8 + B;
   const int8_t* x = a.xq + row0 * k + sb * kSuperK;
@@ -146,9 +148,9 @@ inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row
         isum[s][r][v] = start != 0 ? iset1(start) : izero();
       }
   if constexpr (QT == kQ3_K_I8) {
-    q3k_block_sums<B, MR>(sbp, x, k, isum);
+    q3k_block_sums<U, MR>(sbp, x, k, B, isum);
   } else {
-    kq_block_sums<QT, B, MR, S>(sbp, x, k, isum);
+    kq_block_sums<QT, U, MR, S>(sbp, x, k, B, isum);
   }
 #pragma GCC unroll 2
   for (int v = 0; v < NV; ++v) {
@@ -170,12 +172,26 @@ inline void kq_block(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row
         vi total = isum[0][r][v];
 #pragma GCC unroll 4
         for (int s = 1; s < S; ++s) total = iadd(total, isum[s][r][v]);
-        const float dx = a.xd[(row0 + r) * nb + b];
-        acc[r][v] = vfma(vcvt(total), vmul(scale, vset1(dx)), acc[r][v]);
-        acc[r][v] = vfma(min, vset1(-dx * static_cast<float>(a.xs[(row0 + r) * nb + b])), acc[r][v]);
+        acc[r][v] = vfma(vcvt(total), vmul(scale, vset1(a.xd[(row0 + r) * nb + b])), acc[r][v]);
+        acc[r][v] = vfma(min, vset1(a.xds_neg[(row0 + r) * nb + b]), acc[r][v]);
       }
     }
   }
+}
+
+// 32-blocks per pass of a super-block's loop. Unrolling all eight made each micro-kernel larger than the
+// decoded-instruction cache, and prefill ran at the front end's pace; a pass holds only the blocks whose bit
+// positions differ (Q5_K's quad, Q6_K's pair). Q3_K stays whole: its rolled loop measured slower at one row.
+template <int QT>
+constexpr int kq_unrolled() { return QT == kQ4_K_I8 ? 1 : QT == kQ5_K_I8 ? 4 : QT == kQ6_K_I8 ? 2 : 8; }
+
+template <int QT>
+using Unrolled = std::make_integer_sequence<int, kq_unrolled<QT>()>;
+
+template <int QT, int MR, int S, int... I>
+inline void kq_blocks(const uint8_t* __restrict sbp, const KQArgs& a, int64_t row0, int64_t sb, int b0,
+                      vf (&acc)[MR][NV], std::integer_sequence<int, I...>) {
+  (kq_block<QT, I % (QT == kQ5_K_I8 ? 4 : QT == kQ4_K_I8 ? 1 : 2), MR, S>(sbp, a, row0, sb, b0 + I, acc), ...);
 }
 
 template <int QT, int MR, int S = kq_signed<QT>() ? 2 : kq_split<MR>()>
@@ -192,14 +208,7 @@ void micro_kq(const KQArgs& a, const uint8_t* __restrict panel, int64_t row0, fl
     const uint8_t* sbp = panel + sb * BB;
     for (int64_t line = 0; line < BB; line += 64)  // the next super-block, whole
       _mm_prefetch(reinterpret_cast<const char*>(sbp + BB + line), _MM_HINT_T0);
-    kq_block<QT, 0, MR, S>(sbp, a, row0, sb, acc);
-    kq_block<QT, 1, MR, S>(sbp, a, row0, sb, acc);
-    kq_block<QT, 2, MR, S>(sbp, a, row0, sb, acc);
-    kq_block<QT, 3, MR, S>(sbp, a, row0, sb, acc);
-    kq_block<QT, 4, MR, S>(sbp, a, row0, sb, acc);
-    kq_block<QT, 5, MR, S>(sbp, a, row0, sb, acc);
-    kq_block<QT, 6, MR, S>(sbp, a, row0, sb, acc);
-    kq_block<QT, 7, MR, S>(sbp, a, row0, sb, acc);
+    for (int b = 0; b < 8; b += kq_unrolled<QT>()) kq_blocks<QT, MR, S>(sbp, a, row0, sb, b, acc, Unrolled<QT>{});
   }
   alignas(64) float row[16];
   alignas(64) float padded_bias[16];

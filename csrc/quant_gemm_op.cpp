@@ -125,6 +125,17 @@ at::Tensor sums_of_16(const at::Tensor& xq) {
   return xs16;
 }
 
+// Each row's - xd xs per 32-block, the factor of Q4_K's and Q5_K's min term: computed once per row here instead
+// of once per row for every panel in the kernel.
+at::Tensor negated_scaled_sums(const at::Tensor& xd, const at::Tensor& xs) {
+  at::Tensor out = at::empty_like(xd);
+  const float* d = xd.data_ptr<float>();
+  const int32_t* s = xs.data_ptr<int32_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0, total = xd.numel(); i < total; ++i) o[i] = -d[i] * static_cast<float>(s[i]);
+  return out;
+}
+
 at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, const float* bias_p,
                    int64_t isa, at::Tensor y) {
   const int64_t chosen = quant_gemm_int8_isa(isa);
@@ -132,8 +143,10 @@ at::Tensor kq_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
   auto [xq, xd, xs] = quantize_activations(x);
   const bool per_16 = qtype == quant::kQ6_K_I8 || qtype == quant::kQ3_K_I8;  // an offset per 16-block
   const at::Tensor xs16 = per_16 ? sums_of_16(xq) : at::Tensor();
+  const at::Tensor xds_neg = per_16 ? at::Tensor() : negated_scaled_sums(xd, xs);
   const quant::KQArgs args{static_cast<int>(qtype), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
                            xs.data_ptr<int32_t>(), xs16.defined() ? xs16.data_ptr<int32_t>() : nullptr,
+                           xds_neg.defined() ? xds_neg.data_ptr<float>() : nullptr,
                            packed.data_ptr<uint8_t>(), bias_p, y.data_ptr<float>(), n, x.size(0), n, x.size(1)};
   auto kernel = chosen == 2 ? &quant::kq_panels_avx512vnni : &quant::kq_panels_avx2;
   parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });

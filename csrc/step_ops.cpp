@@ -1,6 +1,7 @@
 // Two per-step ops of a decode step that ran as a dozen small ATen calls each, now one call each:
-//   quant_rows_cpu    rows `ids` of a repacked GGUF weight (quant_gemm.h's panels, or quant_gemm_kq.h's) as float32: the
-//                     quantized embedding lookup (pagedllm/model/layers/quantized.py, dequantize_rows)
+//   quant_rows_cpu    rows `ids` of a repacked GGUF weight (quant_gemm.h's panels, quant_gemm_kq.h's, or the Q5_0 /
+//                     Q5_1 ones of quant_gemm_int8.h) as float32: the quantized embedding lookup
+//                     (pagedllm/model/layers/quantized.py, dequantize_rows)
 //   argmax_rows_cpu   each row's argmax of float32 logits (pagedllm/model/sampling/sampler.py, argmax_rows)
 // At batch 1 the torch forms cost ~15 and ~10 ATen calls (0.1-0.2 ms a step each with their Python)
 // for a few microseconds of work.
@@ -26,6 +27,8 @@ namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQX = 100;  // quantized.py's kernel types
 constexpr int64_t kQ3_K = 121, kQ4_K = 122, kQ5_K = 123, kQ6_K = 124;  // kquant.py's (csrc/quant_gemm_kq.h)
+constexpr int64_t kQ5_0 = 116, kQ5_1 = 117, kIQ4_NL = 130;  // q5.py's and iq4nl.py's (csrc/quant_gemm_int8.h)
+constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr int64_t kLanes = 16;                                   // rows per panel
 
 constexpr bool is_kq(int64_t qtype) { return qtype == kQ3_K || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
@@ -143,12 +146,56 @@ void dequantize_kq_row(const uint8_t* panel, int64_t nsb, int64_t bb, int64_t qt
   }
 }
 
+// One row (panel lane `lane`) of nb Q5_0 / Q5_1 blocks (quant_gemm_int8.h's layout) -> out[nb * 32], each
+// weight d (q - 16) or d q + m as gguf's numpy dequantize forms it.
+void dequantize_q5_row(const uint8_t* panel, int64_t nb, int64_t qtype, int64_t lane, float* out) {
+  const bool has_min = qtype == kQ5_1;
+  const int64_t bb = has_min ? 384 : 352, high = has_min ? 64 : 32, nibbles = high + 64;
+  for (int64_t b = 0; b < nb; ++b, out += 32) {
+    const uint8_t* block = panel + b * bb;
+    const float d = half_at(block + 2 * lane);
+    const float m = has_min ? half_at(block + 32 + 2 * lane) : 0.0f;
+    const uint8_t* h = block + high + 4 * lane;
+    for (int64_t g = 0; g < 4; ++g) {
+      for (int64_t i = 0; i < 4; ++i) {  // k = 4 g + i (low nibble), k + 16 (high)
+        const uint8_t byte = block[nibbles + g * 64 + lane * 4 + i];
+        const int lo = (byte & 15) | (((h[i] >> (4 + g)) & 1) << 4), hi = (byte >> 4) | (((h[i] >> g) & 1) << 4);
+        if (has_min) {
+          const float slo = d * static_cast<float>(lo), shi = d * static_cast<float>(hi);
+          out[4 * g + i] = slo + m;
+          out[4 * g + i + 16] = shi + m;
+        } else {
+          out[4 * g + i] = d * static_cast<float>(lo - 16);
+          out[4 * g + i + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+    }
+  }
+}
+
+// One row (panel lane `lane`) of nb IQ4_NL blocks (Q4_0's int8 layout, quant_gemm_int8.h) -> out[nb * 32], each
+// weight d * table[nibble] as gguf's numpy dequantize forms it.
+void dequantize_iq4nl_row(const uint8_t* panel, int64_t nb, int64_t lane, float* out) {
+  for (int64_t b = 0; b < nb; ++b, out += 32) {
+    const uint8_t* block = panel + b * 288;
+    const float d = half_at(block + 2 * lane);
+    for (int64_t g = 0; g < 4; ++g) {
+      for (int64_t i = 0; i < 4; ++i) {  // k = 4 g + i (low nibble), k + 16 (high)
+        const uint8_t byte = block[32 + g * 64 + lane * 4 + i];
+        out[4 * g + i] = d * static_cast<float>(kIQ4NLValues[byte & 15]);
+        out[4 * g + i + 16] = d * static_cast<float>(kIQ4NLValues[byte >> 4]);
+      }
+    }
+  }
+}
+
 at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Tensor& ids) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous(), "quant_rows_cpu: contiguous uint8 panels [P, nb, block bytes] expected");
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQX || is_kq(qtype),
-              "quant_rows_cpu: qtype ", qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQX || is_kq(qtype) || qtype == kQ5_0 ||
+                  qtype == kQ5_1 || qtype == kIQ4_NL, "quant_rows_cpu: qtype ", qtype);
   const int64_t block_bytes = qtype == kQ4_0 ? 32 + 256 : qtype == kQ4_1 ? 64 + 256 : qtype == kQ8_0 ? 32 + 512
+                              : qtype == kQ5_0 ? 352 : qtype == kQ5_1 ? 384 : qtype == kIQ4_NL ? 288
                               : qtype == kQ3_K ? 1824 : qtype == kQ4_K ? 2368 : qtype == kQ5_K ? 2880
                               : qtype == kQ6_K ? 3360 : 768;
   const int64_t block_k = is_kq(qtype) ? 256 : 32;  // K-quants: 256-wide super-blocks
@@ -167,7 +214,11 @@ at::Tensor quant_rows_cpu(const at::Tensor& packed, int64_t qtype, const at::Ten
   parallel_for(0, num, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* panel = base + (id[t] / kLanes) * nb * block_bytes;
-      if (qtype == kQ3_K) {
+      if (qtype == kIQ4_NL) {
+        dequantize_iq4nl_row(panel, nb, id[t] % kLanes, dst + t * nb * block_k);
+      } else if (qtype == kQ5_0 || qtype == kQ5_1) {
+        dequantize_q5_row(panel, nb, qtype, id[t] % kLanes, dst + t * nb * block_k);
+      } else if (qtype == kQ3_K) {
         dequantize_q3k_row(panel, nb, id[t] % kLanes, dst + t * nb * block_k);
       } else if (is_kq(qtype)) {
         dequantize_kq_row(panel, nb, block_bytes, qtype, id[t] % kLanes, dst + t * nb * block_k);

@@ -7,6 +7,9 @@ Llama-3.2-1B shape (K = 2048; N = 8192 and 2048), and the bytes each weight hold
     PYTHONPATH=$PWD .venv/bin/python scripts/kquant_gemm_bench.py --threads 2 --rows 1 32 \
         --kinds Q3_K:int8 Q4_K:int8                                          (Q3_K against Q4_K)
 
+    PYTHONPATH=$PWD .venv/bin/python scripts/kquant_gemm_bench.py --threads 2 --rows 1 32 \
+        --kinds Q4_0:int8 Q4_1:int8 Q5_0:int8 Q5_1:int8 IQ4_NL:int8         (Q5_0 / Q5_1 / IQ4_NL against Q4_0 / Q4_1)
+
     PYTHONPATH=$PWD PAGEDLLM_DISABLE_OP_POOL=1 .venv/bin/python scripts/kquant_gemm_bench.py --threads 1 \
         --rows 512 2048 --n 2048 --kinds Q4_K:int8 Q6_K:int8 Q4_0:int8      (prefill row counts)
 
@@ -35,16 +38,20 @@ KINDS = (("Q4_K", "int8"), ("Q4_K", "float"), ("Q6_K", "int8"), ("Q6_K", "float"
 
 
 def random_weight(type_name: str, n: int, k: int, rng) -> tuple[np.ndarray, int]:
-    """GGUF rows of ``type_name`` (K-quants: random blocks with small fp16 scales; Q4_0: quantized
-    Gaussian weights) and their qtype."""
+    """GGUF rows of ``type_name`` (K-quants: random blocks with small fp16 scales; the 32-weight types:
+    quantized Gaussian weights) and their qtype."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     from pagedllm.model.layers import quantized
 
     qtype = int(GGMLQuantizationType[type_name])
-    if type_name == "Q4_0":
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32), qtype), qtype
+    if type_name == "IQ4_NL":  # (gguf has no IQ4_NL quantizer) random indices, a small fp16 d
+        blocks = rng.integers(0, 256, (n, k // 32, 18), dtype=np.uint8)
+        blocks[:, :, :2] = np.full((n, k // 32, 1), 3e-4, np.float16).view(np.uint8)
+        return blocks.reshape(n, -1), qtype
     bb = quantized.GGUF_BLOCKS[qtype][1]
     blocks = rng.integers(0, 256, (n, k // 256, bb), dtype=np.uint8)
     for offset in {"Q6_K": (208,), "Q3_K": (108,)}.get(type_name, (0, 2)):  # d (and dmin)
@@ -98,13 +105,13 @@ def main() -> None:
                 torch.ops.pagedllm.quant_gemm_bf16_rows(previous)
     print(f"K = {K}, {torch.get_num_threads()} thread(s); ms per call (best of {args.rounds} rounds); "
           "GB/s = bytes held / time at 1 row")
-    print(f"{'n':>5s} {'type':5s} {'acts':5s} {'held/file':>9s} " + " ".join(f"{f'M={r} ms':>10s}" for r in args.rows)
+    print(f"{'n':>5s} {'type':6s} {'acts':5s} {'held/file':>9s} " + " ".join(f"{f'M={r} ms':>10s}" for r in args.rows)
           + f" {'GB/s M=1':>9s}")
     for key, w in weights.items():
         n, type_name, mode = key
         ms = [min(times[key + (rows,)]) for rows in args.rows]
         rate = w.nbytes / (ms[0] * 1e-3) / 1e9 if args.rows[0] == 1 else float("nan")
-        print(f"{n:5d} {type_name:5s} {mode:5s} {w.nbytes / file_bytes[key]:9.3f} "
+        print(f"{n:5d} {type_name:6s} {mode:5s} {w.nbytes / file_bytes[key]:9.3f} "
               + " ".join(f"{m:10.3f}" for m in ms) + f" {rate:9.1f}")
 
 

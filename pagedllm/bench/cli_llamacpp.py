@@ -43,7 +43,7 @@ from pagedllm.bench.common import bench_subparser, format_table, machine_info, w
 SLACK_TOKENS = 16  # a KV block of slack per request
 LLAMA_QUANTIZE_TYPES = ("Q4_K_S", "Q5_K_M", "Q6_K")
 """Random file types made by llama-quantize from a random Q8_0 file (the rest random_gguf.py writes itself)."""
-RANDOM_QTYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q3_K_M")
+RANDOM_QTYPES = ("Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q3_K_M")
 
 
 def add_parser(subparsers) -> None:
@@ -54,7 +54,8 @@ def add_parser(subparsers) -> None:
                    help="instead of --model: write (once, cached) a random-weight GGUF of this shape "
                         "(llama-3.2-1b, smollm2-135m, qwen3-30b-a3b, tiny, tiny-qwen3moe)")
     p.add_argument("--random-qtype", default="Q4_0", choices=(*RANDOM_QTYPES, *LLAMA_QUANTIZE_TYPES),
-                   help="the random file's type; Q4_0, Q8_0, Q4_K_M and Q3_K_M written directly, the other K-quant "
+                   help="the random file's type; Q4_0, Q8_0, Q5_0, Q5_1, Q4_K_M and Q3_K_M written directly, the other "
+                        "K-quant "
                         "mixes "
                         "requantized from Q8_0 by llama-quantize")
     p.add_argument("--one-at-a-time", action="store_true",

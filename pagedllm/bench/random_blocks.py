@@ -7,6 +7,8 @@ codes and the K-quants' sub-block scales random::
 
     Q8_0  (34 B / 32)   d f16 | 32 int8 codes                    w = d * q
     Q4_0  (18 B / 32)   d f16 | 16 bytes, 4-bit codes in 1..15   w = d * (q - 8)
+    Q5_0  (22 B / 32)   d f16 | 4 bytes of 5th bits | 16 bytes, low 4 bits; codes in 1..31   w = d * (q - 16)
+    Q5_1  (24 B / 32)   d f16, m f16 | 5th bits | low 4 bits; codes in 0..31, m = -15.5 d   w = d * q + m
     Q4_K  (144 B / 256) d f16, dmin f16 | 12 bytes: 8 6-bit scales sc and mins m | 128 bytes, 4-bit codes
                         w = d * sc_j * q - dmin * m_j           (sub-block j of 32)
     Q5_K  (176 B / 256) as Q4_K, then 32 bytes of 5th bits | 128 bytes, 4-bit codes   (q 5 bits)
@@ -33,8 +35,9 @@ from __future__ import annotations
 import numpy as np
 
 WEIGHT_STD = 0.02
-Q8_0, Q4_0, Q3_K, Q4_K, Q5_K, Q6_K = "Q8_0", "Q4_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"
-BLOCK = {Q8_0: (32, 34), Q4_0: (32, 18), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+Q8_0, Q4_0, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K = "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"
+BLOCK = {Q8_0: (32, 34), Q4_0: (32, 18), Q5_0: (32, 22), Q5_1: (32, 24), Q3_K: (256, 110), Q4_K: (256, 144),
+         Q5_K: (256, 176), Q6_K: (256, 210)}
 """(weights, bytes) of one block."""
 
 
@@ -105,6 +108,17 @@ def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) ->
         raw[:, 2:] = low | (high << 4)
         _, q_sq = _uniform_moments(-7, 7)
         raw[:, :2] = _f16_bytes(WEIGHT_STD / np.sqrt(q_sq), blocks)
+    elif qtype in (Q5_0, Q5_1):
+        low = 1 if qtype == Q5_0 else 0  # Q5_0: 1..31 minus 16, symmetric
+        q = rng.integers(low, 32, size=(blocks, 32), dtype=np.uint8)
+        _, q_sq = _uniform_moments(low - 16, 15) if qtype == Q5_0 else _uniform_moments(0, 31)
+        d = WEIGHT_STD / np.sqrt(q_sq if qtype == Q5_0 else q_sq - 15.5**2)
+        raw[:, :2] = _f16_bytes(d, blocks)
+        if qtype == Q5_1:
+            raw[:, 2:4] = _f16_bytes(-15.5 * float(np.float16(d)), blocks)
+        at = 2 if qtype == Q5_0 else 4
+        raw[:, at : at + 4] = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little")
+        raw[:, at + 4 :] = (q[:, :16] & np.uint8(15)) | (q[:, 16:] << np.uint8(4))
     elif qtype in (Q4_K, Q5_K):
         d, dmin = _q4_k_scales(15, 63) if qtype == Q4_K else _q4_k_scales(31, 31)
         raw[:, 0:2] = _f16_bytes(d, blocks)

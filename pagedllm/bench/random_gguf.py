@@ -16,8 +16,8 @@ the same vocabulary: 30.1 B parameters instead of 30.5 B, 17.0 GiB (18.3 GB) in 
 
 Weights are random quantized blocks written directly (``random_blocks.py``: the dequantized weights'
 standard deviation ~0.02 as in Llama's initialization): the same bytes a quantizer would write, but a file
-takes seconds to minutes, not numpy quantization's hours. ``Q4_0`` and ``Q8_0`` put every 2-D weight, the
-embedding included, in the one type ("pure", like llama-quantize --pure); ``Q4_K_M`` mixes Q4_K and Q6_K as
+takes seconds to minutes, not numpy quantization's hours. ``Q4_0``, ``Q8_0``, ``Q5_0`` and ``Q5_1`` put every
+2-D weight, the embedding included, in the one type ("pure", like llama-quantize --pure); ``Q4_K_M`` mixes Q4_K and Q6_K as
 llama.cpp's llama-quantize does (``random_blocks.q4_k_m_type``), ``Q3_K_M`` Q3_K with Q4_K, Q5_K and Q6_K
 (``random_blocks.q3_k_m_type``). Norms are float32 ones, a mixture-of-experts
 router float32 random. The file is written one tensor at a time (headers first, then each tensor made,
@@ -37,7 +37,7 @@ import numpy as np
 
 from pagedllm.bench.random_blocks import BLOCK, WEIGHT_STD, q3_k_m_type, q4_k_m_type, random_blocks
 
-QTYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q3_K_M")
+QTYPES = ("Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q3_K_M")
 MIXES = {"Q4_K_M": q4_k_m_type, "Q3_K_M": q3_k_m_type}
 """llama.cpp's mixes: the type each tensor gets, by name."""
 
@@ -183,7 +183,7 @@ def _copy_tokenizer(writer, source: Path) -> int:
 def write_random_gguf(path: str | Path, shape: str | Shape = "llama-3.2-1b", qtype: str = "Q4_0",
                       tokenizer_gguf: str | Path | None = None, seed: int = 0) -> Path:
     """Write a random-weight GGUF of ``shape`` (llama, or qwen3moe where it has experts) in ``qtype`` (Q4_0,
-    Q8_0 or the Q4_K_M or Q3_K_M mix) with the tokenizer of ``tokenizer_gguf`` (default: the embedded model's), one
+    Q8_0, Q5_0, Q5_1 or the Q4_K_M or Q3_K_M mix) with the tokenizer of ``tokenizer_gguf`` (default: the embedded model's), one
     tensor at a time. Returns the path."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
@@ -198,6 +198,7 @@ def write_random_gguf(path: str | Path, shape: str | Shape = "llama-3.2-1b", qty
     writer = GGUFWriter(None, s.arch)
     writer.add_name(f"random {shape if isinstance(shape, str) else 'custom'} {qtype}")
     writer.add_file_type({"Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+                          "Q5_0": LlamaFileType.MOSTLY_Q5_0, "Q5_1": LlamaFileType.MOSTLY_Q5_1,
                           "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M, "Q3_K_M": LlamaFileType.MOSTLY_Q3_K_M}[qtype])
     writer.add_quantization_version(2)
     vocab = _copy_tokenizer(writer, Path(tokenizer_gguf) if tokenizer_gguf else default_gguf_path())

@@ -59,8 +59,8 @@ class EngineArgs:
                               "AMX-BF16. bf16-matmul (runner pooling, CPU): float32, but the layers' linears "
                               "multiply bf16-rounded inputs and weights into float32 sums on AMX tiles.",
                       choices=DTYPES)
-    gguf_dequantize: bool = flag(False, "Dequantize a GGUF's quantized weights (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, "
-                                        "Q5_K, Q6_K) to float32 at load instead of running them quantized through the compiled CPU "
+    gguf_dequantize: bool = flag(False, "Dequantize a GGUF's quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                        "IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K) to float32 at load instead of running them quantized through the compiled CPU "
                                         "kernels.")
     quantization: str = flag("auto", "How an unquantized checkpoint's weights are kept on the CPU: auto (a bf16 "
                                      "checkpoint stays bf16 where the compiled kernel runs, widened in registers "
@@ -69,8 +69,8 @@ class EngineArgs:
                                      "per-channel scales), bf16 (float32 weights rounded to bf16) or float32.",
                              choices=("auto", "int8", "bf16", "float32"))
     quant_activations: str = flag("auto", "Activations of the linears with quantized weights. auto: int8 "
-                                          "for a GGUF's quantized weights (Q8_0 / Q4_0 / Q4_1 / Q3_K / Q4_K / Q5_K "
-                                          "/ Q6_K) on the CPU in "
+                                          "for a GGUF's quantized weights (Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL "
+                                          "/ Q3_K / Q4_K / Q5_K / Q6_K) on the CPU in "
                                           "float32, where the int8 kernel runs (AVX2 at least; else float32, "
                                           "logged); float checkpoints, also --quantization int8 ones, and the "
                                           "embedded default model keep float32. int8: each linear's input quantized per 32-wide block of a "

@@ -118,9 +118,9 @@ class KVCacheManager:
                 if self.sliding_window is None:
                     break
                 run_start = i + 1  # a window past this block may still hit
-            elif run_start <= self._num_dead_blocks((i + 1) * self.block_size):
+            elif run_start <= self.num_dead_blocks((i + 1) * self.block_size):
                 num_hits = i + 1  # every block the next query's window reads is cached
-        num_dead = self._num_dead_blocks(num_hits * self.block_size)
+        num_dead = self.num_dead_blocks(num_hits * self.block_size)
         hits = [self.null_block] * num_dead + found[num_dead:num_hits]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hits * self.block_size
@@ -308,7 +308,7 @@ class KVCacheManager:
 
     # --- sliding window -------------------------------------------------------------------
 
-    def _num_dead_blocks(self, num_computed: int) -> int:
+    def num_dead_blocks(self, num_computed: int) -> int:
         """Leading blocks no query from position `num_computed` on reads: all their positions are below
         num_computed - W + 1 (0 without a window)."""
         if self.sliding_window is None:
@@ -320,7 +320,7 @@ class KVCacheManager:
         is told through the replaced entries, as for copy-on-write). Oldest first: evicted first."""
         req_id = request.req_id
         first = self._num_null.get(req_id, 0)
-        num_dead = min(self._num_dead_blocks(num_computed), len(blocks))
+        num_dead = min(self.num_dead_blocks(num_computed), len(blocks))
         if num_dead <= first:
             return
         dead = blocks[first:num_dead]

@@ -10,8 +10,14 @@ a store written by another model or configuration is never opened.
       <fingerprint>/               0700, one per model + configuration
         fingerprint.json           what the fingerprint covers, for a person reading the folder
         ab/abcdef....kv            0600, one block: header | token ids | payload
+        ab/abcdef....r1.kv         with N tensor-parallel ranks: one file per rank's shard (its KV heads)
 
     header: magic "PKV1" | payload bytes (u64) | tokens (u32) | sha256(token ids | payload) (32 bytes)
+    (a shard's checksum also covers its rank and N: a shard never passes for another rank's)
+
+With N ranks a block is on disk only while all N shards are: the index holds whole blocks, a read
+returns every shard or nothing (one missing or failing shard drops them all, and all N ranks
+compute the block), and the payload is the shards joined in rank order.
 
 A file is written to a temporary name and renamed (a reader never sees half a block); a read checks
 the length, the checksum and the token ids before a byte reaches the cache, and a file that fails is
@@ -75,11 +81,16 @@ def fingerprint(facts: dict) -> str:
 class KVDiskStore:
     """Block files under ``root/<fingerprint>``, at most ``max_bytes`` of them (least recently used go first)."""
 
-    def __init__(self, root: str | Path, facts: dict, max_bytes: int, payload_bytes: int) -> None:
+    def __init__(self, root: str | Path, facts: dict, max_bytes: int, payload_bytes: int, num_shards: int = 1) -> None:
         if max_bytes <= 0:
             raise ValueError(f"kv_disk_cache_size must be > 0 bytes, got {max_bytes}")
+        if num_shards < 1 or payload_bytes % num_shards:
+            raise ValueError(f"a KV block of {payload_bytes} bytes does not split into {num_shards} equal shards")
         self.max_bytes = max_bytes
         self.payload_bytes = payload_bytes
+        """One whole block: every rank's shard, joined in rank order."""
+        self.num_shards = num_shards
+        """Tensor-parallel ranks: each rank's shard of a block is a file of its own."""
         self.stats = DiskTierStats()
         self.enabled = True
         self.closed = False
@@ -96,7 +107,8 @@ class KVDiskStore:
         self._done: queue.Queue = queue.Queue()
         self._num_reads_queued = 0
         """Reads asked for and not yet taken back (the scheduler's thread only)."""
-        self.dir = Path(root).expanduser() / fingerprint({**facts, "payload_bytes": payload_bytes})
+        self.dir = Path(root).expanduser() / fingerprint({**facts, "payload_bytes": payload_bytes,
+                                                          **({"num_shards": num_shards} if num_shards > 1 else {})})
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.dir, 0o700)
@@ -132,19 +144,19 @@ class KVDiskStore:
             self.stats.hit_blocks += 1
             self.stats.load_seconds += time.perf_counter() - start
             return pending[1]
-        path = self._path(block_hash)
-        payload = None
-        try:
-            data = self.read_file(path)
-            payload = self._check(data, token_ids)
-        except OSError:
-            pass
-        if payload is None:
-            self.stats.corrupt_blocks += 1
-            self.stats.miss_blocks += 1
-            self._forget(block_hash, delete=True)
-            logger.warning("KV disk tier: %s failed its check; the block is recomputed", path.name)
-            return None
+        shards = []
+        for rank, path in enumerate(self._paths(block_hash)):
+            try:
+                shards.append(self._check(self.read_file(path), token_ids, rank))
+            except OSError:
+                shards.append(None)
+            if shards[-1] is None:  # one shard short: every rank computes the block
+                self.stats.corrupt_blocks += 1
+                self.stats.miss_blocks += 1
+                self._forget(block_hash, delete=True)
+                logger.warning("KV disk tier: %s is missing or failed its check; the block is recomputed", path.name)
+                return None
+        payload = b"".join(shards)
         with self._lock:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
@@ -188,17 +200,20 @@ class KVDiskStore:
                 payload = None
             self._done.put((item[0], payload))
 
-    def _check(self, data: bytes, token_ids: tuple[int, ...]) -> bytes | None:
+    def _check(self, data: bytes, token_ids: tuple[int, ...], rank: int) -> bytes | None:
         if len(data) < _HEADER.size:
             return None
         magic, num_payload, num_tokens, digest = _HEADER.unpack_from(data)
         tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
         body = data[_HEADER.size:]
-        if (magic != MAGIC or num_payload != self.payload_bytes or num_tokens != len(token_ids)
+        if (magic != MAGIC or num_payload != self.payload_bytes // self.num_shards or num_tokens != len(token_ids)
                 or len(body) != len(tokens) + num_payload or body[: len(tokens)] != tokens
-                or hashlib.sha256(body).digest() != digest):
+                or hashlib.sha256(self._shard_tag(rank) + body).digest() != digest):
             return None
         return body[len(tokens):]
+
+    def _shard_tag(self, rank: int) -> bytes:
+        return struct.pack("<II", rank, self.num_shards) if self.num_shards > 1 else b""
 
     # --- stores (queued; written off the step) ----------------------------------------------------
 
@@ -251,52 +266,67 @@ class KVDiskStore:
     def _write(self, block_hash: BlockHash, token_ids: tuple[int, ...], payload: bytes) -> None:
         start = time.perf_counter()
         tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
-        digest = hashlib.sha256(tokens + payload).digest()
-        data = _HEADER.pack(MAGIC, len(payload), len(token_ids), digest) + tokens + payload
-        path = self._path(block_hash)
-        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
-        try:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # atomic: a reader sees the old name's absence or the whole block
-        except OSError as e:
+        size = len(payload) // self.num_shards
+        num_bytes = 0
+        for rank, path in enumerate(self._paths(block_hash)):
+            shard = payload[rank * size : (rank + 1) * size]
+            digest = hashlib.sha256(self._shard_tag(rank) + tokens + shard).digest()
+            data = _HEADER.pack(MAGIC, len(shard), len(token_ids), digest) + tokens + shard
+            tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
             try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            self.disable(f"writing {path.name} failed: {e}")
-            return
-        with self._lock:
-            self._index[block_hash] = len(data)
-            self.num_bytes += len(data)
+                path.parent.mkdir(exist_ok=True, mode=0o700)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)  # atomic: a reader sees the old name's absence or the whole shard
+            except OSError as e:
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                self.disable(f"writing {path.name} failed: {e}")
+                return
+            num_bytes += len(data)
+        with self._lock:  # indexed once every shard is there
+            self._index[block_hash] = num_bytes
+            self.num_bytes += num_bytes
         self.stats.stored_blocks += 1
         self.stats.store_seconds += time.perf_counter() - start
         self._evict_to_limit()
 
     # --- the folder ----------------------------------------------------------------------------
 
-    def _path(self, block_hash: BlockHash) -> Path:
+    def _path(self, block_hash: BlockHash, rank: int = 0) -> Path:
         name = block_hash.hex()
-        return self.dir / name[:2] / (name + SUFFIX)
+        return self.dir / name[:2] / (name + (f".r{rank}" if self.num_shards > 1 else "") + SUFFIX)
+
+    def _paths(self, block_hash: BlockHash) -> list[Path]:
+        """The block's files, one per rank's shard, in rank order."""
+        return [self._path(block_hash, rank) for rank in range(self.num_shards)]
 
     def _scan(self) -> None:
-        """Index the files a previous run left, oldest first; stray temporaries are removed."""
-        found = []
+        """Index the blocks a previous run left whole (every shard there), oldest first; stray temporaries are
+        removed."""
+        found: dict[bytes, list[tuple[int, int]]] = {}
         for path in self.dir.glob("*/*"):
             if path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)
                 continue
             stem = path.name.removesuffix(SUFFIX)
-            if not path.name.endswith(SUFFIX) or len(stem) != 64:
+            rank = stem[66:] if self.num_shards > 1 and stem[64:66] == ".r" else "0"
+            if not path.name.endswith(SUFFIX) or not rank.isdigit() or int(rank) >= self.num_shards:
                 continue
             try:
+                block_hash = bytes.fromhex(stem[:64])
+                if path != self._path(block_hash, int(rank)):
+                    continue
                 stat = path.stat()
-                found.append((stat.st_mtime_ns, bytes.fromhex(stem), stat.st_size))
             except (OSError, ValueError):
                 continue
-        for _, block_hash, size in sorted(found):
+            found.setdefault(block_hash, []).append((stat.st_mtime_ns, stat.st_size))
+        blocks = [(max(t for t, _ in shards), h, sum(s for _, s in shards))
+                  for h, shards in found.items() if len(shards) == self.num_shards]
+        for _, block_hash, size in sorted(blocks):
             self._index[block_hash] = size
             self.num_bytes += size
         self._evict_to_limit()
@@ -314,10 +344,11 @@ class KVDiskStore:
             if size is not None:
                 self.num_bytes -= size
         if delete:
-            try:
-                self._path(block_hash).unlink(missing_ok=True)
-            except OSError:
-                pass
+            for path in self._paths(block_hash):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass
 
     def disable(self, reason: str) -> None:
         if self.enabled:

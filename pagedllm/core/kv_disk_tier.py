@@ -4,9 +4,10 @@
                   block's id goes into the step's `kv_spill`, and the worker copies its K/V out before
                   anything writes to it (worker/kv_block_io.py). The bytes come back with the step's
                   output (`complete`) and are queued for the store's writer thread.
-    prefix miss   Before admitting a waiting request, the scheduler asks `start_load` to go on where
-                  memory's hits end: each further block on disk gets a fresh block, reserved now, and
-                  a read on the store's reader thread. The request leaves the waiting queue (it is
+    prefix miss   Before admitting a waiting request, the scheduler asks `start_load` for the longest
+                  hit memory and disk hold together: each of its blocks on disk gets a fresh block,
+                  reserved now, and a read on the store's reader thread (with a sliding window, only
+                  the blocks the hit's window reads). The request leaves the waiting queue (it is
                   "loading") while the other requests keep running. Each step `poll` takes the blocks
                   read (checked) since the last: each is registered in the prefix cache, and its bytes
                   go into that step's `kv_load`, written into the cache before the forward pass. Once
@@ -63,7 +64,7 @@ class DiskTier:
         self._waits: dict[str, set[BlockHash]] = {}
         """The reads each loading request waits for."""
         self._held: dict[str, list[KVBlock]] = {}
-        """Each loading (or loaded, not yet admitted) request's memory hits and loaded blocks, in prefix order."""
+        """Each loading (or loaded, not yet admitted) request's memory hits, then its loaded blocks."""
         pool.evict_listener = self._on_evict
 
     def _on_evict(self, block: KVBlock) -> None:
@@ -84,40 +85,54 @@ class DiskTier:
         return request.req_id in self._loading
 
     def start_load(self, request: Request, num_headroom: int) -> bool:
-        """Ask the reader for the blocks of the request's prompt after those memory has, as far as the disk has them
-        in a row, each into a fresh block reserved now (leaving ``num_headroom`` free); blocks another request
-        already waits for are shared, not read twice. Its memory hits are kept from eviction meanwhile. True: the request waits until `poll` hands it back. False: nothing
-        on disk (or it loaded once since its last admission): admit it with what memory has."""
+        """Ask the reader for the blocks of the request's longest prefix hit that memory and disk hold together
+        and memory alone does not, each into a fresh block reserved now (leaving ``num_headroom`` free); blocks
+        another request already waits for are shared, not read twice. The hit's memory blocks are kept from
+        eviction meanwhile. With a sliding window the hit needs only the blocks its window reads (the
+        manager's `num_dead_blocks`): those behind it are neither read nor held. True: the request waits until
+        `poll` hands it back. False: nothing to read (or it loaded once since its last admission): admit it
+        with what memory has."""
         if request.req_id in self._held or not self.store.enabled:
             return False
-        max_hit_blocks = self.manager.max_prefix_hit_blocks(request)
-        pool, bs, waits = self.pool, self.block_size, set()
-        memory_hits = []
-        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
-            if (block := pool.get_cached_block(block_hash, tuple(request.all_token_ids[i * bs:(i + 1) * bs]))):
-                memory_hits.append(block)
-            else:
-                break
+        manager, pool, bs = self.manager, self.pool, self.block_size
+        found: list[KVBlock | None] = []
+        """Each prompt block's cached block in memory, or None: on disk (or being read)."""
+        num_hits, last_missing = 0, -1
+        candidates = request.block_hashes[:manager.max_prefix_hit_blocks(request)]
+        for i, block_hash in enumerate(candidates):
+            block = pool.get_cached_block(block_hash, tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+            on_disk = block_hash in self._reads or (block_hash in self.store and block_hash not in pool.cached_blocks)
+            if block is None and not on_disk:
+                if manager.sliding_window is None:
+                    break
+                last_missing = i  # a hit past this block needs only a window that starts after it
+            elif last_missing < manager.num_dead_blocks((i + 1) * bs):
+                num_hits = i + 1
+            found.append(block)
+        first = manager.num_dead_blocks(num_hits * bs)
+        memory_hits = [block for block in found[first:num_hits] if block is not None]
         pool.touch(memory_hits)  # held first: a fresh block must never be one of its own hits
-        for i in range(len(memory_hits), max_hit_blocks):
+        waits = set()
+        for i in range(first, num_hits):
+            if found[i] is not None:
+                continue
             block_hash = request.block_hashes[i]
             if block_hash in self._reads:
                 self._reads[block_hash].waiters.add(request.req_id)
-            elif block_hash in self.store and block_hash not in pool.cached_blocks and \
-                    pool.num_free_blocks > num_headroom:
+            elif pool.num_free_blocks > num_headroom:
                 block = pool.get_new_blocks(1)[0]
                 tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
                 self._reads[block_hash] = _Read(block, tokens, {request.req_id})
                 self.store.read_async(block_hash, tokens)
             else:
-                break
+                break  # no room for more: the hit ends where the reads end
             waits.add(block_hash)
         if not waits:
             pool.free_blocks(reversed(memory_hits))
-            if len(memory_hits) < max_hit_blocks and request.block_hashes[len(memory_hits)] not in self.store:
+            if num_hits < len(candidates) and candidates[num_hits] not in self.store:
                 self.store.stats.miss_blocks += 1
             return False
-        self._held[request.req_id] = list(memory_hits)
+        self._held[request.req_id] = memory_hits
         self._waits[request.req_id] = waits
         self._loading[request.req_id] = request
         return True

@@ -20,16 +20,11 @@ def attach_disk_tier(kv_cache_manager, cache_config: CacheConfig, engine_args: E
                      kv_info: KVCacheInfo) -> DiskTier:
     """A store under ``cache_config.kv_disk_cache`` for this model and configuration, joined to the manager's pool
     (the scheduler is handed the tier: it holds requests while their blocks are read)."""
-    if engine_args.parallel_config().tensor_parallel_size > 1:
-        raise ValueError("kv_disk_cache does not support tensor_parallel_size > 1 yet (each rank holds its own "
-                         "shard of a block): turn one off")
-    if kv_info.sliding_window is not None:
-        raise ValueError("kv_disk_cache does not support sliding-window models yet (their blocks behind the window "
-                         "are released): turn it off for this model")
     if not isinstance(kv_cache_manager, KVCacheManager):
         raise ValueError("kv_disk_cache needs the paged KV cache manager")
+    num_ranks = engine_args.parallel_config().tensor_parallel_size  # each rank's shard of a block: a file
     store = KVDiskStore(cache_config.kv_disk_cache, fingerprint_facts(engine_args, model_info, kv_info),
-                        cache_config.kv_disk_cache_size, kv_info.bytes_per_block)
+                        cache_config.kv_disk_cache_size, kv_info.bytes_per_block * num_ranks, num_shards=num_ranks)
     return DiskTier(store, kv_cache_manager)
 
 
@@ -37,7 +32,7 @@ def finish_disk_tier(tier: DiskTier, executor) -> None:
     """Keep the cached prefixes still in memory on disk too, then finish the writes (idempotent)."""
     if tier.store.closed:
         return
-    read_blocks = getattr(executor, "read_kv_blocks", None)  # one rank only (see attach_disk_tier)
+    read_blocks = getattr(executor, "read_kv_blocks", None)
     if read_blocks is not None:
         try:
             tier.persist(read_blocks)
@@ -64,6 +59,7 @@ def fingerprint_facts(engine_args: EngineArgs, model_info: ModelInfo, kv_info: K
         "speculative": repr(engine_args.speculative()),
         "block_size": kv_info.block_size, "bytes_per_block": kv_info.bytes_per_block,
         "num_kv_heads": kv_info.num_kv_heads,
+        "tensor_parallel_size": engine_args.parallel_config().tensor_parallel_size,
     }
 
 

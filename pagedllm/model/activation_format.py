@@ -13,8 +13,8 @@
 The int8 kernel quantizes each row of x per 32-wide block (``csrc/quant_gemm_int8.h``). It reaches the
 decoder's linears and the mixture-of-experts experts; the embedding lookup and the LM head keep float32
 (the head's logits choose the tokens; docs/int8-activations.md has the measurements behind that).
-The K-quants (Q3_K / Q4_K / Q5_K / Q6_K) take their int8 layout when built (``takes_int8_at_load``; model/layers/kquant.py),
-the embedding and a tied LM head included, so they are held at the file's size. A weight type the kernel lacks
+The K-quants (Q3_K / Q4_K / Q5_K / Q6_K), Q5_0 / Q5_1 and IQ4_NL take their int8 layout when built
+(``takes_int8_at_load``; model/layers/kquant.py, q5.py, iq4nl.py), the embedding and a tied LM head included, so they are held at the file's size. A weight type the kernel lacks
 (bf16) keeps float32 activations: the switch is per weight (``QuantizedWeight.use_int8_activations``), so a new type plugs in
 by adding its entry to ``quantized.INT8_KERNEL_TYPE``.
 """
@@ -98,8 +98,8 @@ def apply_activation_format(model: nn.Module, requested: str, gguf_quantized: bo
                    "(no linear has a weight type of the int8 kernel: %s)", _int8_type_names())
         return "none"
     logger.info("linears take int8 activations: %d weights (%s), %d keep float32; the embedding and LM head keep "
-                "float32 activations unless their table is a K-quant (kept in its int8 layout at the file's size) "
-                "(--quant-activations none for the exact mode)", switched, " / ".join(sorted(types)), kept)
+                "float32 activations unless their table is a K-quant, Q5_0 / Q5_1 or IQ4_NL (kept in its int8 layout "
+                "at the file's size) (--quant-activations none for the exact mode)", switched, " / ".join(sorted(types)), kept)
     return "int8"
 
 

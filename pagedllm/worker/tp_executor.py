@@ -2,7 +2,9 @@
 
 It hosts the torch.distributed rendezvous store, starts the local ranks (ranks >= num_local join from
 other hosts after proving the distributed secret), sends every rank the same encoded ``SchedulerOutput``
-and returns rank 0's ``ModelRunnerOutput``, checking the other ranks sampled the same tokens.
+(but for the KV disk tier's loads: each rank gets its own shard of each block) and returns rank 0's
+``ModelRunnerOutput``, checking the other ranks sampled the same tokens (and joining the ranks' shards
+of the blocks spilled to disk).
 
 Failure: while it waits it polls the local processes and every rank's heartbeat counter in the
 store; a worker that dies, stops beating, reports an error or misses the step deadline makes the
@@ -67,6 +69,11 @@ def _stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 2.0) ->
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _shard(payload: bytes, rank: int, num_ranks: int) -> bytes:
+    size = len(payload) // num_ranks
+    return payload[rank * size : (rank + 1) * size]
 
 
 class MultiprocTPExecutor(Executor):
@@ -221,10 +228,14 @@ class MultiprocTPExecutor(Executor):
         self._step_id += 1
         step_id = self._step_id
         try:
-            self._broadcast(proto.encoder.encode(proto.ExecuteStepMsg(step_id, sched)))
+            if sched.kv_load:
+                self._send_shards(step_id, sched)
+            else:
+                self._broadcast(proto.encoder.encode(proto.ExecuteStepMsg(step_id, sched)))
             pending = set(range(self.tp_size))
             output: ModelRunnerOutput | None = None
             others: dict[int, dict[str, list[int]] | None] = {}
+            spilled: dict[int, list[bytes]] = {}
             deadline = time.monotonic() + self.timeout_s + 5.0  # the collective timeout fires first
             while pending:
                 _, msg = self._recv(deadline, f"to finish step {step_id}", pending)
@@ -234,17 +245,42 @@ class MultiprocTPExecutor(Executor):
                         output = msg.output
                     else:
                         others[msg.rank] = msg.sampled_token_ids
+                        spilled[msg.rank] = msg.kv_spilled or []
             assert output is not None
             for rank, sampled in others.items():
                 if sampled != output.sampled_token_ids:
                     raise _WorkerFailure(f"rank {rank} sampled {sampled} where rank 0 sampled "
                                          f"{output.sampled_token_ids}: the ranks' logits or seeds differ")
+            if sched.kv_spill:  # a block's bytes: every rank's shard, in rank order (core/kv_disk_store.py)
+                shards = [output.kv_spilled] + [spilled[rank] for rank in range(1, self.tp_size)]
+                if any(len(s) != len(sched.kv_spill) for s in shards):
+                    raise _WorkerFailure(f"the ranks copied out {[len(s) for s in shards]} KV blocks, "
+                                         f"asked for {len(sched.kv_spill)}")
+                output.kv_spilled = [b"".join(parts) for parts in zip(*shards)]
             return output
         except _WorkerFailure as failure:
             self._die(str(failure))
         except zmq.ZMQError as e:
             self._die(f"tensor-parallel messaging failed: {e}")
         raise AssertionError("unreachable")
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Blocks' K/V as bytes, every rank's shard joined in rank order (the disk tier keeps the cached prefixes
+        at shutdown): a step that runs nothing and copies them out."""
+        return self.execute_model(SchedulerOutput([], [], {}, 0, kv_spill=list(block_ids))).kv_spilled
+
+    def _send_shards(self, step_id: int, sched: SchedulerOutput) -> None:
+        """The step to each rank with kv_load cut to that rank's shard of each block (its KV heads)."""
+        loads = sched.kv_load
+        try:
+            for rank, ident in self._identities.items():
+                sched.kv_load = [(block_id, _shard(payload, rank, self.tp_size)) for block_id, payload in loads]
+                try:
+                    self._sock.send_multipart([ident, proto.encoder.encode(proto.ExecuteStepMsg(step_id, sched))])
+                except zmq.ZMQError as e:
+                    raise _WorkerFailure(self._explain(f"tensor-parallel rank {rank} is unreachable ({e})")) from e
+        finally:
+            sched.kv_load = loads
 
     # --- messaging and liveness ------------------------------------------------------------
 

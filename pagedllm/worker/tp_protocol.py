@@ -15,8 +15,8 @@ encoded bytes sent to every rank. Typed messages only, never pickle:
       | <------------------ InitWorkerMsg --- |   model, dtype, KV blocks, timeouts
       |   init_process_group, load shard, KV  |
       | -- ReadyMsg ------------------------> |
-      | <------------------ ExecuteStepMsg -- |   every step, to every rank
-      | -- StepDoneMsg ---------------------> |   rank 0 carries the ModelRunnerOutput
+      | <------------------ ExecuteStepMsg -- |   every step, to every rank (kv_load: each rank its shard)
+      | -- StepDoneMsg ---------------------> |   rank 0 carries the ModelRunnerOutput, each its kv_spilled
 
 The shared secret authenticates both ends before any work is exchanged: a worker must know it to
 join, and an engine must know it before a worker loads what it is told to. Each worker connects
@@ -117,6 +117,8 @@ class StepDoneMsg(msgspec.Struct, tag="done"):
     """Rank 0's full output; None from the others."""
     sampled_token_ids: dict[str, list[int]] | None = None
     """The other ranks' sampled tokens, to check that every rank sampled the same."""
+    kv_spilled: list[bytes] | None = None
+    """The other ranks' shards of SchedulerOutput.kv_spill's blocks (the disk tier keeps every rank's)."""
 
 
 class WorkerErrorMsg(msgspec.Struct, tag="error"):

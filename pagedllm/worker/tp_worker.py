@@ -196,7 +196,8 @@ def run_worker(args: argparse.Namespace) -> int:
             if rank == 0:
                 done = proto.StepDoneMsg(rank, msg.step_id, output=output)
             else:
-                done = proto.StepDoneMsg(rank, msg.step_id, sampled_token_ids=output.sampled_token_ids)
+                done = proto.StepDoneMsg(rank, msg.step_id, sampled_token_ids=output.sampled_token_ids,
+                                         kv_spilled=output.kv_spilled or None)
             sock.send(proto.encoder.encode(done))
         destroy_tensor_parallel()
     except WorkerRefusedError as e:

@@ -149,5 +149,5 @@ class UniprocExecutor(Executor):
         return self.runner.execute_model(sched)
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Blocks' K/V as bytes (the KV disk tier; one rank only)."""
+        """Blocks' K/V as bytes (the KV disk tier keeps the cached prefixes at shutdown)."""
         return [] if self.runner is None else self.runner.read_kv_blocks(block_ids)

@@ -154,3 +154,23 @@ def test_both_servers_serve_the_moe_file_one_at_a_time(tmp_path, monkeypatch):
         assert all(r["output_tok_s"] > 0 for rounds in result[phase].values() for r in rounds)
     assert result["memory"]["pagedllm"]["num_processes"] >= 2  # the API server and its engine core
     assert result["memory"]["llama.cpp"]["peak_mib_total"] > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_both_servers_serve_a_random_q5_file(qtype, tmp_path, monkeypatch):
+    """--random-qtype Q5_0 / Q5_1: the file written directly, read by llama-server and by pagedllm."""
+    from pagedllm.bench.llamacpp import llama_server_binary
+    from pagedllm.entrypoints.cli import build_parser
+
+    binary = llama_server_binary()
+    if not binary.is_file():
+        pytest.skip("llama-server not built (scripts/build_llama_server.sh)")
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    args = build_parser().parse_args(
+        ["bench", "llamacpp", "--random-shape", "tiny", "--random-qtype", qtype, "--llama-server", str(binary),
+         "--one-at-a-time", "--rounds", "1", "--output-len", "4", "--prompt-len", "16", "--concurrency", "0",
+         "--ttft-prompt-len", "0", "--no-matmul-bound", "--no-weights-held", "--threads", "1",
+         "--out", str(tmp_path / "out")])
+    result = args.run(args, {})
+    assert set(result["single"]) == {"pagedllm", "llama.cpp"}
+    assert all(r["output_tok_s"] > 0 for rounds in result["single"].values() for r in rounds)

@@ -24,7 +24,7 @@ def tiny_moe(tmp_path_factory):
                              "Q4_K_M")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_random_blocks_decode_finite_at_the_intended_scale(qtype):
     raw = random_blocks(64, 2048, qtype, np.random.default_rng(1))
     assert raw.shape == (64, 2048 // BLOCK[qtype][0] * BLOCK[qtype][1])
@@ -32,7 +32,8 @@ def test_random_blocks_decode_finite_at_the_intended_scale(qtype):
     assert w.shape == (64, 2048) and np.isfinite(w).all()
     assert abs(w.std() - WEIGHT_STD) < 0.03 * WEIGHT_STD
     assert abs(w.mean()) < 0.03 * WEIGHT_STD
-    if qtype not in ("Q4_0", "Q8_0"):  # the super-block scales (Q4_K, Q5_K: d and dmin) are normal f16 numbers
+    if qtype not in ("Q4_0", "Q8_0", "Q5_0"):  # the (super-)block scales (Q4_K, Q5_K: d and dmin; Q5_1: d, m)
+        # are normal f16 numbers
         blocks = raw.reshape(-1, BLOCK[qtype][1])
         at = {"Q6_K": slice(208, 210), "Q3_K": slice(108, 110)}.get(qtype, slice(0, 4))
         scales = np.ascontiguousarray(blocks[:, at]).view(np.float16)

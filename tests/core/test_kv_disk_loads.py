@@ -33,9 +33,9 @@ class Gate:
         return path.read_bytes()
 
 
-def _setup(tmp_path):
+def _setup(tmp_path, sliding_window: int | None = None):
     store = KVDiskStore(tmp_path, {"model": "tiny"}, 1 << 20, PAYLOAD)
-    kv = KVCacheManager(NUM_BLOCKS, block_size=4)
+    kv = KVCacheManager(NUM_BLOCKS, block_size=4, sliding_window=sliding_window)
     tier = DiskTier(store, kv)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     sched = Scheduler(config, kv, disk_tier=tier)
@@ -158,5 +158,34 @@ def test_the_memory_hits_before_the_disk_run_are_held_while_it_loads(tmp_path):
     _wait_for_reads(tier)
     out = _step(sched, tier)
     assert out.num_scheduled_tokens == {loading.req_id: 1} and kv.get_block_ids(loading.req_id)[0] == hit.block_id
+    _step(sched, tier)
+    assert kv.check_no_leaks() == []
+
+
+def test_with_a_sliding_window_only_the_blocks_the_window_reads_are_loaded_or_held(tmp_path):
+    """W = 8, blocks of 4, 33 prompt tokens: the hit at 32 needs blocks 6 and 7 only (the token at 32 reads keys
+    25..32). Block 6 is in memory, 5 and 7 on disk, 0..4 nowhere: block 7 is read, 6 held, 5 left alone."""
+    store, kv, tier, sched, gate = _setup(tmp_path, sliding_window=8)
+    request = make_request(33, max_tokens=2)
+    kv.max_prefix_hit_blocks(request)
+    tokens = [tuple(request.all_token_ids[i * 4:(i + 1) * 4]) for i in range(8)]
+    for i in (5, 7):
+        store.store(request.block_hashes[i], tokens[i], bytes([i]) * PAYLOAD)
+    store.flush()
+    (in_memory,) = kv.pool.get_new_blocks(1)
+    kv.pool.set_num_tokens(in_memory, 4)
+    kv.pool.cache_block(in_memory, request.block_hashes[6], tokens[6])
+    kv.pool.free_blocks([in_memory])
+    sched.add_request(request)
+    _step(sched, tier)
+    assert sched.loading == [request] and list(tier._reads) == [request.block_hashes[7]]
+    assert in_memory.ref_cnt == 1  # held by the load
+    gate.event.set()
+    _wait_for_reads(tier)
+    out = _step(sched, tier)
+    assert out.num_scheduled_tokens == {request.req_id: 1} and out.scheduled_new_reqs[0].num_computed_tokens == 32
+    table = kv.get_block_ids(request.req_id)
+    assert table[:6] == [kv.null_block.block_id] * 6 and table[6] == in_memory.block_id
+    assert out.kv_load == [(table[7], bytes([7]) * PAYLOAD)] and gate.num_reads == 1 and tier.hit_tokens == 4
     _step(sched, tier)
     assert kv.check_no_leaks() == []

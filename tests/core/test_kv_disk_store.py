@@ -154,3 +154,31 @@ def test_the_tier_spills_evicted_cached_blocks_and_drops_a_load_evicted_in_the_s
     pool.get_new_blocks(4)
     spill, load = tier.take_step_io()
     assert load == [] and spill == []  # neither read back over the new owner nor written again
+
+
+def test_tensor_parallel_shards_are_files_of_their_own_and_a_block_is_whole_or_missed(tmp_path):
+    store = KVDiskStore(tmp_path, FACTS, 1 << 20, 2 * PAYLOAD, num_shards=2)
+    assert store.dir != _store(tmp_path).dir  # another rank count, another folder
+    blocks = [_block(i) for i in range(3)]
+    for h, tokens, _ in blocks:
+        store.store(h, tokens, bytes(range(PAYLOAD)) + bytes(range(1, PAYLOAD + 1)))
+    store.flush()
+    (h0, t0, _), (h1, t1, _), (h2, t2, _) = blocks
+    assert store.read(h0, t0) == bytes(range(PAYLOAD)) + bytes(range(1, PAYLOAD + 1))  # rank order
+    r0, r1 = store._path(h1, 0), store._path(h1, 1)
+    assert r0.name.endswith(".r0.kv") and r1.name.endswith(".r1.kv")
+    r1.unlink()  # one rank's shard gone: the block is missed and the other shard dropped too
+    assert store.read(h1, t1) is None and not r0.exists() and h1 not in store
+    assert store.stats.corrupt_blocks == 1
+    store._path(h2, 0).rename(store._path(h2, 1).with_suffix(".swap"))  # rank 1's file named rank 0's:
+    store._path(h2, 1).rename(store._path(h2, 0))  # its checksum covers its rank, so it fails
+    store._path(h2, 1).with_suffix(".swap").rename(store._path(h2, 1))
+    assert store.read(h2, t2) is None and store.stats.corrupt_blocks == 2
+    store.store(h1, t1, bytes(2 * PAYLOAD))
+    store.flush()
+    store._path(h1, 0).unlink()
+    store.close()
+    reopened = KVDiskStore(tmp_path, FACTS, 1 << 20, 2 * PAYLOAD, num_shards=2)
+    assert h0 in reopened and h1 not in reopened  # a block with a shard missing is not indexed
+    with pytest.raises(ValueError, match="equal shards"):
+        KVDiskStore(tmp_path, FACTS, 1 << 20, 2 * PAYLOAD + 1, num_shards=2)

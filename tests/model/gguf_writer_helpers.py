@@ -101,7 +101,7 @@ def write_llama_gguf(hf_model, path, qtype: GGMLQuantizationType, arch: str = "l
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    if tied:
+    if tied and "model.embed_tokens.weight" in reference:  # (an overridden embedding has no reference here)
         reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
     return reference
 

@@ -12,8 +12,11 @@ from gguf.quants import quantize
 
 from pagedllm import envs
 from pagedllm.model.layers import quantized
-from pagedllm.model.layers.quantized import Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, QuantizedWeight, QuantTensor
+from pagedllm.model.layers.quant_layout import IQ4_NL
+from pagedllm.model.layers.quantized import (Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantizedWeight,
+                                             QuantTensor)
 from tests.model.test_quant_kernels import random_k_quant
+from tests.model.test_quant_q5_iq4nl_kernels import random_blocks
 
 
 def _has_bf16_path() -> bool:
@@ -25,7 +28,7 @@ def _has_bf16_path() -> bool:
 
 pytestmark = pytest.mark.skipif(not _has_bf16_path(), reason="the bf16 path needs the compiled library and "
                                 "AVX-512 BF16")
-QTYPES = [Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K]
+QTYPES = [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K]
 
 
 def int8_weight(qtype: int, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -33,6 +36,8 @@ def int8_weight(qtype: int, n: int, k: int, seed: int) -> tuple[QuantizedWeight,
     rng = np.random.default_rng(seed)
     if qtype in (Q3_K, Q4_K, Q5_K, Q6_K):
         raw = random_k_quant(qtype, n, k, rng)
+    elif qtype == IQ4_NL:  # (gguf has no IQ4_NL quantizer)
+        raw = random_blocks(qtype, n, k, rng)
     else:
         raw = quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
     weight = QuantizedWeight(qtype, torch.from_numpy(raw), k, int8_activations=True)
@@ -56,7 +61,7 @@ def test_unpacked_weight_is_the_float_dequantization_rounded_to_bf16(qtype):
     assert torch.equal(unpacked, dense.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q3_K, Q4_K, Q6_K])
+@pytest.mark.parametrize("qtype", [Q4_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q6_K])
 def test_many_rows_take_the_bf16_product(qtype, bf16_rows):
     weight, dense = int8_weight(qtype, 200, 512, seed=10 + qtype)
     x = torch.randn(70, 512)

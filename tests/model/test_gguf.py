@@ -114,12 +114,12 @@ def test_unsupported_tensor_type_names_supported_ones(tmp_path):
     hf = make_hf_model("llama", seed=6)
     path = tmp_path / "iq.gguf"
     rows, cols = hf.config.hidden_size, hf.config.hidden_size
-    raw = np.zeros((rows, cols // 32 * 18), dtype=np.uint8)  # IQ4_NL: 18 bytes per 32 values
+    raw = np.zeros((rows, cols // 32 * 17), dtype=np.uint8)  # MXFP4: 17 bytes per 32 values
     write_llama_gguf(
         hf, path, GGMLQuantizationType.F32,
-        override={"blk.0.attn_output.weight": (raw, GGMLQuantizationType.IQ4_NL)},
+        override={"blk.0.attn_output.weight": (raw, GGMLQuantizationType.MXFP4)},
     )
-    with pytest.raises(ModelLoadError, match=r"IQ4_NL.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+    with pytest.raises(ModelLoadError, match=r"MXFP4.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
         load_model(str(path))
 
 

@@ -11,7 +11,9 @@ gguf's numpy ones.
 
 The K-quants (256-weight super-blocks, 6-bit sub-block scales) are expanded into the kernel's QX panels: per
 16 weights a float32 scale ``d * sc`` and min ``-dmin * m`` (each product exact in float32, as gguf's numpy
-forms it) and the 4-6 bit values as int8, at 12 bits a weight. The int8-activation kernel reads the same
+forms it) and the 4-6 bit values as int8, at 12 bits a weight; so are Q5_0 / Q5_1 (scale d, min 0 or m) and
+IQ4_NL (its table's values, scale d), whose file-size layouts are the int8-activation kernel's only (``q5.py``,
+``iq4nl.py``). The int8-activation kernel reads the same
 Q8_0 / Q4_0 / Q4_1 panels with each block's quant bytes reordered (``to_int8_layout``).
 
 ``layers/quant_weight.py`` multiplies by these panels; ``layers/quantized.py`` stages a layer's shards and
@@ -27,19 +29,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-Q4_0, Q4_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 2, 3, 8, 11, 12, 13, 14, 30  # GGMLQuantizationType values
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, BF16 = 2, 3, 6, 7, 8, 11, 12, 13, 14, 20, 30  # GGUF types
 QX = 100  # the kernel's expanded layout for the K-quants (csrc/quant_gemm.h), no GGUF type
 BF16_KERNEL = 101  # bfloat16 panels (csrc/bf16_gemm.h), no GGUF type
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
-GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
-               Q6_K: (256, 210), BF16: (1, 2)}
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K",
+         Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", BF16: "BF16"}
+GGUF_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q3_K: (256, 110),
+               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18), BF16: (1, 2)}
 """(weights, bytes) of one block in the GGUF file."""
-KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q3_K: QX, Q4_K: QX, Q5_K: QX, Q6_K: QX, BF16: BF16_KERNEL}
+KERNEL_TYPE = {Q4_0: Q4_0, Q4_1: Q4_1, Q5_0: QX, Q5_1: QX, Q8_0: Q8_0, Q3_K: QX, Q4_K: QX, Q5_K: QX, Q6_K: QX,
+               IQ4_NL: QX, BF16: BF16_KERNEL}
 PACKED_BLOCK_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512, QX: 256 + 512, BF16_KERNEL: 1024}
 """Bytes of one K-block of a 16-row panel once repacked (csrc/quant_gemm.h), by kernel type."""
 BLOCK_K = 32
 PANEL_ROWS = 16
-SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K))
+SUPPORTED = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL))
 """The GGUF types the GGUF loader keeps as they are (BF16 reaches the kernel from safetensors, ``convert``)."""
 INT8_KERNEL_TYPE = {Q4_0: 112, Q4_1: 113, Q8_0: 118}
 """The int8-activation kernel's types (csrc/quant_gemm_int8.h) by kernel type: the same panels with
@@ -132,14 +136,27 @@ def _shaped(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def expand_k_quant(qtype: int, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF K-quant rows ``[n, K/256 * block bytes]`` -> ``(q int8 [n, K], scale, min float32
-    [n, K/16])`` with weight = q * scale + min, each term formed as gguf's numpy dequantize does."""
+    """GGUF K-quant (or Q5_0 / Q5_1) rows ``[n, K/256 * block bytes]`` -> ``(q int8 [n, K], scale, min
+    float32 [n, K/16])`` with weight = q * scale + min, each term formed as gguf's numpy dequantize does."""
     from gguf.quants import Q4_K as GGUF_Q4_K
 
     n = raw.shape[0]
     blocks = raw.reshape(-1, GGUF_BLOCKS[qtype][1])  # [n * K/256, bytes]
     num = blocks.shape[0]
-    if qtype in (Q4_K, Q5_K):
+    if qtype == IQ4_NL:  # d * table value, per 32 weights
+        from pagedllm.model.layers.iq4nl import expand
+
+        q, d = expand(blocks)
+        scale = np.repeat(d, 2, axis=1)
+        minv = np.zeros_like(scale)
+    elif qtype in (Q5_0, Q5_1):  # d (q - 16) or d q + m, per 32 weights
+        from pagedllm.model.layers.q5 import unpack
+
+        q5, d, m = unpack(qtype, blocks)
+        scale = np.repeat(d.copy().view(np.float16).astype(np.float32), 2, axis=1)  # [num, 2 halves]
+        minv = np.zeros_like(scale) if m is None else np.repeat(m.copy().view(np.float16).astype(np.float32), 2, axis=1)
+        q = q5.astype(np.int8) - np.int8(16 if qtype == Q5_0 else 0)
+    elif qtype in (Q4_K, Q5_K):
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
         dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
         sc, m = GGUF_Q4_K.get_scale_min(blocks[:, 4:16].copy())

@@ -3,8 +3,9 @@
 repacked weight (the embedding's, a tied LM head's).
 
 The panels are ``layers/quant_layout.py``'s; with int8 activations (``use_int8_activations``) the Q8_0 /
-Q4_0 / Q4_1 panels are reordered in place for the int8 kernel, which quantizes x per 32-block; a K-quant
-weight built with ``int8_activations`` takes its int8 layout at the file's size (``kquant.py``).
+Q4_0 / Q4_1 panels are reordered in place for the int8 kernel, which quantizes x per 32-block; a K-quant, Q5_0 / Q5_1 or
+IQ4_NL weight built with ``int8_activations`` takes its int8 layout at the file's size (``kquant.py``, ``q5.py``,
+``iq4nl.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import envs
-from pagedllm.model.layers import kquant
+from pagedllm.model.layers import iq4nl, kquant, q5
 from pagedllm.model.layers.quant_layout import (
     BF16_KERNEL,
     INT8_KERNEL_TYPE,
@@ -23,6 +24,10 @@ from pagedllm.model.layers.quant_layout import (
 )
 
 ISA_CODES = {"": 0, "best": 0, "avx2": 1, "avx512": 2}
+AT_FILE_SIZE = {t: module for module in (kquant, q5, iq4nl) for t in module.KERNEL_TYPE}
+"""The GGUF types whose int8-activation layout is built straight from the file's rows, by the module building it."""
+FILE_SIZE_KERNEL = {kt: module for module in (kquant, q5, iq4nl) for kt in module.GGUF_TYPE}
+"""The same modules by the kernel types of those layouts."""
 
 
 def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -32,8 +37,8 @@ def dequantize_rows(qtype: int, packed: torch.Tensor, ids: torch.Tensor) -> torc
     op = _rows_op()
     if op is not None and qtype != BF16_KERNEL and packed.is_cpu and ids.is_cpu and ids.dtype == torch.int64:
         return op(packed, qtype, ids)  # (the op has no bf16 form: those rows take the torch one)
-    if qtype in kquant.GGUF_TYPE:
-        return kquant.rows(qtype, packed, ids)
+    if qtype in FILE_SIZE_KERNEL:
+        return FILE_SIZE_KERNEL[qtype].rows(qtype, packed, ids)
     return dequantize_rows_torch(qtype, packed, ids)
 
 
@@ -83,9 +88,10 @@ class QuantizedWeight:
         if not kernel_available():  # loads the library, which registers the op
             raise RuntimeError("the compiled quantized kernel is unavailable here (see cpu_op.unavailable_reason())")
         self.qtype, self.kernel_type, self.n, self.k = qtype, KERNEL_TYPE[qtype], raw.shape[0], k
-        if int8_activations and qtype in kquant.KERNEL_TYPE and int8_kernel_available():
-            self.kernel_type = kquant.KERNEL_TYPE[qtype]  # at the file's size, never expanded (kquant.py)
-            self.packed = kquant.repack(qtype, raw)
+        if int8_activations and qtype in AT_FILE_SIZE and int8_kernel_available():
+            module = AT_FILE_SIZE[qtype]  # at the file's size, never expanded (kquant.py, q5.py)
+            self.kernel_type = module.KERNEL_TYPE[qtype]
+            self.packed = module.repack(qtype, raw)
         else:
             self.packed = repack(qtype, raw)
         self.isa = kernel_isa()
@@ -114,9 +120,9 @@ class QuantizedWeight:
     def use_int8_activations(self) -> bool:
         """Switch this weight to the int8-activation kernel (its panels reordered in place): every later
         ``matmul`` quantizes x per 32-block to int8. False, and nothing changed, for a type it lacks
-        (the K-quants' QX, bf16) or where the kernel does not run. A K-quant weight built with
+        (the K-quants' QX, bf16) or where the kernel does not run. A K-quant or Q5 weight built with
         ``int8_activations`` already is in its int8 layout: True."""
-        if self.kernel_type in kquant.GGUF_TYPE:  # a K-quant that took its int8 layout at construction
+        if self.kernel_type in FILE_SIZE_KERNEL:  # took its int8 layout at construction
             return True
         target = INT8_KERNEL_TYPE.get(self.kernel_type)
         if target is None or not int8_kernel_available():

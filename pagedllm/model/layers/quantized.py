@@ -1,6 +1,6 @@
 """GGUF-quantized weights kept quantized in memory (Q8_0, Q4_0, Q4_1 in their own size; Q3_K, Q4_K, Q5_K,
-Q6_K expanded to 12 bits a weight), multiplied by the compiled kernel of ``csrc/quant_gemm*.cpp``; float
-checkpoints kept as bf16 or int8 panels for the same kernel. This module is what a load does with them:
+Q6_K, Q5_0, Q5_1, IQ4_NL expanded to 12 bits a weight for float activations, at their own size for int8 ones),
+multiplied by the compiled kernel of ``csrc/quant_gemm*.cpp``; float checkpoints kept as bf16 or int8 panels for the same kernel. This module is what a load does with them:
 it stages a layer's shards and installs the repacked weight, and it decides which float weights convert.
 The bytes and panel layouts are ``quant_layout.py``'s, the weight and its product ``quant_weight.py``'s;
 their names are reachable from here too.
@@ -27,9 +27,10 @@ Where the compiled op is unavailable (not built, ``PAGEDLLM_DISABLE_CPU_OP=1``, 
 F16C), ``finalize`` dequantizes the staged rows into the float parameter instead, with a log line:
 the model then runs today's float32 path, just as ``--gguf-dequantize`` would.
 
-With int8 activations the K-quants skip the expansion: the loader marks each parameter
-(``mark_int8_activations``) before the weights load, and ``stage`` repacks a marked K-quant weight
-straight into the int8 kernel's file-size layout (``kquant.py``, csrc/quant_gemm_kq.h).
+With int8 activations the K-quants, Q5_0 / Q5_1 and IQ4_NL skip the expansion: the loader marks each parameter
+(``mark_int8_activations``) before the weights load, and ``stage`` repacks a marked weight of these types
+straight into the int8 kernel's file-size layout (``kquant.py``, csrc/quant_gemm_kq.h; ``q5.py`` and
+``iq4nl.py``, csrc/quant_gemm_int8.h).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pagedllm.model.layers.quant_layout import (  # noqa: F401 - the names calle
     BF16_KERNEL,
     BLOCK_K,
     GGUF_BLOCKS,
+    IQ4_NL,
     INT8_KERNEL_TYPE,
     KERNEL_TYPE,
     NAMES,
@@ -53,6 +55,8 @@ from pagedllm.model.layers.quant_layout import (  # noqa: F401 - the names calle
     Q4_0,
     Q4_1,
     Q4_K,
+    Q5_0,
+    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -144,7 +148,8 @@ def _joined(shards: list) -> torch.Tensor:
 
 
 def mark_int8_activations(param: nn.Parameter) -> None:
-    """Have ``stage`` build ``param``'s K-quant weight in the int8-activation layout (``kquant.py``)."""
+    """Have ``stage`` build ``param``'s K-quant or Q5 weight in the int8-activation layout (``kquant.py``,
+    ``q5.py``)."""
     param.__dict__["int8_activations"] = True
 
 
