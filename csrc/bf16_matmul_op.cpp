@@ -4,13 +4,16 @@
 // large again as the inputs', is what took a 28-layer decoder's vectors under cosine 0.9999 (docs/embeddings.md).
 // Pooling models only (pagedllm/model/layers/bf16_matmul.py): the weight is packed once, in VNNI pairs, in column
 // blocks of kBlockN; a call walks its rows kChunkM at a time (the chunk's bf16 rows stay in cache) and splits the
-// column blocks over the threads.
+// column blocks over the threads. Outputs go to buffers kept between calls (kept_output): a fresh 25 MB tensor a
+// call cost more in page faults than the products themselves (docs/embeddings.md).
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "thread_pool.h"
 
@@ -22,6 +25,40 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t kBlockN = 64;   // columns of one packed block (measured 32/64 x 32/64 rows; 64 x 32 best)
 constexpr int64_t kBlockM = 32;   // rows of one ukernel call
 constexpr int64_t kChunkM = 256;  // rows whose bf16 copy the threads share before the next chunk
+// A transformer layer holds at most four linear outputs at once (q/k/v, o, up, down); two more leave room for
+// the next layer's first outputs while the previous layer's last ones are still held.
+constexpr size_t kMaxKept = 6;
+
+std::mutex kept_mutex;
+std::vector<c10::Storage> kept;  // float32 buffers; one is free when no tensor but this list refers to it
+
+// An uninitialized float32 [m, n] tensor over a kept buffer, whose pages are already mapped. A buffer is handed
+// out only while nothing else holds its storage: a caller's previous result (the next layer's input), or any view
+// of it, keeps its buffer out of reuse until it is dropped, so no kept output is ever written under a live one.
+at::Tensor kept_output(int64_t m, int64_t n, const at::TensorOptions& options) {
+  const size_t bytes = static_cast<size_t>(m * n) * sizeof(float);
+  std::lock_guard<std::mutex> lock(kept_mutex);
+  int64_t best = -1, smallest_free = -1;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (kept[i].use_count() != 1) continue;
+    const size_t size = kept[i].nbytes();
+    if (size >= bytes && (best < 0 || size < kept[best].nbytes())) best = static_cast<int64_t>(i);
+    if (smallest_free < 0 || size < kept[smallest_free].nbytes()) smallest_free = static_cast<int64_t>(i);
+  }
+  c10::Storage storage;
+  if (best >= 0) {
+    storage = kept[best];
+  } else {
+    storage = at::empty({m * n}, options).storage();
+    if (kept.size() < kMaxKept)
+      kept.push_back(storage);
+    else if (smallest_free >= 0)
+      kept[smallest_free] = storage;  // too small for this shape: the larger one replaces it
+  }
+  at::Tensor y = at::empty({0}, options);
+  y.set_(storage, 0, {m, n}, {n, 1});
+  return y;
+}
 
 // W [n, K] float32 or bf16 -> [ceil(n / kBlockN), K * kBlockN] bf16, each block VNNI-packed (zero columns past n).
 at::Tensor bf16_matmul_pack(const at::Tensor& weight) {
@@ -49,8 +86,8 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
               packed.size(1) / kBlockN);
   TORCH_CHECK(n > (blocks - 1) * kBlockN && n <= blocks * kBlockN, "bf16_matmul_cpu: n = ", n, " does not fit ",
               blocks, " blocks");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+  if (m == 0) return at::empty({0, n}, x.options());
+  at::Tensor y = kept_output(m, n, x.options());
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();

@@ -45,6 +45,37 @@ def test_compiled_op_sums_bf16_operands_in_float32(m, k, n):
     assert (y - emulated).abs().max() <= 1e-5 * reference.abs().max()
 
 
+@needs_amx
+def test_kept_outputs_are_never_written_while_held():
+    # the op writes into buffers kept between calls: a held result (the next layer's input) or a view of it
+    # must keep its buffer out of reuse, through more calls than there are kept buffers
+    torch.manual_seed(0)
+    x, w = torch.randn(96, 64), torch.randn(128, 64)
+    matmul = Bf16Matmul(w, compiled=True)
+    first = matmul(x, None)
+    first_copy = first.clone()
+    tail_view = matmul(x, None)[1:]  # the result itself dropped, a view of it held
+    tail_copy = tail_view.clone()
+    held = [matmul(torch.randn(96, 64), None) for _ in range(10)]
+    held_copies = [y.clone() for y in held]
+    for _ in range(10):
+        matmul(torch.randn(96, 64), None)
+    assert torch.equal(first, first_copy) and torch.equal(tail_view, tail_copy)
+    assert all(torch.equal(y, c) for y, c in zip(held, held_copies))
+    assert len({y.data_ptr() for y in held} | {first.data_ptr()}) == len(held) + 1
+
+
+@needs_amx
+def test_a_dropped_output_buffer_is_reused():
+    torch.manual_seed(0)
+    x, w = torch.randn(200, 64), torch.randn(96, 64)
+    matmul = Bf16Matmul(w, compiled=True)
+    pointer = matmul(x, None).data_ptr()
+    again = matmul(x, None)  # the first result was dropped: its pages serve the next call
+    assert again.data_ptr() == pointer
+    assert torch.equal(matmul(x[:50], None), again[:50])  # a smaller product in a larger kept buffer
+
+
 def test_emulated_path_and_odd_k():
     torch.manual_seed(0)
     x, w = torch.randn(5, 33), torch.randn(20, 33)
