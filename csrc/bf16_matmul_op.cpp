@@ -3,9 +3,9 @@
 // one its CPU flash attention calls). torch's own bf16 matmul rounds its output to bf16 too; that rounding, as
 // large again as the inputs', is what took a 28-layer decoder's vectors under cosine 0.9999 (docs/embeddings.md).
 // Pooling models only (pagedllm/model/layers/bf16_matmul.py): the weight is packed once, in VNNI pairs, in column
-// blocks of kBlockN; a call walks its rows kChunkM at a time (the chunk's bf16 rows stay in cache) and splits the
-// column blocks over the threads. Outputs go to buffers kept between calls (kept_output): a fresh 25 MB tensor a
-// call cost more in page faults than the products themselves (docs/embeddings.md).
+// blocks of kBlockN; a call walks its rows kChunkM at a time (the chunk's rows rounded to bf16 into a buffer that
+// stays in cache) and splits the column blocks over the threads. Outputs go to buffers kept between calls
+// (kept_output): a fresh 25 MB output a call cost as much in page faults as the products (docs/embeddings.md).
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
@@ -88,7 +88,9 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
               blocks, " blocks");
   if (m == 0) return at::empty({0, n}, x.options());
   at::Tensor y = kept_output(m, n, x.options());
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  // x is rounded to bf16 a chunk at a time into one chunk-sized buffer that stays in cache for the chunk's
+  // products: no [m, k] bf16 copy of x allocated and written out to memory a call
+  at::Tensor xb = at::empty({std::min(m, kChunkM), k}, x.options().dtype(at::kBFloat16));
   const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   float* c = y.data_ptr<float>();
@@ -100,6 +102,7 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
   }
   for (int64_t m0 = 0; m0 < m; m0 += kChunkM) {
     const int64_t m1 = std::min(m, m0 + kChunkM);
+    xb.narrow(0, 0, m1 - m0).copy_(x.narrow(0, m0, m1 - m0));
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       float tail[kBlockM * kBlockN];  // the last block's columns past n land here
       for (int64_t b = b0; b < b1; ++b) {
@@ -112,7 +115,8 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
           // the bias written first and the products added to it: no second pass over y
           if (bias_p != nullptr)
             for (int64_t i = 0; i < rows; ++i) std::memcpy(out + i * ldc, bias_p + col, cols * sizeof(float));
-          cpublas::brgemm(rows, kBlockN, k, k, kBlockN, ldc, bias_p != nullptr, a + r * k, w + b * k * kBlockN, out);
+          cpublas::brgemm(rows, kBlockN, k, k, kBlockN, ldc, bias_p != nullptr, a + (r - m0) * k,
+                          w + b * k * kBlockN, out);
           if (!full)
             for (int64_t i = 0; i < rows; ++i) std::memcpy(c + (r + i) * n + col, tail + i * kBlockN, cols * 4);
         }

@@ -43,6 +43,8 @@ def test_compiled_op_sums_bf16_operands_in_float32(m, k, n):
     assert (y.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
     emulated = Bf16Matmul(w, compiled=False)(x, bias)
     assert (y - emulated).abs().max() <= 1e-5 * reference.abs().max()
+    wide = torch.cat([x, torch.randn(m, 3)], dim=1)  # strided rows (a slice of a fused q/k/v output)
+    assert torch.equal(matmul(wide[:, :k], bias), y)
 
 
 @needs_amx
