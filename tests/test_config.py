@@ -66,7 +66,7 @@ def test_max_model_len_has_one_default_the_models_context_capped_at_4096():
     (dict(scheduling_policy="lifo"), "scheduling_policy must be one of fcfs, priority, got 'lifo'"),
     (dict(routing="random"), "routing must be one of least-loaded, prefix-affinity, got 'random'"),
     (dict(distributed_executor_backend="slurm"), "distributed_executor_backend must be one of mp, ray"),
-    (dict(dtype="fp8"), "dtype must be one of auto, float32, float16, bfloat16, got 'fp8'"),
+    (dict(dtype="fp8"), "dtype must be one of auto, float32, float16, bfloat16, bf16-matmul, got 'fp8'"),
     (dict(attention_backend="flash"), "attention_backend must be one of auto, torch, cpu, triton"),
     (dict(block_size=0), "block_size must be >= 1, got 0"),
     (dict(kv_cache_memory="0GiB"), "kv_cache_memory must be > 0 bytes"),

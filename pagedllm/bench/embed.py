@@ -1,7 +1,7 @@
 """`pagedllm bench embed`: embeddings/s and rerank pairs/s beside sentence-transformers on the same weights.
 
     pagedllm bench embed --shapes minilm,qwen3-0.6b --num-texts 256 --rounds 3
-    pagedllm bench embed --shapes minilm --dtype bfloat16       (pagedllm on AMX tiles; sentence-transformers float32)
+    pagedllm bench embed --shapes minilm --dtype float32,bf16-matmul,bfloat16   (each beside sentence-transformers, one run)
     pagedllm bench embed --shapes bert-tiny --rerank-shape bert-tiny --num-texts 8 --rounds 1   (a smoke run)
 
 For each shape, a random-weight sentence-transformers model is saved in a temporary directory
@@ -44,9 +44,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-len", type=int, default=256, help="longest text, in tokens")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each system, alternating")
     p.add_argument("--threads", type=int, default=None, help="torch threads of both systems (default: torch's)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="pagedllm's --dtype (sentence-transformers stays float32): bfloat16 multiplies on AMX "
-                        "tiles where the CPU has them (docs/embeddings.md, Speed; elsewhere ~100x slower)")
+    p.add_argument("--dtype", default="auto",
+                   help="pagedllm's --dtype, or several comma-separated, each an engine timed in the same alternating "
+                        "rounds (sentence-transformers stays float32): auto, float32, bf16-matmul, bfloat16. "
+                        "bf16-matmul and bfloat16 multiply on AMX tiles where the CPU has them (docs/embeddings.md, "
+                        "Speed; elsewhere bfloat16 is ~100x slower)")
     p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch size (its default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm's step budget (default: its own)")
     p.add_argument("--kv-cache-memory", default="1GiB",
@@ -94,14 +96,29 @@ def _compare(ours, reference) -> dict:
     return result
 
 
-def _engine(model: Path, args, threads: int, is_decoder: bool):
+DTYPES = ("auto", "float32", "bf16-matmul", "bfloat16")
+
+
+def _dtypes(args) -> list[str]:
+    dtypes = [d for d in args.dtype.split(",") if d]
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if not dtypes or unknown or len(set(dtypes)) != len(dtypes):
+        raise SystemExit(f"--dtype: distinct values among {', '.join(DTYPES)}, got {args.dtype!r}")
+    return dtypes
+
+
+def _system_name(dtype: str, args) -> str:
+    return "pagedllm" if len(_dtypes(args)) == 1 else f"pagedllm {dtype}"
+
+
+def _engine(model: Path, args, threads: int, is_decoder: bool, dtype: str):
     from pagedllm import LLM
 
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     if is_decoder:  # an encoder keeps no K/V
         # no prefix cache: every round embeds the same texts, which would be cache hits but the last token
         extra.update(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
-    return LLM(str(model), runner="pooling", num_threads=threads, dtype=args.dtype, **extra)
+    return LLM(str(model), runner="pooling", num_threads=threads, dtype=dtype, **extra)
 
 
 def bench_embedder(shape_name: str, root: Path, args, threads: int) -> dict:
@@ -117,18 +134,18 @@ def bench_embedder(shape_name: str, root: Path, args, threads: int) -> dict:
         num_texts = args.decoder_num_texts
     lengths = mixed_lengths(num_texts, args.min_len, args.max_len, args.seed)
     texts = texts_of_lengths(SHAPES[shape_name], lengths, args.seed)
-    llm = _engine(path, args, threads, SHAPES[shape_name].kind != "bert")
+    llms = {_system_name(d, args): _engine(path, args, threads, SHAPES[shape_name].kind != "bert", d)
+            for d in _dtypes(args)}
     st = SentenceTransformer(str(path), device="cpu")
-    systems = {
-        "pagedllm": llm.embed,
-        "sentence-transformers": lambda batch: st.encode(batch, batch_size=args.st_batch_size, convert_to_numpy=True),
-    }
+    systems = {name: llm.embed for name, llm in llms.items()}
+    systems["sentence-transformers"] = lambda batch: st.encode(batch, batch_size=args.st_batch_size,
+                                                               convert_to_numpy=True)
     seconds, vectors = _alternate(systems, texts, args.rounds, threads)
-    num_tokens = sum(len(ids) for ids in llm.get_tokenizer()(texts)["input_ids"])
+    num_tokens = sum(len(ids) for ids in next(iter(llms.values())).get_tokenizer()(texts)["input_ids"])
     result = {"shape": shape_name, "num_texts": len(texts), "num_tokens": num_tokens, "build_s": build_s,
               "systems": {name: _rates(s, len(texts)) for name, s in seconds.items()},
-              "agreement": _compare(vectors["pagedllm"], vectors["sentence-transformers"])}
-    del llm, st
+              "agreement": {name: _compare(vectors[name], vectors["sentence-transformers"]) for name in llms}}
+    del llms, systems, st
     gc.collect()
     return result
 
@@ -144,25 +161,27 @@ def bench_rerank(shape_name: str, root: Path, args, threads: int) -> dict:
     queries = texts_of_lengths(shape, mixed_lengths(args.num_texts, 8, 32, args.seed + 1), args.seed + 1)
     documents = texts_of_lengths(shape, mixed_lengths(args.num_texts, args.min_len, args.max_len, args.seed),
                                  args.seed)
-    llm = _engine(path, args, threads, is_decoder=False)
+    llms = {_system_name(d, args): _engine(path, args, threads, False, d) for d in _dtypes(args)}
     ce = CrossEncoder(str(path), device="cpu")
-    systems = {
-        "pagedllm": lambda pairs: llm.score([q for q, _ in pairs], [d for _, d in pairs]),
-        "sentence-transformers": lambda pairs: ce.predict(pairs, batch_size=args.st_batch_size, convert_to_numpy=True),
-    }
+    systems = {name: (lambda pairs, llm=llm: llm.score([q for q, _ in pairs], [d for _, d in pairs]))
+               for name, llm in llms.items()}
+    systems["sentence-transformers"] = lambda pairs: ce.predict(pairs, batch_size=args.st_batch_size,
+                                                                convert_to_numpy=True)
     seconds, scores = _alternate(systems, list(zip(queries, documents)), args.rounds, threads)
     result = {"shape": shape_name, "num_pairs": len(documents),
               "systems": {name: _rates(s, len(documents)) for name, s in seconds.items()},
-              "agreement": _compare(scores["pagedllm"], scores["sentence-transformers"])}
-    del llm, ce
+              "agreement": {name: _compare(scores[name], scores["sentence-transformers"]) for name in llms}}
+    del llms, systems, ce
     gc.collect()
     return result
 
 
 def _with_ratios(result: dict) -> dict:
-    ours, theirs = result["systems"]["pagedllm"], result["systems"]["sentence-transformers"]
-    result["ratio_best"] = ours["best_per_s"] / theirs["best_per_s"]
-    result["ratio_median"] = ours["median_per_s"] / theirs["median_per_s"]
+    """Each pagedllm engine's rates over sentence-transformers' (`ratio_best` / `ratio_median`: by engine name)."""
+    theirs = result["systems"]["sentence-transformers"]
+    ours = {name: rates for name, rates in result["systems"].items() if name != "sentence-transformers"}
+    result["ratio_best"] = {name: r["best_per_s"] / theirs["best_per_s"] for name, r in ours.items()}
+    result["ratio_median"] = {name: r["median_per_s"] / theirs["median_per_s"] for name, r in ours.items()}
     return result
 
 
@@ -178,6 +197,7 @@ def bench_embed(args, engine_args: dict) -> dict:
     if not 1 <= args.min_len <= args.max_len <= 480:
         raise SystemExit(f"need 1 <= --min-len <= --max-len <= 480 (texts and pairs within 512 tokens), "
                          f"got {args.min_len}..{args.max_len}")
+    _dtypes(args)  # refused before any model is built
     threads = args.threads or torch.get_num_threads()
     result: dict = {"threads": threads, "dtype": args.dtype, "lengths": [args.min_len, args.max_len],
                     "rounds": args.rounds, "st_batch_size": args.st_batch_size, "weights": "random",
@@ -196,12 +216,17 @@ def bench_embed(args, engine_args: dict) -> dict:
 def format_rows(rows: list[dict], unit: str) -> str:
     table = []
     for r in rows:
-        ours, theirs = r["systems"]["pagedllm"], r["systems"]["sentence-transformers"]
-        table.append([r["shape"], r.get("num_texts", r.get("num_pairs")), ours["best_per_s"], ours["median_per_s"],
-                      theirs["best_per_s"], theirs["median_per_s"], f"{r['ratio_best']:.2f}x",
-                      f"{r['ratio_median']:.2f}x", f"{r['agreement']['max_abs_diff']:.1e}"])
-    return format_table(["shape", unit, f"pagedllm {unit}/s best", "median", f"sentence-transformers {unit}/s best",
-                         "median", "ratio best", "ratio median", "max abs diff"], table, floatfmt="{:.1f}")
+        theirs = r["systems"]["sentence-transformers"]
+        for name, agreement in r["agreement"].items():
+            ours = r["systems"][name]
+            cosine = agreement.get("min_cosine")
+            table.append([r["shape"], name, r.get("num_texts", r.get("num_pairs")), ours["best_per_s"],
+                          ours["median_per_s"], theirs["best_per_s"], theirs["median_per_s"],
+                          f"{r['ratio_best'][name]:.2f}x", f"{r['ratio_median'][name]:.2f}x",
+                          "-" if cosine is None else f"{cosine:.7f}", f"{agreement['max_abs_diff']:.1e}"])
+    return format_table(["shape", "engine", unit, f"{unit}/s best", "median", f"sentence-transformers {unit}/s best",
+                         "median", "ratio best", "ratio median", "min cosine", "max abs diff"], table,
+                        floatfmt="{:.1f}")
 
 
 def format_result(r: dict) -> str:

@@ -28,7 +28,7 @@ from pagedllm.config.runtime import (
     parse_speculative_config,
 )
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "bf16-matmul")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 RUNNERS = ("generate", "pooling", "both")
@@ -55,7 +55,10 @@ class EngineArgs:
     model: str | None = flag(None, "A Hugging Face model directory or a .gguf file (default: the embedded "
                                    "SmolLM2-135M-Instruct).")
     dtype: str = flag("auto", "Weight and activation dtype; auto = float32 on the CPU (bf16 matmuls are far "
-                              "slower there), bfloat16 on CUDA.", choices=DTYPES)
+                              "slower there), bfloat16 on CUDA, and bf16-matmul for runner pooling on a CPU with "
+                              "AMX-BF16. bf16-matmul (runner pooling, CPU): float32, but the layers' linears "
+                              "multiply bf16-rounded inputs and weights into float32 sums on AMX tiles.",
+                      choices=DTYPES)
     gguf_dequantize: bool = flag(False, "Dequantize a GGUF's quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                         "IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K) to float32 at load instead of running them quantized through the compiled CPU "
                                         "kernels.")
@@ -180,6 +183,9 @@ class EngineArgs:
         if self.quant_activations == "int8" and (self.device.startswith("cuda") or self.dtype not in ("auto", "float32")):
             raise ValueError("quant_activations 'int8' applies to float32 CPU models (auto falls back to float32 "
                              "activations elsewhere)")
+        if self.dtype == "bf16-matmul" and (self.runner != "pooling" or self.device.startswith("cuda")):
+            raise ValueError(f"dtype 'bf16-matmul' applies to runner 'pooling' on the CPU, got runner {self.runner!r} "
+                             f"on device {self.device!r}")
         if self.runner != "generate":
             unsupported = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
                            "speculative_config": self.speculative_config is not None, "enable_lora": self.enable_lora}

@@ -36,6 +36,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto' -> bfloat16 on CUDA, float32 on the CPU (bf16 matmuls are far slower there)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bf16-matmul":  # float32 tensors; the linears' operands rounded (model/layers/bf16_matmul.py)
+        return torch.float32
     if name == "bfloat16" and device.type == "cpu":
         from pagedllm.model.layers.greedy_head import cpu_has_fast_bf16
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedllm.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model import batch_invariant
 from pagedllm.errors import ModelLoadError
+from pagedllm.model.layers import bf16_matmul
 from pagedllm.model.layers.rotary import limit_rotary_positions
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_proposer import DraftProposer, load_draft_model
@@ -20,6 +23,8 @@ from pagedllm.worker.kv_cache_sizing import (
     with_default_kv_memory,
 )
 from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def make_lora_manager(model, config):
@@ -68,6 +73,12 @@ class UniprocExecutor(Executor):
                                      quantization=model_config.quantization,
                                      quant_activations=model_config.quant_activations)
         self.model_info = ModelInfo.from_loaded(self.loaded)
+        use_bf16_matmul, why = bf16_matmul.choose(model_config.dtype, model_config.runner, device,
+                                                      scores=hasattr(self.loaded.model, "classify"))
+        if use_bf16_matmul:
+            bf16_matmul.apply(self.loaded.model)
+        if why:
+            logger.info(why)
         self.pooling = make_pooling_runner(self.loaded, model_config, device)
         """The pooling head (runner 'pooling'), built before the KV cache is sized; None when generating."""
         self.lora = make_lora_manager(self.loaded.model, lora_config)

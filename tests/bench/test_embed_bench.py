@@ -16,7 +16,8 @@ from pagedllm.entrypoints.cli import main
 def test_embed_bench_smoke(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--log-level", "WARNING", "bench", "embed", "--out", str(out), "--shapes", "bert-tiny,qwen3-tiny",
-            "--rerank-shape", "bert-tiny", "--num-texts", "6", "--decoder-num-texts", "4", "--max-len", "64", "--rounds", "2", "--threads", "1"]
+            "--rerank-shape", "bert-tiny", "--num-texts", "6", "--decoder-num-texts", "4", "--max-len", "64", "--rounds", "2", "--threads", "1",
+            "--dtype", "float32"]
     assert main(argv) == 0
     result = json.loads((out / "embed.json").read_text())
     assert result["threads"] == 1 and result["weights"] == "random"
@@ -27,16 +28,16 @@ def test_embed_bench_smoke(tmp_path, capsys):
     for entry in [*result["embed"], result["rerank"]]:
         ours, theirs = entry["systems"]["pagedllm"], entry["systems"]["sentence-transformers"]
         assert len(ours["seconds"]) == len(theirs["seconds"]) == 2
-        assert entry["ratio_best"] == pytest.approx(ours["best_per_s"] / theirs["best_per_s"])
-        assert entry["ratio_median"] == pytest.approx(ours["median_per_s"] / theirs["median_per_s"])
-        assert entry["agreement"]["max_abs_diff"] < 1e-4, entry
+        assert entry["ratio_best"]["pagedllm"] == pytest.approx(ours["best_per_s"] / theirs["best_per_s"])
+        assert entry["ratio_median"]["pagedllm"] == pytest.approx(ours["median_per_s"] / theirs["median_per_s"])
+        assert entry["agreement"]["pagedllm"]["max_abs_diff"] < 1e-4, entry
     for entry in result["embed"]:
         assert (entry["num_texts"], entry["num_tokens"]) == expected[entry["shape"]]
-        assert entry["agreement"]["min_cosine"] > 0.9999
+        assert entry["agreement"]["pagedllm"]["min_cosine"] > 0.9999
     assert result["rerank"]["num_pairs"] == 6
     assert result["mixed_load"] == MIXED_LOAD
     printed = capsys.readouterr().out
-    assert "| bert-tiny | 6 |" in printed and "| qwen3-tiny | 4 |" in printed and "ratio best" in printed
+    assert "| bert-tiny | pagedllm | 6 |" in printed and "| qwen3-tiny | pagedllm | 4 |" in printed and "ratio best" in printed
     assert "reranking (LLM.score vs CrossEncoder.predict)" in printed
 
 
@@ -45,18 +46,31 @@ def test_embed_bench_refuses_unknown_shape(tmp_path):
         main(["bench", "embed", "--out", str(tmp_path), "--shapes", "bert-huge"])
 
 
-def test_embed_bench_bfloat16_dtype_is_recorded_and_close(tmp_path, capsys):
-    """--dtype bfloat16 reaches pagedllm's engine (sentence-transformers stays float32): the vectors differ by
-    bfloat16 rounding, not more, and the result and table say which dtype ran."""
+def test_embed_bench_dtypes_side_by_side_are_recorded_and_close(tmp_path, capsys):
+    """--dtype float32,bf16-matmul,bfloat16: one engine each, timed in the same rounds beside sentence-transformers
+    (float32); float32 is exact, the others differ by their bf16 rounding, not more, and the table names each."""
     out = tmp_path / "out"
     argv = ["--log-level", "WARNING", "bench", "embed", "--out", str(out), "--shapes", "bert-tiny", "--rerank-shape",
-            "none", "--num-texts", "6", "--max-len", "64", "--rounds", "1", "--threads", "1", "--dtype", "bfloat16"]
+            "bert-tiny", "--num-texts", "6", "--max-len", "64", "--rounds", "1", "--threads", "1",
+            "--dtype", "float32,bf16-matmul,bfloat16"]
     assert main(argv) == 0
     result = json.loads((out / "embed.json").read_text())
-    assert result["dtype"] == "bfloat16"
-    agreement = result["embed"][0]["agreement"]
-    assert 1e-6 < agreement["max_abs_diff"] < 5e-2 and agreement["min_cosine"] > 0.999, agreement
-    assert "pagedllm dtype bfloat16" in capsys.readouterr().out
+    assert result["dtype"] == "float32,bf16-matmul,bfloat16"
+    for entry in (result["embed"][0], result["rerank"]):
+        agreement = entry["agreement"]
+        assert set(entry["ratio_best"]) == set(agreement) == {"pagedllm float32", "pagedllm bf16-matmul",
+                                                               "pagedllm bfloat16"}
+        assert agreement["pagedllm float32"]["max_abs_diff"] < 1e-4, agreement
+        assert 1e-7 < agreement["pagedllm bf16-matmul"]["max_abs_diff"] < 2e-3, agreement
+        assert 1e-6 < agreement["pagedllm bfloat16"]["max_abs_diff"] < 5e-2, agreement
+    assert result["embed"][0]["agreement"]["pagedllm bf16-matmul"]["min_cosine"] > 0.9999
+    printed = capsys.readouterr().out
+    assert "| bert-tiny | pagedllm bf16-matmul | 6 |" in printed and "pagedllm dtype float32,bf16-matmul" in printed
+
+
+def test_embed_bench_refuses_unknown_dtype(tmp_path):
+    with pytest.raises(SystemExit, match="--dtype: distinct values"):
+        main(["bench", "embed", "--out", str(tmp_path), "--dtype", "float32,int4"])
 
 
 def test_embed_mixed_bench_smoke(tmp_path, capsys):

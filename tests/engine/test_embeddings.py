@@ -18,7 +18,7 @@ from tests.engine.st_models import (append_eos_in_post_processor, assert_vectors
 
 TEXTS = ["hello world", "a", "Paged attention keeps the KV cache in fixed-size blocks. " * 8,
          "What is the capital of France?", "x y z " * 5]
-ENGINE = dict(runner="pooling", max_num_batched_tokens=32, kv_cache_memory="16MiB")
+ENGINE = dict(runner="pooling", dtype="float32", max_num_batched_tokens=32, kv_cache_memory="16MiB")
 
 CASES = {  # every pooling mode once: kind, pooling mode(s), Dense (out, activation), Normalize, legacy config form
     "qwen3-lasttoken-dense-normalize": ("qwen3", "lasttoken", (32, "tanh"), True, False),

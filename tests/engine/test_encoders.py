@@ -10,7 +10,7 @@ from pagedllm.errors import ModelLoadError
 from tests.engine.st_models import assert_vectors_equal, build_encoder_dir, save_st_model, st_encode
 
 TEXTS = ["hello world", "a", "the quick brown fox jumps over the lazy dog " * 4, "what is the capital of france?"]
-ENGINE = dict(runner="pooling", max_num_batched_tokens=32)
+ENGINE = dict(runner="pooling", dtype="float32", max_num_batched_tokens=32)
 
 CASES = {  # kind, pooling mode, Dense, Normalize
     "bert-cls-normalize": ("bert", "cls", None, True),
@@ -51,7 +51,7 @@ def test_many_mixed_lengths_in_one_step_attend_within_their_own_sequence(tmp_pat
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 80))) for _ in range(40)]
     rng.shuffle(texts)
     path = save_st_model(build_encoder_dir(tmp_path / "hf", "bert"), tmp_path / "st", "mean", None, True)
-    llm = LLM(str(path), runner="pooling", max_num_batched_tokens=8192)
+    llm = LLM(str(path), runner="pooling", dtype="float32", max_num_batched_tokens=8192)
     lengths = sorted(len(llm.get_tokenizer().encode(t)) for t in texts)
     assert len(texts) > 2 * AttentionGroups.GROUP_SIZE and lengths[0] != lengths[-1]
     assert_vectors_equal(llm.embed(texts), st_encode(path, texts), "40 mixed lengths")

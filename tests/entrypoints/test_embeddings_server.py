@@ -32,8 +32,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = RemoteServer(model_dir, ["--runner", "pooling", "--served-model-name", "emb", "--num-kv-blocks", "64",
-                                   "--max-num-batched-tokens", "32"],
+    srv = RemoteServer(model_dir, ["--runner", "pooling", "--dtype", "float32", "--served-model-name", "emb",
+                                   "--num-kv-blocks", "64", "--max-num-batched-tokens", "32"],
                        tmp_path_factory.mktemp("logs") / "server.log")
     yield srv
     srv.stop()
@@ -120,9 +120,28 @@ def test_bad_embedding_input_is_400_naming_the_field(server, body, needle):
 
 def test_cli_embed_prints_json(model_dir):
     result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "embed",
-                             *TEXTS[:2], "--model", str(model_dir), "--num-kv-blocks", "64"],
+                             *TEXTS[:2], "--model", str(model_dir), "--dtype", "float32", "--num-kv-blocks", "64"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
     assert [d["text"] for d in output["data"]] == TEXTS[:2]
     assert_vectors_equal([d["embedding"] for d in output["data"]], st_encode(model_dir, TEXTS[:2]), "CLI")
+
+
+def test_bf16_matmul_server_base64_equals_float(model_dir, tmp_path):
+    """--dtype bf16-matmul over HTTP: the base64 answer decodes to the float answer exactly, both within cosine
+    0.9999 of sentence-transformers."""
+    srv = RemoteServer(model_dir, ["--runner", "pooling", "--dtype", "bf16-matmul", "--served-model-name", "emb",
+                                   "--num-kv-blocks", "64"], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        as_float = client.embeddings.create(model="emb", input=TEXTS, encoding_format="float")
+        as_base64 = client.embeddings.create(model="emb", input=TEXTS, encoding_format="base64")
+        floats = np.asarray([d.embedding for d in as_float.data], dtype=np.float32)
+        decoded = np.asarray([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in as_base64.data])
+        assert np.array_equal(floats, decoded)
+        reference = np.asarray(st_encode(model_dir, TEXTS), dtype=np.float64)
+        cosine = (floats * reference).sum(1) / np.linalg.norm(floats, axis=1) / np.linalg.norm(reference, axis=1)
+        assert cosine.min() >= 0.9999
+    finally:
+        srv.stop()

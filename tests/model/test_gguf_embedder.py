@@ -30,7 +30,7 @@ def test_gguf_pooling_type_mean_cls_last(tmp_path):
     for pooling_type, mode in [(1, "mean"), (2, "cls"), (3, "lasttoken")]:
         path = tmp_path / f"emb-{mode}.gguf"
         write_converted_gguf(hf_model, path, pooling_type=pooling_type)
-        llm = LLM(model=str(path), runner="pooling", max_num_batched_tokens=16)
+        llm = LLM(model=str(path), runner="pooling", dtype="float32", max_num_batched_tokens=16)
         reference = torch.stack([hf_pooled(hf_model, p, mode) for p in prompts])
         assert_vectors_equal(llm.embed(prompts), reference.numpy(), f"GGUF pooling_type {pooling_type}")
     path = tmp_path / "rank.gguf"

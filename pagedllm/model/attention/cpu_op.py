@@ -51,7 +51,8 @@ SOURCES = ("paged_attention_op.cpp", "paged_attention_avx2.cpp", "paged_attentio
            "quant_gemm_int8_avx2.cpp", "quant_gemm_int8_avx512.cpp",
            "quant_gemm_kq_avx2.cpp", "quant_gemm_kq_avx512.cpp",
            "decoder_layer.cpp", "bf16_gemm_op.cpp", "bf16_gemm_avx2.cpp", "bf16_gemm_avx512.cpp", "step_ops.cpp",
-           "lora_sgmv_op.cpp", "lora_sgmv_avx2.cpp", "lora_sgmv_avx512.cpp", "quant_dequant_bf16.cpp")
+           "lora_sgmv_op.cpp", "lora_sgmv_avx2.cpp", "lora_sgmv_avx512.cpp", "quant_dequant_bf16.cpp",
+           "bf16_matmul_op.cpp")
 HEADERS = ("fused_ops.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_tile.h", "cpu_gemm.h", "cpu_gemm_kernel.h",
            "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "quant_gemm_int8.h",
            "quant_gemm_int8_kernel.h", "int8_simd_avx2.h", "int8_simd_avx512.h", "quant_gemm_kq.h",

@@ -224,6 +224,8 @@ def _linear_entry(linear, bias_allowed: bool) -> tuple[list[torch.Tensor], list[
         return "an o_proj or down_proj bias"
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return "a bias that is not contiguous float32"
+    if linear.bf16_matmul is not None:
+        return "a bf16-matmul weight (a pooling model's)"
     empty = torch.empty(0)
     quant = linear.quant_weight
     if isinstance(quant, QuantizedRowGroups):  # a mixed-type fused weight: each group by its own kernel

@@ -91,6 +91,7 @@ class LinearBase(nn.Module):
     quant_weight: QuantizedWeight | None = None  # a GGUF-quantized weight (layers/quantized.py), or None
     lora = None  # LoRA adapter slots (pagedllm/lora/layers.py), set when LoRA is enabled; adds the step's deltas
     batch_invariant: bool = False  # row-count-independent sums: chosen at construction (model/batch_invariant.py)
+    bf16_matmul = None  # a pooling model's bf16-operand product (layers/bf16_matmul.py), set after loading, or None
 
     def process_weights_after_loading(self) -> None:
         self.quant_weight = quantized.finalize(self.weight)
@@ -110,6 +111,8 @@ class LinearBase(nn.Module):
             return invariant_matmul(x, bias, self.quant_weight, self.gemm_weight, self._parameters["weight"].shape[0])
         if self.quant_weight is not None:
             return self.quant_weight.matmul(x, bias)
+        if self.bf16_matmul is not None:
+            return self.bf16_matmul(x, bias)
         gemm_weight = self.gemm_weight
         # packed_linear's compiled-GEMM branch inlined, the op called without its wrappers: at
         # decode the four Python frames and parameter lookups between a layer and the op cost
