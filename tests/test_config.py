@@ -61,6 +61,16 @@ def test_max_model_len_has_one_default_the_models_context_capped_at_4096():
         EngineArgs(max_model_len=1)  # refused when configured, before any model loads
 
 
+def test_step_budget_default_depends_on_device_and_runner_and_a_given_value_wins():
+    assert EngineArgs().max_num_batched_tokens is None
+    assert EngineArgs().scheduler_config(4096).max_num_batched_tokens == 512
+    assert EngineArgs().scheduler_config(4096, "cuda").max_num_batched_tokens == 2048
+    assert EngineArgs(runner="pooling").scheduler_config(4096).max_num_batched_tokens == 2048
+    assert EngineArgs(max_num_batched_tokens=4096).scheduler_config(4096).max_num_batched_tokens == 4096
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1, got 0"):
+        EngineArgs(max_num_batched_tokens=0)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(preemption_mode="lru"), "preemption_mode must be one of recompute, swap, got 'lru'"),
     (dict(scheduling_policy="lifo"), "scheduling_policy must be one of fcfs, priority, got 'lifo'"),

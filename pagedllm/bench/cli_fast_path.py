@@ -80,11 +80,12 @@ def print_efficiency(result: dict) -> None:
 def profile_engine_args(args, engine_args: dict) -> dict:
     """The engine for the profile: room for the whole batch in the KV cache and the running set."""
     from pagedllm.bench.step_profile import profile_output_len, timed_decode_steps
+    from pagedllm.config.runtime import default_step_tokens
 
     ea = dict(engine_args)
     ea["max_num_seqs"] = max(ea.get("max_num_seqs") or 1, args.batch_size)
     output_len = profile_output_len(args.batch_size, args.context_len, timed_decode_steps(args),
-                                    ea.get("max_num_batched_tokens") or 2048)
+                                    ea.get("max_num_batched_tokens") or default_step_tokens("cpu", "generate"))
     seq_len = args.context_len + output_len
     if (ea.get("max_model_len") or 0) < seq_len:
         ea["max_model_len"] = seq_len

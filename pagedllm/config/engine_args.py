@@ -104,7 +104,7 @@ class EngineArgs:
     kv_disk_cache: str | None = setting(CacheConfig, "kv_disk_cache")
     kv_disk_cache_size: int | str = setting(CacheConfig, "kv_disk_cache_size")
     max_num_seqs: int = setting(SchedulerConfig, "max_num_seqs")
-    max_num_batched_tokens: int = setting(SchedulerConfig, "max_num_batched_tokens")
+    max_num_batched_tokens: int | None = setting(SchedulerConfig, "max_num_batched_tokens")
     max_model_len: int | None = setting(SchedulerConfig, "max_model_len")
     scheduling_policy: str = setting(SchedulerConfig, "scheduling_policy")
     speculative_config: dict | None = flag(None, "Speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
@@ -210,10 +210,11 @@ class EngineArgs:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 
-    def scheduler_config(self, model_max_len: int | None = None) -> SchedulerConfig:
-        """The scheduler's config; given the model's context length, with max_model_len resolved against it."""
+    def scheduler_config(self, model_max_len: int | None = None, device_type: str = "cpu") -> SchedulerConfig:
+        """The scheduler's config; given the model's context length and where it runs, with max_model_len and
+        max_num_batched_tokens resolved (SchedulerConfig.for_model)."""
         config = self._config(SchedulerConfig)
-        return config if model_max_len is None else config.for_model(model_max_len)
+        return config if model_max_len is None else config.for_model(model_max_len, device_type, self.runner)
 
     def parallel_config(self) -> ParallelConfig:
         return self._config(ParallelConfig,

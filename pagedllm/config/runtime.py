@@ -23,6 +23,13 @@ DEFAULT_MAX_MODEL_LEN_CAP = 4096
 """max_model_len when none is given: the model's context length, capped at this."""
 
 
+def default_step_tokens(device_type: str, runner: str) -> int:
+    """max_num_batched_tokens when none is given. 512 for generation on the CPU: a long step's activations set the
+    engine's peak memory, and steps of 512 prefilled a long prompt as fast as steps of 2048 there (docs/benchmarks.md).
+    2048 on CUDA and for pooling models (an encoder's batch of short texts ran faster in longer steps)."""
+    return 512 if device_type == "cpu" and runner != "pooling" else 2048
+
+
 def parse_kv_cache_memory(value: str | int | None) -> int | None:
     """A memory size ('2GiB', a byte count), or 'auto' / None for the default rule (config/kv_budget.py)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
@@ -110,8 +117,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 128
     """Most requests running at once."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step; longer prompts are prefilled in chunks."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step; longer prompts are prefilled in chunks. Default: 512 for generation on the CPU,
+    2048 on CUDA and for pooling models."""
     max_model_len: int | None = flag(None, parse=parse_token_count)
     """Longest sequence (prompt + output) served, e.g. 8192, 32k (32000) or 32K (32768); default: the model's context
     length, capped at 4096."""
@@ -123,19 +131,23 @@ class SchedulerConfig:
         check_choices(self)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
-    def for_model(self, model_max_len: int) -> SchedulerConfig:
-        """This config with max_model_len resolved against the model's context length (what the scheduler
-        gets): the default is min(model, 4096); a longer one than the model's raises ValueError."""
-        if self.max_model_len is None:
-            return dataclasses.replace(self, max_model_len=min(model_max_len, DEFAULT_MAX_MODEL_LEN_CAP))
-        if self.max_model_len > model_max_len:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length ({model_max_len})")
-        return self
+    def for_model(self, model_max_len: int, device_type: str = "cpu", runner: str = "generate") -> SchedulerConfig:
+        """This config resolved for the loaded model (what the scheduler gets): max_model_len against the model's
+        context length (the default is min(model, 4096); a longer one than the model's raises ValueError), and
+        max_num_batched_tokens against where it runs and what it serves (default_step_tokens)."""
+        config = self
+        if config.max_num_batched_tokens is None:
+            config = dataclasses.replace(config, max_num_batched_tokens=default_step_tokens(device_type, runner))
+        if config.max_model_len is None:
+            return dataclasses.replace(config, max_model_len=min(model_max_len, DEFAULT_MAX_MODEL_LEN_CAP))
+        if config.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length ({model_max_len})")
+        return config
 
 
 @dataclass(frozen=True)

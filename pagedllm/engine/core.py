@@ -51,7 +51,7 @@ class EngineCore:
         try:
             self.model_info: ModelInfo = executor.model_info
             self.scheduler_config: SchedulerConfig = engine_args.scheduler_config(
-                self.model_info.max_position_embeddings)
+                self.model_info.max_position_embeddings, self.model_info.device_type)
             self.kv_info: KVCacheInfo = executor.initialize_kv_cache(self.cache_config, self.scheduler_config)
             factory = plugged_factory()
             if factory is None:  # the product's: frees blocks behind a window all layers share

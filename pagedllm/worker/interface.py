@@ -40,6 +40,8 @@ class ModelInfo:
     max_position_embeddings: int
     """The model's context length (4096 when the config does not say)."""
     eos_token_ids: tuple[int, ...]
+    device_type: str = "cpu"
+    """Where the weights run, 'cpu' or 'cuda' (some defaults depend on it: the step's token budget)."""
     load_tokenizer: Callable[[], object | None] = lambda: None
     """The transformers tokenizer (None when the directory has none), read at the first call: an engine core
     serving a front end in another process needs it only for structured outputs."""
@@ -54,7 +56,7 @@ class ModelInfo:
         return getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
 
     @classmethod
-    def from_loaded(cls, loaded) -> ModelInfo:
+    def from_loaded(cls, loaded, device_type: str = "cpu") -> ModelInfo:
         """From a model.loader.LoadedModel (whose weights, if any, stay with the executor)."""
         config = loaded.hf_config
         # The tokenizer's end-of-sequence id only when the config names none: reading it is what loads it.
@@ -64,7 +66,7 @@ class ModelInfo:
             # an encoder may reserve positions (RoBERTa numbers its tokens from padding_idx + 1)
             max_position_embeddings=getattr(loaded.model, "max_sequence_length", None)
             or getattr(config, "max_position_embeddings", 4096),
-            eos_token_ids=tuple(eos), load_tokenizer=lambda: loaded.tokenizer,
+            eos_token_ids=tuple(eos), device_type=device_type, load_tokenizer=lambda: loaded.tokenizer,
         )
 
 

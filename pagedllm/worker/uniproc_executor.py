@@ -72,7 +72,7 @@ class UniprocExecutor(Executor):
                                      gguf_dequantize=model_config.gguf_dequantize,
                                      quantization=model_config.quantization,
                                      quant_activations=model_config.quant_activations)
-        self.model_info = ModelInfo.from_loaded(self.loaded)
+        self.model_info = ModelInfo.from_loaded(self.loaded, device.type)
         use_bf16_matmul, why = bf16_matmul.choose(model_config.dtype, model_config.runner, device,
                                                       scores=hasattr(self.loaded.model, "classify"))
         if use_bf16_matmul:
