@@ -22,8 +22,8 @@ namespace {
 
 namespace cpublas = at::native::cpublas;
 
-constexpr int64_t kBlockN = 64;   // columns of one packed block (measured 32/64 x 32/64 rows; 64 x 32 best)
-constexpr int64_t kBlockM = 32;   // rows of one ukernel call
+constexpr int64_t kBlockN = 64;   // columns of one packed block (32 and 64 measured; 64 best)
+constexpr int64_t kBlockM = 64;   // rows of one ukernel call (32 to 256 measured; 64 best)
 constexpr int64_t kChunkM = 256;  // rows whose bf16 copy the threads share before the next chunk
 // A transformer layer holds at most four linear outputs at once (q/k/v, o, up, down); two more leave room for
 // the next layer's first outputs while the previous layer's last ones are still held.
