@@ -178,9 +178,9 @@ bool has_avx512_bf16() {
 }
 
 // Rows from which an int8-activation call takes the bf16 path; 0 = never. Where the CPU has AMX-BF16 (and
-// AVX-512 BF16 for the unpacking), PAGEDLLM_BF16_PREFILL_ROWS or 128 (pagedllm/envs.py validates the
+// AVX-512 BF16 for the unpacking), PAGEDLLM_BF16_PREFILL_ROWS or 160 (pagedllm/envs.py validates the
 // variable before the library loads); elsewhere 0. quant_gemm_bf16_rows changes it (tests, A/B runs).
-constexpr int64_t kDefaultBf16Rows = 128;
+constexpr int64_t kDefaultBf16Rows = 160;
 std::atomic<int64_t> g_bf16_rows{[] {
   const auto caps = at::cpu::get_cpu_capabilities();
   if (!(cpu_has(caps, "amx_bf16") && cpu_has(caps, "amx_tile") && cpu_has(caps, "avx512_bf16"))) return int64_t{0};
@@ -194,6 +194,9 @@ int64_t quant_gemm_bf16_rows(int64_t rows) {
   return g_bf16_rows.exchange(rows);
 }
 
+// Rows of every bf16 product (the tiles' rate at 256 rows equals their rate at 1024).
+constexpr int64_t kBf16CallRows = 256;
+
 // Bytes of bf16 weight unpacked at a time: a part stays in cache while its product is formed.
 constexpr int64_t kBf16ScratchBytes = 8 << 20;
 
@@ -201,6 +204,12 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
                           const c10::optional<at::Tensor>& bias, at::Tensor y) {
   const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
   const at::Tensor xb = x.to(at::kBFloat16);
+  const int64_t padded_m = std::max(m, kBf16CallRows);
+  at::Tensor xp = xb;
+  if (m < kBf16CallRows) {  // zero rows up to one call's
+    xp = at::zeros({kBf16CallRows, k}, xb.options());
+    xp.narrow(0, 0, m).copy_(xb);
+  }
   const int64_t part_panels = std::max<int64_t>(1, kBf16ScratchBytes / (quant::kPanelRows * k * 2));
   thread_local at::Tensor scratch;  // reused by every call of this thread
   const int64_t scratch_rows = std::min(part_panels, num_panels) * quant::kPanelRows;
@@ -216,7 +225,14 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
                                         out + (begin - p0) * quant::kPanelRows * k, begin, end);
     });
     at::Tensor part = scratch.narrow(0, 0, rows * k).view({rows, k});
-    y.narrow(1, row0, rows).copy_(at::mm(xb, part.t()));  // a part's bf16 product into its float32 columns
+    // Every product has kBf16CallRows rows: oneDNN builds and caches a primitive per shape, each holding ~7 MiB,
+    // so a row count per call would grow the process with every new prompt length. The last window reaches back
+    // into the one before it and only its new rows are kept; fewer rows than one call are zero-padded.
+    for (int64_t r0 = 0; r0 < padded_m; r0 += kBf16CallRows) {
+      const int64_t start = std::min(r0, padded_m - kBf16CallRows), out_rows = std::min(m, r0 + kBf16CallRows) - r0;
+      const at::Tensor product = at::mm(xp.narrow(0, start, kBf16CallRows), part.t());
+      y.narrow(0, r0, out_rows).narrow(1, row0, rows).copy_(product.narrow(0, r0 - start, out_rows));
+    }
   }
   if (bias.has_value() && bias->defined()) y.add_(bias->unsqueeze(0));
   return y;

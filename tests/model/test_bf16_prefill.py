@@ -61,6 +61,20 @@ def test_unpacked_weight_is_the_float_dequantization_rounded_to_bf16(qtype):
     assert torch.equal(unpacked, dense.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("m", [70, 256, 300, 700])
+def test_every_row_count_is_multiplied_in_fixed_size_calls_to_the_same_rows(m, bf16_rows):
+    """Row counts below, at and past one call's 256 rows (zero-padded; a last window reaching back): each row's
+    result is that row's bf16 product, none shifted or left unwritten."""
+    weight, dense = int8_weight(Q4_K, 96, 512, seed=3)
+    x = torch.randn(m, 512)
+    bf16_rows(64)
+    y = weight.matmul(x, None)
+    expected = (x.to(torch.bfloat16) @ dense.to(torch.bfloat16).T).float()
+    torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    alone = torch.stack([weight.matmul(x[i:i + 64], None)[0] for i in (0, m // 2, m - 64)])
+    torch.testing.assert_close(y[[0, m // 2, m - 64]], alone, rtol=0, atol=1e-2 * float(expected.abs().max()))
+
+
 @pytest.mark.parametrize("qtype", [Q4_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q6_K])
 def test_many_rows_take_the_bf16_product(qtype, bf16_rows):
     weight, dense = int8_weight(qtype, 200, 512, seed=10 + qtype)
