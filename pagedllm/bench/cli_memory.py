@@ -12,8 +12,8 @@ import gc
 from pathlib import Path
 
 from pagedllm.bench.common import bench_subparser, format_table, int_list, write_result
-from pagedllm.config.runtime import default_step_tokens
 from pagedllm.bench.workloads import add_workload_args, make_workload, spec_from_args, trace_stats
+from pagedllm.config.runtime import default_step_tokens
 
 # Default model (SmolLM2-135M) KV bytes per token in fp32: 2 (K, V) * 30 layers * 3 KV heads * 64 * 4 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 46080
@@ -79,9 +79,9 @@ def bench_memory(args, engine_args: dict) -> dict:
         budget = engine_args.get("kv_cache_memory") or "1GiB"
         num_blocks = parse_memory_size(budget) // (DEFAULT_KV_BYTES_PER_TOKEN * block_size)
     result["num_kv_blocks"] = num_blocks
+    step_tokens = engine_args["max_num_batched_tokens"] or default_step_tokens("cpu", "generate")
     sched_kwargs = dict(block_size=block_size, max_model_len=max_len, max_num_seqs=engine_args["max_num_seqs"],
-                        max_num_batched_tokens=engine_args["max_num_batched_tokens"] or default_step_tokens("cpu", "generate"),
-                        allocator=args.allocator)
+                        max_num_batched_tokens=step_tokens, allocator=args.allocator)
     out = Path(args.out)
     if args.mode in ("simulate", "both"):
         sim_spec = spec_from_args(args, 1000, max_len)
