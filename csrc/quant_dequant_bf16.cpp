@@ -172,6 +172,53 @@ void dequant_panels(const uint8_t* packed, int64_t k, int64_t n, uint16_t* out, 
   }
 }
 
+
+// rows[i] lane j -> rows[j] lane i, for 16 vectors of 16 32-bit lanes.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // 32-bit pairs of rows i and i + 1
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // in each 128-bit lane L of u[i + j]: column 4L + j of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of u[j], u[4 + j], u[8 + j], u[12 + j]
+    const __m512i even_lo = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), odd_lo = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i even_hi = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88),
+                  odd_hi = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xDD);
+  }
+}
+
+// Panels [p_begin, p_end) unpacked into one VNNI block of block_cols columns: the pair (k, k + 1) of weight row
+// (column) c at 32-bit word (k / 2) * block_cols + c, as the AMX ukernel reads B. Each panel is unpacked row by
+// row into `panel` [16, k] first and its 16 x 16 tiles of 32-bit pairs transposed into place.
+template <int QT>
+void dequant_vnni(const uint8_t* packed, int64_t k, int64_t n, uint16_t* block, uint16_t* panel, int64_t p_begin,
+                  int64_t p_end, int64_t block_cols) {
+  const int64_t pairs = k / 2;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    dequant_panels<QT>(packed, k, n, panel, p, p + 1);
+    const int64_t rows = n - p * kPanelRows < kPanelRows ? n - p * kPanelRows : kPanelRows;
+    if (rows < kPanelRows) std::memset(panel + rows * k, 0, (kPanelRows - rows) * k * sizeof(uint16_t));
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(panel);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(block) + (p - p_begin) * kPanelRows;
+    for (int64_t kp = 0; kp < pairs; kp += 16) {
+      __m512i t[16];
+      for (int r = 0; r < 16; ++r) t[r] = _mm512_loadu_si512(src + r * pairs + kp);
+      transpose16(t);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (kp + j) * block_cols, t[j]);
+    }
+  }
+}
+
 }  // namespace
 
 void dequant_bf16_panels_avx512(int qtype, const uint8_t* packed, int64_t k, int64_t n, uint16_t* out,
@@ -187,6 +234,23 @@ void dequant_bf16_panels_avx512(int qtype, const uint8_t* packed, int64_t k, int
     case kQ4_K_I8: dequant_panels<kQ4_K_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ5_K_I8: dequant_panels<kQ5_K_I8>(packed, k, n, out, p_begin, p_end); break;
     case kQ6_K_I8: dequant_panels<kQ6_K_I8>(packed, k, n, out, p_begin, p_end); break;
+    default: break;
+  }
+}
+
+void dequant_bf16_vnni_avx512(int qtype, const uint8_t* packed, int64_t k, int64_t n, uint16_t* block,
+                              uint16_t* panel, int64_t p_begin, int64_t p_end, int64_t block_cols) {
+  switch (qtype) {
+    case kQ4_0_I8: dequant_vnni<kQ4_0_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ4_1_I8: dequant_vnni<kQ4_1_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ8_0_I8: dequant_vnni<kQ8_0_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ5_0_I8: dequant_vnni<kQ5_0_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ5_1_I8: dequant_vnni<kQ5_1_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kIQ4_NL_I8: dequant_vnni<kIQ4_NL_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ3_K_I8: dequant_vnni<kQ3_K_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ4_K_I8: dequant_vnni<kQ4_K_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ5_K_I8: dequant_vnni<kQ5_K_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
+    case kQ6_K_I8: dequant_vnni<kQ6_K_I8>(packed, k, n, block, panel, p_begin, p_end, block_cols); break;
     default: break;
   }
 }

@@ -8,20 +8,25 @@
 // panels hold 256-wide super-blocks.
 //
 // On a CPU with AMX-BF16 tiles, a call of many rows on an int8-activation type takes the bf16 path instead
-// (quant_dequant_bf16.h): the weight unpacked to bf16 a few MiB at a time, each part multiplied by oneDNN's
-// AMX matmul (at::mm on bf16), the product rounded to bf16 and returned as float32. Prefill steps are bound by
+// (quant_dequant_bf16.h): x rounded to bf16, the weight unpacked to bf16 64 columns at a time into the VNNI
+// layout of oneDNN's AMX ukernel (ATen's cpublas::brgemm, as bf16_matmul_op.cpp), the products summed in float32
+// straight into y. No oneDNN primitive is built per shape, so no row count grows the process (a primitive held
+// ~7 MiB), and no call pads its rows. Prefill steps are bound by
 // the int8 kernels' arithmetic, and the tiles do that arithmetic several times faster. Its rounding is not
 // the int8 kernels', so the batch-invariant call (quant_gemm_invariant_cpu) never takes it: there a row's
 // result must not depend on how many rows share the call.
 #include <ATen/ATen.h>
 #include <ATen/cpu/Utils.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <tuple>
+#include <vector>
 
 #include "bf16_gemm.h"
 #include "quant_gemm.h"
@@ -177,64 +182,93 @@ bool has_avx512_bf16() {
   return has;
 }
 
-// Rows from which an int8-activation call takes the bf16 path; 0 = never. Where the CPU has AMX-BF16 (and
-// AVX-512 BF16 for the unpacking), PAGEDLLM_BF16_PREFILL_ROWS or 160 (pagedllm/envs.py validates the
-// variable before the library loads); elsewhere 0. quant_gemm_bf16_rows changes it (tests, A/B runs).
+// Whether this CPU runs the bf16 path: AVX-512 BF16 for the unpacking, AMX-BF16 for ATen's ukernel.
+bool has_bf16_path() {
+  static const bool has = has_avx512_bf16() && at::native::cpublas::could_pack(at::kBFloat16);
+  return has;
+}
+
+// Rows from which an int8-activation call takes the bf16 path; 0 = never. Where the CPU runs it,
+// PAGEDLLM_BF16_PREFILL_ROWS or 160 (pagedllm/envs.py validates the variable before the library loads);
+// elsewhere 0. quant_gemm_bf16_rows changes it (tests, A/B runs).
 constexpr int64_t kDefaultBf16Rows = 160;
 std::atomic<int64_t> g_bf16_rows{[] {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  if (!(cpu_has(caps, "amx_bf16") && cpu_has(caps, "amx_tile") && cpu_has(caps, "avx512_bf16"))) return int64_t{0};
+  if (!has_bf16_path()) return int64_t{0};
   const char* text = std::getenv("PAGEDLLM_BF16_PREFILL_ROWS");
   return text != nullptr && *text != '\0' ? static_cast<int64_t>(std::atoll(text)) : kDefaultBf16Rows;
 }()};
 
 int64_t quant_gemm_bf16_rows(int64_t rows) {
   if (rows < 0) return g_bf16_rows.load();
-  TORCH_CHECK(rows == 0 || has_avx512_bf16(), "quant_gemm_bf16_rows: the bf16 path needs AVX-512 BF16");
+  TORCH_CHECK(rows == 0 || has_bf16_path(), "quant_gemm_bf16_rows: the bf16 path needs AVX-512 BF16 and AMX-BF16");
   return g_bf16_rows.exchange(rows);
 }
 
-// Rows of every bf16 product (the tiles' rate at 256 rows equals their rate at 1024).
-constexpr int64_t kBf16CallRows = 256;
-
-// Bytes of bf16 weight unpacked at a time: a part stays in cache while its product is formed.
-constexpr int64_t kBf16ScratchBytes = 8 << 20;
+// The bf16 path's blocking. Rows are rounded to bf16 a chunk at a time (the weight is unpacked once per chunk;
+// 512 = the CPU's default step budget). A thread unpacks a part of its weight blocks (64 columns: four 16-row
+// panels), as many as fit kBf16PartBytes, then multiplies each 64-row tile of the chunk by each block of the part,
+// kBf16KStep of K at a time: the tile's slice of x and the block's slice of weight (256 KiB each) stay in L2
+// while the tile is reused across the part.
+constexpr int64_t kBf16ChunkRows = 512;
+constexpr int64_t kVnniCols = 64;
+constexpr int64_t kBrgemmRows = 64;
+constexpr int64_t kBf16KStep = 2048;
+constexpr int64_t kBf16PartBytes = 1 << 20;
+// x's bf16 rows are this many values longer than K: at a row stride of a multiple of 4 KiB, the 16 rows a tile
+// load reads would fall in one L1 set.
+constexpr int64_t kBf16RowPad = 32;
 
 at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
-                          const c10::optional<at::Tensor>& bias, at::Tensor y) {
+                          const float* bias, at::Tensor y) {
+  namespace cpublas = at::native::cpublas;
   const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
-  const at::Tensor xb = x.to(at::kBFloat16);
-  const int64_t padded_m = std::max(m, kBf16CallRows);
-  at::Tensor xp = xb;
-  if (m < kBf16CallRows) {  // zero rows up to one call's
-    xp = at::zeros({kBf16CallRows, k}, xb.options());
-    xp.narrow(0, 0, m).copy_(xb);
-  }
-  const int64_t part_panels = std::max<int64_t>(1, kBf16ScratchBytes / (quant::kPanelRows * k * 2));
-  thread_local at::Tensor scratch;  // reused by every call of this thread
-  const int64_t scratch_rows = std::min(part_panels, num_panels) * quant::kPanelRows;
-  if (!scratch.defined() || scratch.numel() < scratch_rows * k)
-    scratch = at::empty({scratch_rows * k}, x.options().dtype(at::kBFloat16));
-  uint16_t* out = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+  constexpr int64_t panels_per_block = kVnniCols / quant::kPanelRows;
+  const int64_t blocks = (num_panels + panels_per_block - 1) / panels_per_block;
+  const int64_t block_values = k * kVnniCols;
+  const int64_t part_blocks = std::max<int64_t>(1, kBf16PartBytes / (block_values * 2));
+  const int64_t lda = k + kBf16RowPad;
+  at::Tensor xb = at::empty({std::min(m, kBf16ChunkRows), lda}, x.options().dtype(at::kBFloat16));
+  const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const uint8_t* weight = packed.data_ptr<uint8_t>();
-  for (int64_t p0 = 0; p0 < num_panels; p0 += part_panels) {
-    const int64_t p1 = std::min(num_panels, p0 + part_panels);
-    const int64_t row0 = p0 * quant::kPanelRows, rows = std::min(n, p1 * quant::kPanelRows) - row0;
-    parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
-      quant::dequant_bf16_panels_avx512(static_cast<int>(qtype), weight, k, n,
-                                        out + (begin - p0) * quant::kPanelRows * k, begin, end);
+  float* c = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < m; m0 += kBf16ChunkRows) {
+    const int64_t m1 = std::min(m, m0 + kBf16ChunkRows);
+    xb.narrow(0, 0, m1 - m0).narrow(1, 0, k).copy_(x.narrow(0, m0, m1 - m0));
+    parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      thread_local std::vector<uint16_t> unpacked, panel;  // kept by each thread: a part's blocks, a panel
+      if (unpacked.size() < static_cast<size_t>(part_blocks * block_values))
+        unpacked.resize(part_blocks * block_values);
+      if (panel.size() < static_cast<size_t>(k * quant::kPanelRows)) panel.resize(k * quant::kPanelRows);
+      float tail[kBrgemmRows * kVnniCols];  // the last block's columns past n land here
+      for (int64_t pb = b0; pb < b1; pb += part_blocks) {
+        const int64_t pe = std::min(b1, pb + part_blocks);
+        for (int64_t b = pb; b < pe; ++b) {
+          const int64_t p0 = b * panels_per_block, p1 = std::min(num_panels, p0 + panels_per_block);
+          quant::dequant_bf16_vnni_avx512(static_cast<int>(qtype), weight, k, n,
+                                          unpacked.data() + (b - pb) * block_values, panel.data(), p0, p1, kVnniCols);
+        }
+        for (int64_t r = m0; r < m1; r += kBrgemmRows) {
+          const int64_t rows = std::min(kBrgemmRows, m1 - r);
+          for (int64_t b = pb; b < pe; ++b) {
+            const int64_t col = b * kVnniCols, cols = std::min(kVnniCols, n - col);
+            const bool full = cols == kVnniCols;
+            float* out = full ? c + r * n + col : tail;
+            const int64_t ldc = full ? n : kVnniCols;
+            // the bias written first and the products added to it: no second pass over y
+            if (bias != nullptr)
+              for (int64_t i = 0; i < rows; ++i) std::memcpy(out + i * ldc, bias + col, cols * sizeof(float));
+            const at::BFloat16* w = reinterpret_cast<const at::BFloat16*>(unpacked.data() + (b - pb) * block_values);
+            for (int64_t kk = 0; kk < k; kk += kBf16KStep)  // a K step's VNNI rows start at kk * kVnniCols
+              cpublas::brgemm(rows, kVnniCols, std::min(kBf16KStep, k - kk), lda, kVnniCols, ldc,
+                              bias != nullptr || kk > 0, a + (r - m0) * lda + kk, w + kk * kVnniCols, out);
+            if (!full)
+              for (int64_t i = 0; i < rows; ++i) std::memcpy(c + (r + i) * n + col, tail + i * kVnniCols, cols * 4);
+          }
+        }
+      }
+      cpublas::brgemm_release();
     });
-    at::Tensor part = scratch.narrow(0, 0, rows * k).view({rows, k});
-    // Every product has kBf16CallRows rows: oneDNN builds and caches a primitive per shape, each holding ~7 MiB,
-    // so a row count per call would grow the process with every new prompt length. The last window reaches back
-    // into the one before it and only its new rows are kept; fewer rows than one call are zero-padded.
-    for (int64_t r0 = 0; r0 < padded_m; r0 += kBf16CallRows) {
-      const int64_t start = std::min(r0, padded_m - kBf16CallRows), out_rows = std::min(m, r0 + kBf16CallRows) - r0;
-      const at::Tensor product = at::mm(xp.narrow(0, start, kBf16CallRows), part.t());
-      y.narrow(0, r0, out_rows).narrow(1, row0, rows).copy_(product.narrow(0, r0 - start, out_rows));
-    }
   }
-  if (bias.has_value() && bias->defined()) y.add_(bias->unsqueeze(0));
   return y;
 }
 
@@ -300,7 +334,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   // one fixed order): the invariant call runs them, never the bf16 path.
   if (is_int8 && !invariant && g_bf16_rows.load(std::memory_order_relaxed) > 0 &&
       m >= g_bf16_rows.load(std::memory_order_relaxed))
-    return bf16_gemm_path(x, packed, qtype, n, bias, y);
+    return bf16_gemm_path(x, packed, qtype, n, bias_p, y);
   if (is_kq) return kq_gemm(x, packed, qtype, n, bias_p, isa, y);
   if (is_int8) return int8_gemm(x, packed, qtype, n, bias_p, isa, y);
   const quant::Args args{static_cast<int>(qtype), x.data_ptr<float>(), x.stride(0), packed.data_ptr<uint8_t>(),

@@ -1,9 +1,10 @@
 """The bf16 prefill path of the int8-activation types (csrc/quant_dequant_bf16.cpp, csrc/quant_gemm_op.cpp): on a
-CPU with AMX-BF16 a call of many rows unpacks the weight to bf16 and multiplies through oneDNN. The unpacked
-weight equals the gguf package's float32 dequantization rounded to bf16, bit for bit, for every type and a ragged
-row count; the product is that bf16 product (against float64, within bf16's rounding); calls below the row
-threshold and the batch-invariant call keep the int8 kernels, bit for bit; the threshold's setter and its
-environment variable refuse what they cannot take."""
+CPU with AMX-BF16 a call of many rows unpacks the weight to bf16 and multiplies through oneDNN's AMX ukernel. The
+unpacked weight equals the gguf package's float32 dequantization rounded to bf16, bit for bit, for every type and
+a ragged row count; the product is that bf16 product summed in float32 (against float64, within bf16's rounding)
+for every type, ragged row and column counts and with a bias; calls below the row threshold and the
+batch-invariant call keep the int8 kernels, bit for bit; the threshold's setter and its environment variable
+refuse what they cannot take."""
 
 import numpy as np
 import pytest
@@ -26,8 +27,13 @@ def _has_bf16_path() -> bool:
     return bool(caps.get("avx512_bf16"))
 
 
+def _has_amx_ukernel() -> bool:
+    return _has_bf16_path() and bool(torch.ops.pagedllm.bf16_matmul_available())
+
+
 pytestmark = pytest.mark.skipif(not _has_bf16_path(), reason="the bf16 path needs the compiled library and "
                                 "AVX-512 BF16")
+needs_amx = pytest.mark.skipif(not _has_amx_ukernel(), reason="the bf16 product needs AMX-BF16 (ATen's ukernel)")
 QTYPES = [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K]
 
 
@@ -61,21 +67,27 @@ def test_unpacked_weight_is_the_float_dequantization_rounded_to_bf16(qtype):
     assert torch.equal(unpacked, dense.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("m", [70, 256, 300, 700])
-def test_every_row_count_is_multiplied_in_fixed_size_calls_to_the_same_rows(m, bf16_rows):
-    """Row counts below, at and past one call's 256 rows (zero-padded; a last window reaching back): each row's
-    result is that row's bf16 product, none shifted or left unwritten."""
-    weight, dense = int8_weight(Q4_K, 96, 512, seed=3)
-    x = torch.randn(m, 512)
+@needs_amx
+@pytest.mark.parametrize("m, n, k", [(70, 96, 512), (64, 64, 512), (300, 200, 512), (700, 16, 512),
+                                     (1030, 130, 512), (130, 300, 4352)])
+def test_every_row_and_column_is_its_own_bf16_product(m, n, k, bf16_rows):
+    """Row counts below, at and past one ukernel call (64 rows) and one chunk (512 rows), column counts that end
+    inside a 64-column block or a 16-row panel, a K summed in steps of 2048 and a remainder: each row's result is
+    that row's bf16 product, none shifted or left unwritten, and the same whether the row is multiplied with the
+    others or alone."""
+    weight, dense = int8_weight(Q4_K, n, k, seed=3)
+    x = torch.randn(m, k)
     bf16_rows(64)
     y = weight.matmul(x, None)
-    expected = (x.to(torch.bfloat16) @ dense.to(torch.bfloat16).T).float()
-    torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
-    alone = torch.stack([weight.matmul(x[i:i + 64], None)[0] for i in (0, m // 2, m - 64)])
-    torch.testing.assert_close(y[[0, m // 2, m - 64]], alone, rtol=0, atol=1e-2 * float(expected.abs().max()))
+    expected = x.to(torch.bfloat16).double() @ dense.to(torch.bfloat16).double().T
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    starts = [0, min(m // 2, m - 64), m - 64]  # 64-row calls: the threshold's, so they take the same path
+    alone = torch.stack([weight.matmul(x[i:i + 64], None)[0] for i in starts])
+    torch.testing.assert_close(y[starts], alone, rtol=0, atol=1e-5 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q6_K])
+@needs_amx
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_many_rows_take_the_bf16_product(qtype, bf16_rows):
     weight, dense = int8_weight(qtype, 200, 512, seed=10 + qtype)
     x = torch.randn(70, 512)
@@ -84,8 +96,8 @@ def test_many_rows_take_the_bf16_product(qtype, bf16_rows):
     int8 = weight.matmul(x, bias)
     bf16_rows(64)
     y = weight.matmul(x, bias)
-    expected = (x.to(torch.bfloat16) @ dense.to(torch.bfloat16).T).float() + bias
-    torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    expected = x.to(torch.bfloat16).double() @ dense.to(torch.bfloat16).double().T + bias.double()
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
     reference = x.double() @ dense.double().T + bias.double()
     scale = float(reference.abs().max())
     assert float((y.double() - reference).abs().max()) <= 0.02 * scale  # bf16's rounding, a few parts in 1000
@@ -93,6 +105,7 @@ def test_many_rows_take_the_bf16_product(qtype, bf16_rows):
     assert float((int8.double() - reference).abs().max()) <= 0.05 * scale
 
 
+@needs_amx
 def test_fewer_rows_and_the_invariant_call_keep_the_int8_kernel(bf16_rows):
     weight, _ = int8_weight(Q4_K, 48, 256, seed=3)
     x = torch.randn(40, 256)
@@ -109,6 +122,7 @@ def test_fewer_rows_and_the_invariant_call_keep_the_int8_kernel(bf16_rows):
     assert torch.equal(weight.matmul(x[7:8]), int8[7:8])  # a decode row: the int8 kernel's own rounding
 
 
+@needs_amx
 def test_the_threshold_setter_and_variable_refuse_what_they_cannot_take(bf16_rows, monkeypatch):
     before = int(torch.ops.pagedllm.quant_gemm_bf16_rows(-1))
     assert int(bf16_rows(300)) == before
