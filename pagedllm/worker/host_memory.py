@@ -10,9 +10,11 @@ grew with every layer (+200 MiB of free heap pages still resident at its end, do
 "Memory at the 1B shape"), and a smaller MLP buffer only added to the heap instead of the mappings.
 
 A fixed threshold (``MMAP_THRESHOLD``, which also stops it moving) keeps every buffer from that size up
-out of the heap, so the resident set follows what is live. Decode-sized buffers stay below it (a 1B
-model's gate/up output at 64 rows is 4 MiB): a mapping costs its page faults, ~1% of the matmul that
-fills it. ``TRIM_THRESHOLD`` is glibc's own choice for such a threshold (twice it): the top of the heap
+out of the heap, so the resident set follows what is live. At 4 MiB, a 256-row step's 2-3 MiB buffers (q/k/v,
+attention and projection outputs, bf16 activations) still came from the heap and left it ~36 MiB larger after
+the first long prompt, its peak ~27 MiB above what 1 MiB gives (docs/benchmarks.md "Memory at the 1B shape").
+A one-user decode step's buffers stay below 1 MiB; a mapping costs its page faults, a small part of the
+matmul that fills it. ``TRIM_THRESHOLD`` is glibc's own choice for such a threshold (twice it): the top of the heap
 is given back only past it, so the heap does not shrink and regrow at every step.
 ``PAGEDLLM_DISABLE_MALLOC_TUNING=1`` leaves glibc's defaults (A/B runs). Elsewhere than glibc: nothing.
 """
@@ -26,7 +28,7 @@ from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
-MMAP_THRESHOLD = 4 << 20
+MMAP_THRESHOLD = 1 << 20
 """Bytes: buffers this large and larger are mapped and given back at free."""
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 """Bytes of free memory at the top of the heap above which glibc gives it back."""

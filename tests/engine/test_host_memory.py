@@ -59,4 +59,4 @@ def test_the_engine_core_process_sets_it(engine_args, capfd):  # noqa: F811
             client.shutdown()
 
     asyncio.run(scenario())
-    assert "malloc: buffers of 4 MiB and more are mapped" in capfd.readouterr().err
+    assert f"malloc: buffers of {host_memory.MMAP_THRESHOLD >> 20} MiB and more are mapped" in capfd.readouterr().err
