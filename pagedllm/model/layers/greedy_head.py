@@ -41,6 +41,10 @@ from pagedllm import envs
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_BF16_GREEDY_HEAD"
 MIN_ROWS = 4
+ROW_BUCKET = 16
+"""Rows of the bfloat16 product are zero-padded to a multiple of this: oneDNN builds and keeps a primitive for
+each row count it multiplies (~1 MiB each here), so one per batch size would grow the process up to max_num_seqs
+of them; at 16 a batch pads at most 15 rows, which costs little where the head reads its weight anyway."""
 MAX_CANDIDATES_PER_ROW = 256
 _UNIT_ROUNDOFF_BF16 = 2.0**-8
 _UNIT_ROUNDOFF_F32 = 2.0**-24
@@ -114,7 +118,9 @@ class GreedyHead:
         or why this call should use the float32 logits instead."""
         if hidden.shape[0] < MIN_ROWS or hidden.dtype != torch.float32:
             return GreedyFallback.FEW_ROWS
-        approx = self._linear(hidden.to(torch.bfloat16)).contiguous()  # [N, V] bfloat16
+        rows = hidden.shape[0]
+        x = F.pad(hidden.to(torch.bfloat16), (0, 0, 0, -rows % ROW_BUCKET))
+        approx = self._linear(x)[:rows]  # [N, V] bfloat16, the padded rows' logits left out
         # g |h| per row, the part of each logit's error bound that does not depend on the token.
         row_scale = (self.gamma * (1 + 2.0**-20)) * torch.linalg.vector_norm(hidden, dim=1)
         u = _UNIT_ROUNDOFF_BF16
