@@ -189,9 +189,9 @@ bool has_bf16_path() {
 }
 
 // Rows from which an int8-activation call takes the bf16 path; 0 = never. Where the CPU runs it,
-// PAGEDLLM_BF16_PREFILL_ROWS or 160 (pagedllm/envs.py validates the variable before the library loads);
+// PAGEDLLM_BF16_PREFILL_ROWS or 96 (pagedllm/envs.py validates the variable before the library loads);
 // elsewhere 0. quant_gemm_bf16_rows changes it (tests, A/B runs).
-constexpr int64_t kDefaultBf16Rows = 160;
+constexpr int64_t kDefaultBf16Rows = 96;
 std::atomic<int64_t> g_bf16_rows{[] {
   if (!has_bf16_path()) return int64_t{0};
   const char* text = std::getenv("PAGEDLLM_BF16_PREFILL_ROWS");

@@ -136,9 +136,9 @@ VARIABLES: dict[str, Variable] = {
         "dist[,mode[,hint]]: the CPU attention op's prefetch (0 = none), for A/B runs; csrc/paged_attention_op.cpp.",
         _prefetch, experimental=True),
     "PAGEDLLM_BF16_PREFILL_ROWS": Variable(
-        "Rows (0-1000000, default 160; 0 = never) from which a quantized linear with int8 activations multiplies "
+        "Rows (0-1000000, default 96; 0 = never) from which a quantized linear with int8 activations multiplies "
         "through bf16 AMX tiles instead, on CPUs with AMX-BF16 only; csrc/quant_gemm_op.cpp.",
-        _int_in(0, 1_000_000), 160, experimental=True),
+        _int_in(0, 1_000_000), 96, experimental=True),
 }
 
 COMPILED_OP_VARIABLES = ("PAGEDLLM_DISABLE_OP_POOL", "PAGEDLLM_POOL_SPIN_US", "PAGEDLLM_ATTN_PF",
