@@ -85,7 +85,7 @@ class OutputProcessor:
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None = None, stream: bool = False) -> None:
         """Register a request and its sequences; InvalidRequestError (nothing registered) if an id is taken."""
-        seq_req_ids = request.sequence_req_ids()
+        seq_req_ids = request.sampling_params.sequence_req_ids(request.req_id)
         if request.req_id in self.requests or any(s in self.seq_to_request for s in seq_req_ids):
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
         params = request.sampling_params
