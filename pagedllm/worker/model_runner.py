@@ -197,11 +197,11 @@ class ModelRunner:
         self._spec_tokens = sched.scheduled_spec_tokens
         if self.draft is not None:
             self.draft.update(sched)
-            if not sched.is_empty:  # fills sched.num_draft_tokens' slots
+            if sched.total_num_scheduled_tokens:  # fills sched.num_draft_tokens' slots
                 self._spec_tokens = self.draft.propose(self.requests, sched, self.prepare_inputs)
         if self._spec_tokens:
             spec_verify.attach_proposals(self.requests, self._spec_tokens)
-        if sched.is_empty:
+        if not sched.total_num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={}, kv_spilled=spilled)
 
         req_ids = list(sched.num_scheduled_tokens)
