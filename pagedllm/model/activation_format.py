@@ -147,5 +147,5 @@ def use_int8_lm_head(model: nn.Module) -> bool:
     own.packed = quant.packed.clone()
     if not own.use_int8_activations():
         return False
-    head.use_quant_weight(own)
+    head.quant_weight = own
     return True

@@ -17,7 +17,7 @@ Without either (a build without MKL, another architecture) the head uses ``F.lin
 
 A GGUF table loaded still quantized (``pagedllm.model.layers.quantized``) stays so: a lookup
 dequantizes only the looked-up rows, and the head (its own table, or the embedding's when tied:
-the ``QuantizedWeight`` rides on the shared parameter) runs the quantized kernel (``LMHead.use_quant_weight``).
+the ``QuantizedWeight`` rides on the shared parameter) runs the quantized kernel.
 """
 
 import torch
@@ -91,9 +91,8 @@ class LMHead(VocabEmbedding):
         self.batch_invariant = batch_invariant.chosen()
 
     def process_weights_after_loading(self) -> None:
-        quant_weight = quantized.finalize(self.weight)  # tied: the embedding's, finalized first
-        if quant_weight is not None:
-            self.use_quant_weight(quant_weight)
+        self.quant_weight = quantized.finalize(self.weight)  # tied: the embedding's, finalized first
+        if self.quant_weight is not None:
             return  # no float copies, no bfloat16 greedy head: the logits come from the kernel
         self.gemm_weight, self.packed_weight = pack_for_cpu(self.weight.detach())
         if self.batch_invariant:  # its ids come from a bfloat16 copy, not from the mode's logits: off
@@ -101,13 +100,6 @@ class LMHead(VocabEmbedding):
                 raise ValueError(NO_INVARIANT_GEMM.format("the LM head"))
             return
         self.greedy_head = GreedyHead.build(self.weight) if self.tp_size == 1 else None
-
-    def use_quant_weight(self, quant_weight: QuantizedWeight) -> None:
-        """Compute the logits with `quant_weight`. With one rank and outside the batch-invariant mode its float32
-        product is the whole head: `compute_logits` becomes its `matmul`, chosen once here, not at every call."""
-        self.quant_weight = quant_weight
-        if self.tp_size == 1 and not self.batch_invariant:
-            self.compute_logits = quant_weight.matmul
 
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | GreedyFallback:
         """Each row's argmax of ``compute_logits`` without the float32 logits, or why that path does not
