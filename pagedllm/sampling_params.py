@@ -249,6 +249,13 @@ class SamplingParams:
         """How many sequences are generated (best_of, or n)."""
         return self.best_of if self.best_of is not None else self.n
 
+    def sequence_req_ids(self, req_id: str) -> list[str]:
+        """The core request id of each sequence of request `req_id`: `req_id`, or `req_id#i` for n > 1 /
+        best_of (beam search: one per returned beam, n). The only place the fan-out is spelled: the front end
+        registers these ids, the core creates one Request per id (`Request.for_sequences`)."""
+        num_sequences = self.n if self.use_beam_search else self.num_sequences  # beam width: num_sequences
+        return [req_id] if num_sequences == 1 else [f"{req_id}#{i}" for i in range(num_sequences)]
+
     def for_sequence(self, index: int) -> SamplingParams:
         """The params of sequence `index` of an n > 1 / best_of request: one sequence each.
 

@@ -155,7 +155,7 @@ def simulate(requests: list[BenchRequest], policy: str, num_blocks: int, block_s
     num_output_tokens = 0
     while scheduler.has_unfinished_requests():
         sched = scheduler.schedule()
-        assert not sched.is_empty, "the scheduler is stuck: nothing runs and requests wait"
+        assert sched.total_num_scheduled_tokens, "the scheduler is stuck: nothing runs and requests wait"
         sampled = {rid: [FIRST_ORDINARY_TOKEN] for rid in sched.num_scheduled_tokens
                    if scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens}
         num_output_tokens += len(sampled)

@@ -3,7 +3,7 @@
 For each block size, a request of `context_len` tokens is prefilled through the real engine;
 then, on the real model runner, we time
 
-    swap     copying its blocks out to the host pool and back (`_swap_blocks`, both ways:
+    swap     copying its blocks out to the host pool and back (`kv_block_io.swap_blocks`, both ways:
              what a swap preemption costs), and
     recompute  a prefill forward of the same tokens (what a recompute preemption redoes).
 
@@ -36,6 +36,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def recovery_cost(block_sizes=(8, 16, 32, 64), context_len: int = 512, repeats: int = 5, model: str | None = None) -> list[dict]:
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.worker import kv_block_io
     from pagedllm.worker.model_runner import RunnerRequestState
 
     rows = []
@@ -51,8 +52,8 @@ def recovery_cost(block_sizes=(8, 16, 32, 64), context_len: int = 512, repeats: 
         assert num_blocks <= core.kv_info.num_host_blocks
 
         def swap_out_and_in():
-            runner._swap_blocks(list(zip(device_blocks, host_blocks)), runner.kv_caches, runner.host_kv_caches)
-            runner._swap_blocks(list(zip(host_blocks, device_blocks)), runner.host_kv_caches, runner.kv_caches)
+            kv_block_io.swap_blocks(list(zip(device_blocks, host_blocks)), runner.kv_caches, runner.host_kv_caches)
+            kv_block_io.swap_blocks(list(zip(host_blocks, device_blocks)), runner.host_kv_caches, runner.kv_caches)
 
         def recompute():
             state = RunnerRequestState(

@@ -1,6 +1,7 @@
-"""Admission: how a waiting request gets the blocks for its first step back in `running`.
+"""What goes into a step, under its two budgets: tokens, handed out request by request (`StepBuilder`, which
+becomes the step's `SchedulerOutput`), and blocks, which a waiting request needs to get back in `running`.
 
-Three ways, tried in this order: a swapped-out request copies its KV back from host blocks; any
+Admission, three ways, tried in this order: a swapped-out request copies its KV back from host blocks; any
 other request attaches the prefix-cache hits of its tokens and takes fresh blocks for the rest
 (a preempted request recomputes its whole history this way). Either way admission leaves
 `Headroom` blocks free for the running requests to grow into.
@@ -11,17 +12,44 @@ scheduler pops the admitted requests off `waiting` and starts them (`Admission`)
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
 from pagedllm.core.request import Request
+from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.errors import InvalidRequestError
 
 HEADROOM_BLOCKS_PER_SEQ = 2
 """Free blocks kept per running sequence when admitting. Simulated on a ShareGPT-like trace (64
 requests, 300 blocks of 16): 0 -> 92 preemptions, 58% of tokens computed twice; 1 -> 60, 44%;
 2 -> 33, 27%; 4 -> 20, 18% but 6% more steps (smaller batches). 2 balances the two."""
+
+
+@dataclass(slots=True)
+class StepBuilder:
+    """A SchedulerOutput being put together by `Scheduler.schedule`: what each request computes, from
+    the step's token budget, and what the runner must be told about it."""
+
+    token_budget: int
+    """Tokens still free this step."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, req_id: str, num_tokens: int) -> None:
+        """`req_id` computes `num_tokens` this step (its proposals' slots included)."""
+        self.num_scheduled_tokens[req_id] = num_tokens
+        self.token_budget -= num_tokens
+
+    def build(self, **fields) -> SchedulerOutput:
+        """The output; `fields`: the rest of SchedulerOutput (preemptions, copies, swaps, ...)."""
+        return SchedulerOutput(self.new_reqs, self.cached_reqs, self.num_scheduled_tokens,
+                               sum(self.num_scheduled_tokens.values()), scheduled_spec_tokens=self.scheduled_spec_tokens,
+                               num_draft_tokens=self.num_draft_tokens, **fields)
 
 
 def refuse_if_never_fits(config: SchedulerConfig, kv: KVCacheManagerProtocol, request: Request,

@@ -191,7 +191,7 @@ class BeamGroup:
         params = request.sampling_params
         assert params.use_beam_search
         self.request = request
-        self.output_ids = request.sequence_req_ids()
+        self.output_ids = params.sequence_req_ids(request.req_id)
         """The front end's sequence ids: the i-th best beam is reported as output_ids[i]."""
         eos = () if params.ignore_eos else request.eos_token_ids
         self.selection = BeamSelection(params.num_sequences, request.max_tokens, eos,

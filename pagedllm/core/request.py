@@ -45,7 +45,7 @@ class EngineCoreRequest(msgspec.Struct):
 
     This is what crosses the process boundary (msgpack, inside AddRequestMsg); the core's
     `Request` extends it with progress. With n > 1 (or best_of) it stands for several
-    sequences: see `sequence_req_ids`.
+    sequences: see `SamplingParams.sequence_req_ids`.
     """
 
     req_id: str
@@ -66,17 +66,6 @@ class EngineCoreRequest(msgspec.Struct):
     pooling_params: PoolingParams | None = None
     """Set for a pooling (embedding) request: its prompt is computed, pooled and the request finishes,
     nothing sampled (max_tokens 0)."""
-
-    def sequence_req_ids(self) -> list[str]:
-        """The core request id of each sequence: `req_id`, or `req_id#i` for n > 1 / best_of.
-
-        The only place the fan-out is spelled: the front end registers these ids, the core
-        creates one Request per id (`Request.for_sequences`).
-        """
-        num_sequences = self.sampling_params.num_sequences
-        if self.sampling_params.use_beam_search:  # beam width = num_sequences; the best n are returned
-            num_sequences = self.sampling_params.n
-        return [self.req_id] if num_sequences == 1 else [f"{self.req_id}#{i}" for i in range(num_sequences)]
 
 
 class Request(EngineCoreRequest, eq=False):
@@ -119,7 +108,7 @@ class Request(EngineCoreRequest, eq=False):
         What the sequences have in common (prompt, eos ids, stop set, the params' lists) is built
         once and shared, never copied per sequence: nothing mutates them.
         """
-        seq_ids = req.sequence_req_ids()
+        seq_ids = req.sampling_params.sequence_req_ids(req.req_id)
         params = req.sampling_params
         prompt = list(req.prompt_token_ids)
         eos = frozenset(req.eos_token_ids)

@@ -1,11 +1,11 @@
-"""The contracts between scheduler and runner: ids and integers, new data sent once."""
+"""The contracts between scheduler and runner, and from the core to the front end: plain data, ids and integers,
+a new request's data sent once (the scheduler builds them: `Scheduler._new_request_data`, `StepBuilder` in
+core/admission.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.core.request import Request
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -30,15 +30,6 @@ class NewRequestData:
     """The adapter the request generates with; None = the base model."""
     pooling_params: PoolingParams | None = None
     """A pooling request: its last prompt chunk returns the pooled vector instead of a sampled token."""
-
-    @classmethod
-    def from_request(cls, request: Request, block_ids: list[int], fork_children: Iterable[Request]) -> NewRequestData:
-        """Everything the runner needs about `request`, whose table is `block_ids`; num_computed_tokens is
-        the value before this step's tokens are added."""
-        return cls(request.req_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
-                   block_ids, request.num_computed_tokens, request.eos_token_ids,
-                   [(c.req_id, c.sampling_params) for c in fork_children], request.lora_request,
-                   request.pooling_params)
 
 
 @dataclass(slots=True)
@@ -94,35 +85,6 @@ class SchedulerOutput:
     up with the target's. False while the engine-wide gate (core/spec_planner.py) finds the draft seldom
     right: the draft then runs only for the requests in num_draft_tokens (none while the gate is
     closed), each catching its draft KV up when it proposes (worker/draft_proposer.py)."""
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
-
-@dataclass(slots=True)
-class StepBuilder:
-    """A SchedulerOutput being put together by `Scheduler.schedule`: what each request computes, from
-    the step's token budget, and what the runner must be told about it."""
-
-    token_budget: int
-    """Tokens still free this step."""
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    num_draft_tokens: dict[str, int] = field(default_factory=dict)
-
-    def add(self, req_id: str, num_tokens: int) -> None:
-        """`req_id` computes `num_tokens` this step (its proposals' slots included)."""
-        self.num_scheduled_tokens[req_id] = num_tokens
-        self.token_budget -= num_tokens
-
-    def build(self, **fields) -> SchedulerOutput:
-        """The output; `fields`: the rest of SchedulerOutput (preemptions, copies, swaps, ...)."""
-        return SchedulerOutput(self.new_reqs, self.cached_reqs, self.num_scheduled_tokens,
-                               sum(self.num_scheduled_tokens.values()), scheduled_spec_tokens=self.scheduled_spec_tokens,
-                               num_draft_tokens=self.num_draft_tokens, **fields)
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ request is preempted (recomputed later, or swapped out) until the one being sche
 The rest it asks of collaborators, which answer and never call back:
 
     request_queue      core/request_queue.py  the waiting queue, the victims; under 'priority' the order of `running`
-    admit_request      core/admission.py      blocks for a waiting request (prefix hits, swap-in), headroom
+    admit_request      core/admission.py      blocks for a waiting request (prefix hits, swap-in), headroom; StepBuilder
     beam_gang          core/beam_gang.py      a beam group's beams scheduled as one, or not at all
     SpecDecoder        core/spec_planner.py   speculative proposals: plan before the step, settle after
     Forker             core/forking.py        parallel samples and beam candidates sharing blocks
@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
-from pagedllm.core.admission import Admission, Headroom, admit_request, refuse_if_never_fits
+from pagedllm.core.admission import Admission, Headroom, StepBuilder, admit_request, refuse_if_never_fits
 from pagedllm.core.beam_gang import (admit_beam_group, allocate_running_group, beam_group_at,
                                      beam_group_token_counts, group_block_bound)
 from pagedllm.core.forking import Forker
@@ -34,7 +34,7 @@ from pagedllm.core.lora_admission import LoRASlotLimit
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import PriorityPolicy, WaitingQueue, make_waiting_queue, take_victims
 from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                        SchedulerOutput, StepBuilder)
+                                        SchedulerOutput)
 from pagedllm.core.spec_planner import SpecDecoder
 
 Scheduled = tuple[Request, int, list[int]]  # (request, tokens this step, block ids appended to its table)
@@ -336,8 +336,10 @@ class Scheduler:
     def _new_request_data(self, request: Request) -> NewRequestData:
         """The whole of a request the runner has no state for (computed tokens before this step's)."""
         self.kv.forget_replaced_blocks(request.req_id)  # the full table goes out: nothing to patch later
-        return NewRequestData.from_request(request, self.kv.get_block_ids(request.req_id),
-                                         self.forks.samples.get(request.req_id, ()))
+        samples = [(c.req_id, c.sampling_params) for c in self.forks.samples.get(request.req_id, ())]
+        return NewRequestData(request.req_id, list(request.all_token_ids), request.num_prompt_tokens,
+                              request.sampling_params, self.kv.get_block_ids(request.req_id), request.num_computed_tokens,
+                              request.eos_token_ids, samples, request.lora_request, request.pooling_params)
 
     def _start_parallel_samples(self, leader: Request, runner_output: ModelRunnerOutput,
                                 outputs: list[EngineCoreOutput]) -> None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.config import SpeculativeConfig
+from pagedllm.core.admission import StepBuilder
 from pagedllm.core.kv_cache_interface import KVCacheManagerProtocol
 from pagedllm.core.request import Request
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, StepBuilder
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
 class NgramProposer:

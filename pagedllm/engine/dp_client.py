@@ -128,7 +128,7 @@ class DPCoreClient:
         self._check_open()
         if request.req_id in self._inflight:
             raise AssertionError(f"request {request.req_id} is already in flight")
-        self._dispatch(_InFlight(request, -1, set(request.sequence_req_ids())))
+        self._dispatch(_InFlight(request, -1, set(request.sampling_params.sequence_req_ids(request.req_id))))
 
     def _dispatch(self, entry: _InFlight) -> None:
         while True:
@@ -275,7 +275,7 @@ class DPCoreClient:
         req_id = entry.request.req_id
         if not entry.started and entry.num_retries == 0 and self.router.num_up > 0:
             entry.num_retries += 1
-            entry.seq_ids = set(entry.request.sequence_req_ids())
+            entry.seq_ids = set(entry.request.sampling_params.sequence_req_ids(req_id))
             try:
                 self._dispatch(entry)
                 logger.warning("request %s re-sent to replica %d: replica %d died before its first token",

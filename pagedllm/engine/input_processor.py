@@ -76,7 +76,7 @@ class InputProcessor:
         """Validate and tokenize; returns (prompt text if any, the request for the core).
 
         Raises InvalidRequestError naming what is wrong. With n > 1 the one request stands for
-        all sequences (`EngineCoreRequest.sequence_req_ids`). `num_prompts`: as in `check_limits`.
+        all sequences (`SamplingParams.sequence_req_ids`). `num_prompts`: as in `check_limits`.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")

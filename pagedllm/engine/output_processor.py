@@ -1,19 +1,31 @@
 """Turns engine-core outputs into RequestOutputs: text, stop strings, logprobs, n > 1.
 
-A stop string is found here, in the front end; the request is then reported finished and
-its id returned so the caller aborts it in the core, freeing its blocks.
+A stop string is found here, in the front end; the request is then reported finished and its id returned so the
+caller aborts it in the core, freeing its blocks.
+
+Text is made a few ids at a time (`IncrementalDetokenizer`, as Hugging Face's text streamer and vLLM do): each
+update decodes a small window of ids, not the whole sequence (O(length) per token), with two offsets:
+
+    token_ids:  [ ... already emitted ... | prefix ... | read ... new ids ]
+                                          ^ prefix_offset   ^ read_offset
+
+The new text is decode(ids[prefix_offset:])[len(decode(ids[prefix_offset:read_offset])):]: a few ids of context
+keep a token's text as in the full decode (sentencepiece's leading "▁" space, byte-level BPE pieces of one UTF-8
+character). A window ending with U+FFFD ends in an incomplete character: nothing is emitted until more ids arrive
+(or `finish()` flushes it). After an emission the window slides (prefix_offset <- read_offset, read_offset <-
+len(token_ids)), so each id is decoded in at most two windows. The text equals `tokenizer.decode` of the generated
+ids alone (not the prompt: a sentencepiece tokenizer drops the first token's leading space, as `decode` does).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 import time
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import EngineCoreRequest
 from pagedllm.core.sched_output import EngineCoreOutput, TokenLogprobs
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -59,18 +71,6 @@ class RequestState:
     num_cached_tokens: int = 0
 
     @property
-    def request_id(self) -> str:
-        return self.request.req_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.sampling_params
-
-    @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
 
@@ -85,7 +85,7 @@ class OutputProcessor:
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None = None, stream: bool = False) -> None:
         """Register a request and its sequences; InvalidRequestError (nothing registered) if an id is taken."""
-        seq_req_ids = request.sequence_req_ids()
+        seq_req_ids = request.sampling_params.sequence_req_ids(request.req_id)
         if request.req_id in self.requests or any(s in self.seq_to_request for s in seq_req_ids):
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
         params = request.sampling_params
@@ -94,7 +94,7 @@ class OutputProcessor:
         keep_logprobs = keep_logprobs or params.use_beam_search  # a beam's cumulative logprob is its score
         sequences = [
             SequenceState(seq_req_id, index, params,
-                          IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+                          IncrementalDetokenizer(self.tokenizer, params)
                           if self.tokenizer and request.pooling_params is None else None,
                           logprobs=[] if keep_logprobs else None,
                           cumulative_logprob=0.0 if keep_logprobs else None)
@@ -109,7 +109,7 @@ class OutputProcessor:
     def request_id_of(self, seq_req_id: str) -> str | None:
         """The user request a core request id belongs to (None when unknown or finished)."""
         entry = self.seq_to_request.get(seq_req_id)
-        return entry[0].request_id if entry is not None else None
+        return entry[0].request.req_id if entry is not None else None
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its core request ids, to abort in the core."""
@@ -133,7 +133,7 @@ class OutputProcessor:
             if entry is None:
                 continue
             state, seq = entry
-            touched[state.request_id] = state
+            touched[state.request.req_id] = state
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
                 self._append_prompt_logprobs(state, out.new_prompt_logprobs)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
@@ -149,7 +149,7 @@ class OutputProcessor:
             if output is not None:
                 results.append(output)
             if state.finished:
-                self.requests.pop(state.request_id, None)
+                self.requests.pop(state.request.req_id, None)
                 for seq in state.sequences:
                     self.seq_to_request.pop(seq.req_id, None)
         return results, to_abort
@@ -196,26 +196,22 @@ class OutputProcessor:
             if token_id in result:
                 continue  # the chosen token is also among the top-k
             rank = entry.rank if column == 0 else column
-            result[token_id] = Logprob(logprob, rank, self._decode_token(token_id))
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+            result[token_id] = Logprob(logprob, rank, text)
         return result
-
-    def _decode_token(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id])
 
     def _append_prompt_logprobs(self, state: RequestState, entries) -> None:
         for entry in entries:
-            if len(state.prompt_logprobs) >= len(state.prompt_token_ids):
+            if len(state.prompt_logprobs) >= len(state.request.prompt_token_ids):
                 return  # a recomputed (preempted) prompt repeats what was already sent
             state.prompt_logprobs.append(None if entry is None else self._to_logprobs_dict(entry))
 
     def _make_request_output(self, state: RequestState) -> RequestOutput | PoolingRequestOutput | None:
         if state.request.pooling_params is not None:  # one output, when finished
             seq = state.sequences[0]
-            return PoolingRequestOutput(state.request_id, state.prompt_token_ids, seq.pooled, True, seq.error,
-                                        state.num_cached_tokens) if state.finished else None
-        params = state.params
+            return PoolingRequestOutput(state.request.req_id, state.request.prompt_token_ids, seq.pooled, True,
+                                        seq.error, state.num_cached_tokens) if state.finished else None
+        params = state.request.sampling_params
         # beam search: the core returns the best n beams, already in order
         best_of = params.best_of is not None and params.best_of > params.n and not params.use_beam_search
         if best_of and not state.finished:
@@ -231,15 +227,10 @@ class OutputProcessor:
         if state.stream and not completions and not state.finished:
             return None
         return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=state.finished,
-            prompt_logprobs=state.prompt_logprobs,
+            request_id=state.request.req_id, prompt=state.prompt, prompt_token_ids=state.request.prompt_token_ids,
+            outputs=completions, finished=state.finished, prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
-            metrics={"arrival_time": state.request.arrival_time, "first_token_time": state.first_token_time or 0.0},
-        )
+            metrics={"arrival_time": state.request.arrival_time, "first_token_time": state.first_token_time or 0.0})
 
     def _completion(self, seq: SequenceState, index: int, stream: bool) -> CompletionOutput | None:
         if stream:
@@ -258,13 +249,145 @@ class OutputProcessor:
             logprobs = seq.logprobs
         if seq.params.logprobs is None:
             logprobs = None
-        return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            error=seq.error,
-        )
+        return CompletionOutput(index=index, text=text, token_ids=token_ids, cumulative_logprob=seq.cumulative_logprob,
+                                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                error=seq.error)
+
+
+# --- text: incremental detokenization and stop strings ---------------------------------------------------------
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def find_stop_string(text: str, stop: list[str], start: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in `text` beginning at or after `start` (at the same
+    index the first listed wins), or None."""
+    best: tuple[int, str] | None = None
+    for s in stop:
+        index = text.find(s, start)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, s)
+    return best
+
+
+def check_stop_strings(text: str, num_new_chars: int, stop: list[str],
+                       include_stop_str_in_output: bool) -> tuple[str, int] | None:
+    """(stop string, length to cut `text` to) for a stop string ending in the last `num_new_chars` characters,
+    or None. Only those plus (longest stop string - 1) characters before them are searched: an earlier
+    match would have been found by an earlier call."""
+    if not stop or num_new_chars <= 0:
+        return None
+    match = find_stop_string(text, stop, max(0, len(text) - num_new_chars - (max(len(s) for s in stop) - 1)))
+    if match is None:
+        return None
+    index, s = match
+    return s, index + len(s) if include_stop_str_in_output else index
+
+
+class IncrementalDetokenizer:
+    """One sequence's generated ids as text, and its stop strings (the module docstring says how).
+
+    `update()` once per step with the step's new ids; `finish()` when the request ends for any other reason
+    (length, eos, stop token, abort) to flush text held back for an incomplete character; `get_next_delta()`
+    for what to stream.
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self.params = params
+        self.token_ids: list[int] = []
+        """Generated token ids, all of them (a stop string never removes ids)."""
+        self.output_text = ""
+        """Stable text so far; after a stop string, the final text (cut before or after the stop)."""
+        self.stop_reason: str | None = None
+        """The stop string that ended the request, if one did."""
+        self.finished = False
+        self._prefix_offset = self._read_offset = self._num_sent_chars = 0
+        self._prefix_text = ""
+        self._stop = list(params.stop)
+        self._decode = _decoder(tokenizer, params.skip_special_tokens)
+        # Streaming holds back this many characters: they might begin a stop string the caller must not see.
+        hold_back = self._stop and not params.include_stop_str_in_output
+        self._stop_buffer_len = max(len(s) for s in self._stop) - 1 if hold_back else 0
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append generated ids, extend `output_text` by the newly stable text, check stop strings.
+
+        Returns the matched stop string (the detokenizer is then finished, `output_text` cut before it, or
+        just after it with include_stop_str_in_output), else None. Stop strings count only once more than
+        `min_tokens` ids were generated, like stop token ids. Ids arriving once finished (a step in flight
+        when a stop string ended the request) are ignored.
+        """
+        if self.finished or not new_token_ids:
+            return None
+        self.token_ids.extend(new_token_ids)
+        window_text = self._decode(self.token_ids[self._prefix_offset :])
+        if window_text.endswith(_REPLACEMENT_CHAR) or len(window_text) <= len(self._prefix_text):
+            return None  # an incomplete character at the end, or no visible text yet: wait for more ids
+        return self._emit(window_text)
+
+    def finish(self) -> str | None:
+        """Flush held-back text (an incomplete character stays as U+FFFD, like `decode`); mark finished.
+        Returns a stop string the flushed text contained (the request stopped by it), else None. Idempotent."""
+        if self.finished:
+            return self.stop_reason
+        stop = None
+        if self._read_offset < len(self.token_ids):
+            window_text = self._decode(self.token_ids[self._prefix_offset :])
+            if len(window_text) > len(self._prefix_text):
+                stop = self._emit(window_text)
+        self.finished = True
+        return stop
+
+    def get_next_delta(self) -> str:
+        """Text added since the last call, for streaming. While the request runs, the last (longest stop
+        string - 1) characters are held back: a later stop string may start within them and cut them away."""
+        end = len(self.output_text)
+        if not self.finished:
+            end = max(self._num_sent_chars, end - self._stop_buffer_len)
+        delta = self.output_text[self._num_sent_chars : end]
+        self._num_sent_chars = end
+        return delta
+
+    def _emit(self, window_text: str) -> str | None:
+        new_text = window_text[len(self._prefix_text) :]
+        self.output_text += new_text
+        # Slide the window: the ids just emitted become the next update's decoding context.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        self._prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        if not self._stop or len(self.token_ids) <= self.params.min_tokens:
+            return None
+        result = check_stop_strings(self.output_text, len(new_text), self._stop, self.params.include_stop_str_in_output)
+        if result is None:
+            return None
+        self.stop_reason, cut = result
+        self.output_text = self.output_text[:cut]
+        self.finished = True
+        return self.stop_reason
+
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=...)`, through the Rust tokenizer directly when
+    that is provably the same function: a transformers fast tokenizer whose decode is not overridden
+    and that cleans up no spaces. Every step decodes two short windows per request, and transformers'
+    Python wrapper around the Rust call costs more than the call itself (about 12 vs 5 us)."""
+    backend = _plain_fast_backend(tokenizer)
+    if backend is not None:
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _plain_fast_backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind `tokenizer` when its decode is exactly the backend's, else None."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep the wrapper
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (not isinstance(backend, Tokenizer) or not isinstance(tokenizer, TokenizersBackend)
+            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return backend

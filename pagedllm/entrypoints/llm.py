@@ -154,7 +154,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        from pagedllm.entrypoints.chat_template import render_chat  # the sandbox and budget of the server's chats
+        from pagedllm.entrypoints.chat import render_chat  # the sandbox and budget of the server's chats
 
         return render_chat(tokenizer, list(messages), add_generation_prompt=add_generation_prompt)
 

@@ -40,7 +40,7 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.forward_context import set_forward_context
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
-from pagedllm.worker.step_inputs import RunnerRequestState
+from pagedllm.worker.model_runner import RunnerRequestState
 
 logger = logging.getLogger(__name__)
 

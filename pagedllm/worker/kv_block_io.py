@@ -1,4 +1,6 @@
-"""KV blocks as bytes and back: what the disk tier stores (core/kv_disk_tier.py).
+"""KV blocks moved whole, outside the forward pass: swapped between the device and host caches, copied
+within a cache (copy-on-write), and turned into bytes and back (what the disk tier stores, core/kv_disk_tier.py).
+The runner calls here only with blocks to move.
 
 A block's bytes are every cache tensor's ``[:, block]`` slice (K then V, layer after layer, the draft
 model's caches after the target's, as the runner lists them), each in its own element type. Reading
@@ -8,6 +10,23 @@ a block back writes exactly those bytes, so a loaded block is bitwise the block 
 from __future__ import annotations
 
 import torch
+
+
+def swap_blocks(mapping: list[tuple[int, int]], src_caches: list[torch.Tensor],
+                dst_caches: list[torch.Tensor]) -> None:
+    """Copy each ``(src, dst)`` block of ``src_caches`` into ``dst_caches`` (device <-> host, same layout)."""
+    src = torch.tensor([s for s, _ in mapping])
+    dst = torch.tensor([d for _, d in mapping])
+    for src_cache, dst_cache in zip(src_caches, dst_caches):
+        dst_cache[:, dst.to(dst_cache.device)] = src_cache[:, src.to(src_cache.device)].to(dst_cache.device)
+
+
+def copy_blocks(copies: list[tuple[int, int]], caches: list[torch.Tensor]) -> None:
+    """Copy each ``(src, dst)`` block within every cache (a shared block made private before a write)."""
+    src = torch.tensor([s for s, _ in copies])
+    dst = torch.tensor([d for _, d in copies])
+    for cache in caches:
+        cache[:, dst.to(cache.device)] = cache[:, src.to(cache.device)]
 
 
 def read_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> list[bytes]:

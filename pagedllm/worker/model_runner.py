@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -20,20 +21,43 @@ from pagedllm.lora.layers import lora_step
 from pagedllm.model import batch_invariant as batch_invariant_mode
 from pagedllm.model.attention.backend import make_attention_backend
 from pagedllm.model.attention.layer import set_attention_backend
-from pagedllm.model.forward_context import set_forward_context
+from pagedllm.lora.request import LoRARequest
+from pagedllm.model.forward_context import InputRow, build_step_inputs, set_forward_context
 from pagedllm.model.sampling.logprobs import compute_prompt_logprobs
-from pagedllm.model.sampling.metadata import RequestTensorCache, SamplingMetadata, SamplingRow, plain_greedy
+from pagedllm.model.sampling.metadata import RequestTensorCache, RequestTensors, SamplingMetadata, SamplingRow, plain_greedy
 from pagedllm.model.sampling.sampler import Sampler, SamplerOutput, greedy_tokens
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_block_io, spec_verify
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
-from pagedllm.worker.step_inputs import InputRow, RunnerRequestState, build_step_inputs  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    """A running request as the runner keeps it, updated from the scheduler's diffs (a row of the step's inputs)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: list[int]
+    fork_children: list[tuple[str, SamplingParams]]
+    """Parallel samples drawn from this request's first sampling logits (then forked by the scheduler)."""
+    tensors: RequestTensors | None = None
+    """logit_bias and min_tokens ids as tensors, shared with the request's other sequences (None: built
+    per step, for states made outside the runner)."""
+    lora_request: LoRARequest | None = None
+    """The adapter this request generates with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request: pooled when its prompt is computed, never sampled."""
 
 
 class ModelRunner:
@@ -160,24 +184,6 @@ class ModelRunner:
         if params.seed is not None and req_id not in self.generators:
             self.generators[req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
 
-    @staticmethod
-    def _swap_blocks(mapping: list[tuple[int, int]], src_caches: list[torch.Tensor],
-                     dst_caches: list[torch.Tensor]) -> None:
-        if not mapping:
-            return
-        src = torch.tensor([s for s, _ in mapping])
-        dst = torch.tensor([d for _, d in mapping])
-        for src_cache, dst_cache in zip(src_caches, dst_caches):
-            dst_cache[:, dst.to(dst_cache.device)] = src_cache[:, src.to(src_cache.device)].to(dst_cache.device)
-
-    def _apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for kv_cache in self._block_caches:
-            kv_cache[:, dst] = kv_cache[:, src]
-
     def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Blocks' K/V as bytes, outside a step (the disk tier keeps the cached prefixes at shutdown)."""
         return kv_block_io.read_blocks(self._block_caches, block_ids)
@@ -189,19 +195,22 @@ class ModelRunner:
         self._update_states(sched)
         # Order matters: blocks spilled or swapped out may be the very blocks loaded, swapped in or copied into now.
         spilled = kv_block_io.read_blocks(self._block_caches, sched.kv_spill) if sched.kv_spill else []
-        self._swap_blocks(sched.swap_out, self._block_caches, self._host_block_caches)
+        if sched.swap_out:
+            kv_block_io.swap_blocks(sched.swap_out, self._block_caches, self._host_block_caches)
         if sched.kv_load:
             kv_block_io.write_blocks(self._block_caches, sched.kv_load)
-        self._swap_blocks(sched.swap_in, self._host_block_caches, self._block_caches)
-        self._apply_block_copies(sched.block_copies)
+        if sched.swap_in:
+            kv_block_io.swap_blocks(sched.swap_in, self._host_block_caches, self._block_caches)
+        if sched.block_copies:
+            kv_block_io.copy_blocks(sched.block_copies, self._block_caches)
         self._spec_tokens = sched.scheduled_spec_tokens
         if self.draft is not None:
             self.draft.update(sched)
-            if not sched.is_empty:  # fills sched.num_draft_tokens' slots
+            if sched.total_num_scheduled_tokens:  # fills sched.num_draft_tokens' slots
                 self._spec_tokens = self.draft.propose(self.requests, sched, self.prepare_inputs)
         if self._spec_tokens:
             spec_verify.attach_proposals(self.requests, self._spec_tokens)
-        if sched.is_empty:
+        if not sched.total_num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={}, kv_spilled=spilled)
 
         req_ids = list(sched.num_scheduled_tokens)
@@ -357,7 +366,7 @@ class ModelRunner:
 
     def prepare_inputs(self, states: Sequence[InputRow], num_scheduled: list[int]):
         """Flat token ids, positions and attention metadata for `num_scheduled[i]` tokens of states[i]
-        (``step_inputs.build_step_inputs``); the draft proposer reads its inputs here too."""
+        (``forward_context.build_step_inputs``); the draft proposer reads its inputs here too."""
         return build_step_inputs(states, num_scheduled, self.block_size, self.device)
 
     def _compute_prompt_logprobs(self, states, num_scheduled, metadata, hidden_states, output) -> None:

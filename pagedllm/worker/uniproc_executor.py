@@ -118,12 +118,12 @@ class UniprocExecutor(Executor):
         draft = None
         if self.draft_loaded is not None:
             draft = DraftProposer(self.draft_loaded.model, draft_spec, num_blocks, num_host_blocks, self.device)
-        self.runner = ModelRunner(
+        self._use_runner(ModelRunner(
             model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks, seed=args.seed,
             num_host_blocks=num_host_blocks, device=self.device, attention_backend=args.attention_backend,
             cuda_graphs=None if args.enforce_eager else scheduler_config, load_tokenizer=lambda: self.loaded.tokenizer,
             draft=draft, lora=self.lora, batch_invariant=args.batch_invariant, pooling=self.pooling,
-        )
+        ))
         # a draft model reads the same block tables, so its layers must share the window too
         window = shared_sliding_window(model, *([self.draft_loaded.model] if self.draft_loaded is not None else []))
         return kv_cache_info(spec, num_blocks, num_host_blocks, draft_spec, sliding_window=window)
@@ -138,15 +138,20 @@ class UniprocExecutor(Executor):
         blocks_per_seq = -(-scheduler_config.max_model_len // spec.block_size)
         num_blocks = cache_config.num_kv_blocks or scheduler_config.max_num_seqs * blocks_per_seq
         args = self.device_config
-        self.runner = ModelRunner(
+        self._use_runner(ModelRunner(
             self.loaded.model, vocab_size=self.model_info.vocab_size, kv_spec=spec, num_blocks=num_blocks,
             seed=args.seed, num_host_blocks=0, device=self.device, attention_backend=args.attention_backend,
-            cuda_graphs=None, batch_invariant=False, pooling=self.pooling)
+            cuda_graphs=None, batch_invariant=False, pooling=self.pooling))
         return kv_cache_info(spec, num_blocks, 0)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        assert self.runner is not None, "initialize_kv_cache() first"
-        return self.runner.execute_model(sched)
+        """Only before ``initialize_kv_cache``: that makes the runner and puts its own ``execute_model`` in
+        this method's place, so the engine core's step goes straight to the runner."""
+        raise RuntimeError("initialize_kv_cache() first")
+
+    def _use_runner(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.execute_model = runner.execute_model  # nothing to add in one process: no hop through here
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Blocks' K/V as bytes (the KV disk tier keeps the cached prefixes at shutdown)."""

@@ -261,7 +261,7 @@ def test_forks_share_pruned_beams_free_at_once_only_partial_blocks_copied(tiny_s
         _check_ref_counts(kv)
         return kids
 
-    real_execute = core.executor.runner.execute_model
+    real_execute = core.executor.execute_model
 
     def execute_model(sched_output):
         # every copy is of the shared partial last block of a just-forked child; the last sharer writes in place
@@ -282,7 +282,7 @@ def test_forks_share_pruned_beams_free_at_once_only_partial_blocks_copied(tiny_s
         return real_execute(sched_output)
 
     scheduler.replace_beams = replace_beams
-    core.executor.runner.execute_model = execute_model
+    core.executor.execute_model = execute_model
     params = BeamSearchParams(4, max_tokens=12, ignore_eos=True)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:4]], params)
     assert events["forks"] > 0 and events["pruned_blocks"] > 0 and events["copies"] > 0, events

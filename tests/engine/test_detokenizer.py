@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, find_stop_string
+from pagedllm.engine.output_processor import IncrementalDetokenizer, check_stop_strings, find_stop_string
 from pagedllm.sampling_params import SamplingParams
 
 CORPUS = [
@@ -81,7 +81,7 @@ TOKENIZERS = ["byte_level", "sentencepiece", "smollm2"]
 
 def _stream(tokenizer, ids, chunks, params=None):
     """Feed ids in chunks; return (detokenizer, streamed deltas, matched stop)."""
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], params or SamplingParams())
+    detok = IncrementalDetokenizer(tokenizer, params or SamplingParams())
     deltas, stop, pos = [], None, 0
     for size in chunks:
         if pos >= len(ids):
@@ -105,7 +105,7 @@ def _stream(tokenizer, ids, chunks, params=None):
 def test_one_token_at_a_time_matches_full_decode(name):
     tokenizer = _tokenizer(name)
     ids = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
     full = tokenizer.decode(ids, skip_special_tokens=True)
     for i, token_id in enumerate(ids):
         assert detok.update([token_id]) is None
@@ -216,7 +216,7 @@ def test_earliest_stop_string_wins_and_text_after_is_dropped():
     ids = tokenizer.encode(text, add_special_tokens=False)
     params = SamplingParams(stop=["lazy", "fox", "quick brown fox jumps"])
     # All ids in one update: several stop strings occur; the earliest start wins.
-    detok = IncrementalDetokenizer(tokenizer, [], params)
+    detok = IncrementalDetokenizer(tokenizer, params)
     assert detok.update(ids) == "quick brown fox jumps"
     assert detok.output_text == "The "
     assert detok.get_next_delta() == "The "
@@ -225,7 +225,7 @@ def test_earliest_stop_string_wins_and_text_after_is_dropped():
 def test_stop_string_in_first_update_with_include():
     tokenizer = byte_level_bpe()
     ids = tokenizer.encode("Hello world, hello there", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["world"], include_stop_str_in_output=True))
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["world"], include_stop_str_in_output=True))
     assert detok.update(ids) == "world"
     assert detok.output_text == "Hello world"
     assert detok.token_ids == ids
@@ -234,7 +234,7 @@ def test_stop_string_in_first_update_with_include():
 def test_stop_strings_wait_for_min_tokens():
     tokenizer = byte_level_bpe()
     ids = tokenizer.encode("ab ab ab ab ab ab", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["ab"], min_tokens=3, max_tokens=16))
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["ab"], min_tokens=3, max_tokens=16))
     stop = None
     for i, token_id in enumerate(ids):
         stop = detok.update([token_id])
@@ -249,7 +249,7 @@ def test_stop_strings_wait_for_min_tokens():
 def test_streaming_holds_back_a_possible_stop_prefix():
     tokenizer = byte_level_bpe()
     ids = tokenizer.encode("Hello world", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["world!!"]))
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["world!!"]))
     detok.update(ids)
     assert detok.output_text == "Hello world"
     assert detok.get_next_delta() == "Hello"  # 6 = len("world!!") - 1 characters held back
@@ -262,7 +262,7 @@ def test_finish_flushes_an_incomplete_character_like_decode():
     tokenizer = byte_level_bpe()
     ids = tokenizer.encode("ok 😀", add_special_tokens=False)
     partial = next(n for n in range(1, len(ids) + 1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
     detok.update(ids[:partial])
     assert "\ufffd" not in detok.output_text
     assert detok.finish() is None
@@ -294,7 +294,7 @@ def test_update_decodes_a_bounded_window():
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     ids = tokenizer.encode(SAMPLE_TEXT * 20, add_special_tokens=False)
-    detok = IncrementalDetokenizer(CountingTokenizer(), [], SamplingParams())
+    detok = IncrementalDetokenizer(CountingTokenizer(), SamplingParams())
     for token_id in ids:
         detok.update([token_id])
     detok.finish()
@@ -306,7 +306,7 @@ def test_update_decodes_a_bounded_window():
 def test_ids_after_a_stop_are_ignored():
     tokenizer = byte_level_bpe()
     ids = tokenizer.encode("Hello world", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["world"]))
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["world"]))
     assert detok.update(ids) == "world"
     assert detok.update(ids) is None
     assert detok.token_ids == ids and detok.output_text == "Hello "
@@ -315,7 +315,7 @@ def test_ids_after_a_stop_are_ignored():
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_decodes_through_the_rust_tokenizer_when_equivalent(name):
-    from pagedllm.engine.detokenizer import _decoder
+    from pagedllm.engine.output_processor import _decoder
 
     tokenizer = _tokenizer(name)
     decode = _decoder(tokenizer, skip_special_tokens=True)
@@ -327,7 +327,7 @@ def test_decodes_through_the_rust_tokenizer_when_equivalent(name):
 
 def test_keeps_the_transformers_decode_when_it_differs():
     """Space clean-up, or a subclass's own decode, must not be bypassed."""
-    from pagedllm.engine.detokenizer import _decoder
+    from pagedllm.engine.output_processor import _decoder
 
     base = byte_level_bpe()
     cleaning = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|endoftext|>",
@@ -340,7 +340,7 @@ def test_keeps_the_transformers_decode_when_it_differs():
 
     shouting = Shouting(tokenizer_object=base.backend_tokenizer, eos_token="<|endoftext|>")
     ids = shouting.encode("hello world", add_special_tokens=False)
-    detok = IncrementalDetokenizer(shouting, [], SamplingParams())
+    detok = IncrementalDetokenizer(shouting, SamplingParams())
     detok.update(ids)
     detok.finish()
     assert detok.output_text == shouting.decode(ids) == "HELLO WORLD"

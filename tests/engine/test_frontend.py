@@ -44,7 +44,7 @@ def test_the_processor_returns_a_complete_request_and_n_fans_out_in_one_place(fr
     assert frontend.core.added == [sent]
     assert (sent.req_id, sent.prompt_token_ids, sent.max_tokens, list(sent.eos_token_ids), sent.cache_salt) == (
         "r", [5, 6, 7], 4, [2], "t1")
-    assert sent.sequence_req_ids() == ["r#0", "r#1", "r#2"]
+    assert sent.sampling_params.sequence_req_ids(sent.req_id) == ["r#0", "r#1", "r#2"]
     assert [frontend.request_id_of(s) for s in ("r#0", "r#2", "r", "x")] == ["r", "r", None, None]
     # the core builds one Request per sequence from the same message, each with its own seed
     requests = Request.for_sequences(sent)

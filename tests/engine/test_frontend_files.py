@@ -45,7 +45,7 @@ def test_without_a_named_class_autotokenizer_decides(tmp_path, model_dir):
 
 def test_chat_template_flag_replaces_the_models(model_dir):
     from pagedllm.entrypoints.openai.api_server import set_chat_template
-    from pagedllm.entrypoints.openai.chat_message import ChatMessage
+    from pagedllm.entrypoints.chat import ChatMessage
     from pagedllm.entrypoints.openai.serving_chat import apply_chat_template
 
     tokenizer = load_tokenizer(str(model_dir))

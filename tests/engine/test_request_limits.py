@@ -42,7 +42,7 @@ AT_THE_LIMIT = dict(stop_token_ids=[10, 11, 12, 13], logit_bias={1: 1.0, 2: 2.0,
 
 def test_a_request_at_every_limit_is_accepted(frontend):
     sent = frontend.add_request("ok", [5] * 8, SamplingParams(max_tokens=4, **AT_THE_LIMIT))
-    assert frontend.core.added == [sent] and len(sent.sequence_req_ids()) == 6
+    assert frontend.core.added == [sent] and len(sent.sampling_params.sequence_req_ids(sent.req_id)) == 6
 
 
 @pytest.mark.parametrize("change, limit_name", [

@@ -7,7 +7,7 @@ import time
 import pytest
 from jinja2.exceptions import SecurityError
 
-from pagedllm.entrypoints.chat_template import ChatTemplateError, render_chat
+from pagedllm.entrypoints.chat import ChatTemplateError, render_chat
 from tests.engine.tiny_llama_dir import default_model_dir
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello <|im_end|> there"},

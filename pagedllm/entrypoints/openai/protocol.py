@@ -3,12 +3,12 @@
 Field names and defaults follow OpenAI's API; the extras (top_k, min_p, ...) follow vLLM.
 Range checks that SamplingParams already makes are left to it, so each rule lives once;
 only bounds SamplingParams has no notion of (n, best_of, seed, list lengths) are here.
-Chat messages follow OpenAI's per-role rules (chat_message.py).
+Chat messages follow OpenAI's per-role rules (entrypoints/chat.py).
 
 Where OpenAI's API refuses more, this server follows vLLM on purpose: up to 64 stop strings
 (OpenAI: 4), completion logprobs up to 20 (OpenAI: 5), best_of up to 64 (OpenAI: 20),
 temperature up to 100 (OpenAI: 2). Where it refuses more than OpenAI: n up to 64 (OpenAI: 128),
-top_p above 0, and what it cannot serve (images, the deprecated functions; see chat_message.py).
+top_p above 0, and what it cannot serve (images, the deprecated functions; see entrypoints/chat.py).
 Tools: see tools.py.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from pagedllm.entrypoints.openai.chat_message import ChatMessage, check_tool_history
+from pagedllm.entrypoints.chat import ChatMessage, check_tool_history
 from pagedllm.entrypoints.openai.tools import NamedToolChoice, ToolDefinition, check_tools
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request_limits import MAX_N, MAX_PROMPTS

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
-from pagedllm.entrypoints.chat_template import ChatTemplateError, render_chat
+from pagedllm.entrypoints.chat import ChatMessage, ChatTemplateError, render_chat
 from pagedllm.entrypoints.openai.serving import (
     IndexedOutputs,
     ServingContext,
@@ -24,7 +24,6 @@ from pagedllm.entrypoints.openai.serving import (
     open_streams,
 )
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.chat_message import ChatMessage
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tools import ChoiceParser, ToolPlan, conversation, prepare_tools, template_takes_tools
 from pagedllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
@@ -34,7 +33,7 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
                         plan: ToolPlan | None = None, chat_template: str | None = None,
                         template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the conversation through the chat template (the tokenizer's, or ``chat_template``), in the
-    sandbox and under the budget of chat_template.py, with the plan's tools (natively or in the fallback of
+    sandbox and under the budget of entrypoints/chat.py, with the plan's tools (natively or in the fallback of
     tools.py); 400 if it cannot be applied."""
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise APIError(400, "this model has no chat template; use /v1/completions")

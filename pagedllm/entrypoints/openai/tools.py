@@ -30,7 +30,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.entrypoints.openai.chat_message import ChatMessage
+from pagedllm.entrypoints.chat import ChatMessage
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
