@@ -89,8 +89,11 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
   if (m == 0) return at::empty({0, n}, x.options());
   at::Tensor y = kept_output(m, n, x.options());
   // x is rounded to bf16 a chunk at a time into one chunk-sized buffer that stays in cache for the chunk's
-  // products: no [m, k] bf16 copy of x allocated and written out to memory a call
-  at::Tensor xb = at::empty({std::min(m, kChunkM), k}, x.options().dtype(at::kBFloat16));
+  // products: no [m, k] bf16 copy of x allocated and written out to memory a call. Every ukernel call is kBlockM
+  // rows (ATen keeps a generated kernel per shape it is called with: a last tile of each batch's own row count
+  // would add kernels with every new batch size); the chunk's rows past m are zeros, their products land in tail.
+  const int64_t chunk_rows = std::min(m, kChunkM);
+  at::Tensor xb = at::empty({(chunk_rows + kBlockM - 1) / kBlockM * kBlockM, k}, x.options().dtype(at::kBFloat16));
   const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   float* c = y.data_ptr<float>();
@@ -103,21 +106,23 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
   for (int64_t m0 = 0; m0 < m; m0 += kChunkM) {
     const int64_t m1 = std::min(m, m0 + kChunkM);
     xb.narrow(0, 0, m1 - m0).copy_(x.narrow(0, m0, m1 - m0));
+    const int64_t padded_rows = (m1 - m0 + kBlockM - 1) / kBlockM * kBlockM;
+    if (padded_rows > m1 - m0) xb.narrow(0, m1 - m0, padded_rows - (m1 - m0)).zero_();
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      float tail[kBlockM * kBlockN];  // the last block's columns past n land here
+      float tail[kBlockM * kBlockN];  // a last tile's rows past m, the last block's columns past n
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t col = b * kBlockN, cols = std::min(kBlockN, n - col);
         for (int64_t r = m0; r < m1; r += kBlockM) {
           const int64_t rows = std::min(kBlockM, m1 - r);
-          const bool full = cols == kBlockN;
-          float* out = full ? c + r * n + col : tail;
-          const int64_t ldc = full ? n : kBlockN;
+          const bool direct = cols == kBlockN && rows == kBlockM;
+          float* out = direct ? c + r * n + col : tail;
+          const int64_t ldc = direct ? n : kBlockN;
           // the bias written first and the products added to it: no second pass over y
           if (bias_p != nullptr)
-            for (int64_t i = 0; i < rows; ++i) std::memcpy(out + i * ldc, bias_p + col, cols * sizeof(float));
-          cpublas::brgemm(rows, kBlockN, k, k, kBlockN, ldc, bias_p != nullptr, a + (r - m0) * k,
+            for (int64_t i = 0; i < kBlockM; ++i) std::memcpy(out + i * ldc, bias_p + col, cols * sizeof(float));
+          cpublas::brgemm(kBlockM, kBlockN, k, k, kBlockN, ldc, bias_p != nullptr, a + (r - m0) * k,
                           w + b * k * kBlockN, out);
-          if (!full)
+          if (!direct)
             for (int64_t i = 0; i < rows; ++i) std::memcpy(c + (r + i) * n + col, tail + i * kBlockN, cols * 4);
         }
       }

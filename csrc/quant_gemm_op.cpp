@@ -227,19 +227,26 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
   const int64_t block_values = k * kVnniCols;
   const int64_t part_blocks = std::max<int64_t>(1, kBf16PartBytes / (block_values * 2));
   const int64_t lda = k + kBf16RowPad;
-  at::Tensor xb = at::empty({std::min(m, kBf16ChunkRows), lda}, x.options().dtype(at::kBFloat16));
+  // Every ukernel call is kBrgemmRows rows: ATen keeps a generated kernel for each shape it is called with, so a
+  // last tile of the step's own row count would add kernels with every new prompt length (the process grew ~390
+  // MiB over prompts of 90-270 tokens). The chunk's rows past m are zeros; their products land in `tail`.
+  const int64_t chunk_rows = std::min(m, kBf16ChunkRows);
+  at::Tensor xb = at::empty({(chunk_rows + kBrgemmRows - 1) / kBrgemmRows * kBrgemmRows, lda},
+                            x.options().dtype(at::kBFloat16));
   const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const uint8_t* weight = packed.data_ptr<uint8_t>();
   float* c = y.data_ptr<float>();
   for (int64_t m0 = 0; m0 < m; m0 += kBf16ChunkRows) {
     const int64_t m1 = std::min(m, m0 + kBf16ChunkRows);
     xb.narrow(0, 0, m1 - m0).narrow(1, 0, k).copy_(x.narrow(0, m0, m1 - m0));
+    const int64_t padded_rows = (m1 - m0 + kBrgemmRows - 1) / kBrgemmRows * kBrgemmRows;
+    if (padded_rows > m1 - m0) xb.narrow(0, m1 - m0, padded_rows - (m1 - m0)).zero_();
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       thread_local std::vector<uint16_t> unpacked, panel;  // kept by each thread: a part's blocks, a panel
       if (unpacked.size() < static_cast<size_t>(part_blocks * block_values))
         unpacked.resize(part_blocks * block_values);
       if (panel.size() < static_cast<size_t>(k * quant::kPanelRows)) panel.resize(k * quant::kPanelRows);
-      float tail[kBrgemmRows * kVnniCols];  // the last block's columns past n land here
+      float tail[kBrgemmRows * kVnniCols];  // a last tile's rows past m, the last block's columns past n
       for (int64_t pb = b0; pb < b1; pb += part_blocks) {
         const int64_t pe = std::min(b1, pb + part_blocks);
         for (int64_t b = pb; b < pe; ++b) {
@@ -251,17 +258,17 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
           const int64_t rows = std::min(kBrgemmRows, m1 - r);
           for (int64_t b = pb; b < pe; ++b) {
             const int64_t col = b * kVnniCols, cols = std::min(kVnniCols, n - col);
-            const bool full = cols == kVnniCols;
-            float* out = full ? c + r * n + col : tail;
-            const int64_t ldc = full ? n : kVnniCols;
+            const bool direct = cols == kVnniCols && rows == kBrgemmRows;
+            float* out = direct ? c + r * n + col : tail;
+            const int64_t ldc = direct ? n : kVnniCols;
             // the bias written first and the products added to it: no second pass over y
             if (bias != nullptr)
-              for (int64_t i = 0; i < rows; ++i) std::memcpy(out + i * ldc, bias + col, cols * sizeof(float));
+              for (int64_t i = 0; i < kBrgemmRows; ++i) std::memcpy(out + i * ldc, bias + col, cols * sizeof(float));
             const at::BFloat16* w = reinterpret_cast<const at::BFloat16*>(unpacked.data() + (b - pb) * block_values);
             for (int64_t kk = 0; kk < k; kk += kBf16KStep)  // a K step's VNNI rows start at kk * kVnniCols
-              cpublas::brgemm(rows, kVnniCols, std::min(kBf16KStep, k - kk), lda, kVnniCols, ldc,
+              cpublas::brgemm(kBrgemmRows, kVnniCols, std::min(kBf16KStep, k - kk), lda, kVnniCols, ldc,
                               bias != nullptr || kk > 0, a + (r - m0) * lda + kk, w + kk * kVnniCols, out);
-            if (!full)
+            if (!direct)
               for (int64_t i = 0; i < rows; ++i) std::memcpy(c + (r + i) * n + col, tail + i * kVnniCols, cols * 4);
           }
         }
