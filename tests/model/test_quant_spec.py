@@ -19,7 +19,10 @@ def tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
 
 
+@pytest.mark.usefixtures("int8_kernels_only")
 def test_speculative_decoding_on_quantized_weights(tmp_path):
+    """The int8 kernels at every row count: on a CPU with AMX a step of 96+ rows takes the bf16 prefill path, whose
+    rounding differs, and speculation changes how prompts share steps (tests/model/test_bf16_prefill.py)."""
     target, draft = tmp_path / "target-Q4_1.gguf", tmp_path / "draft-Q8_0.gguf"
     write_llama_gguf(make_hf_model("llama", seed=8), target, GGMLQuantizationType.Q4_1)
     write_llama_gguf(make_hf_model("llama", seed=9, num_hidden_layers=1), draft, GGMLQuantizationType.Q8_0)
