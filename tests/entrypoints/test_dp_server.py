@@ -130,14 +130,20 @@ def wait_replicas_idle(server: RemoteServer, replicas: set[str], timeout_s: floa
 
 
 def kill_one_replica(server: RemoteServer, core_pids: list[int]) -> None:
-    streams = [Stream(server, 150) for _ in range(4)]
+    # Long enough that no stream ends while the other replica is still starting its first: a replica whose
+    # running request had finished would hold no queued one to re-send when it is killed.
+    streams = [Stream(server, 400) for _ in range(4)]
     for s in streams:
         s.start()
     deadline = time.monotonic() + 60
-    while sum(s.first_data.is_set() for s in streams) < 2:  # one running per replica, one queued on each
+    while True:  # one running per replica, one queued on each, none finished
+        assert not any(s.outcome for s in streams), f"a stream ended before the kill: {[s.outcome for s in streams]}"
+        if (sum(s.first_data.is_set() for s in streams) == 2
+                and by_replica(server, "pagedllm_replica_num_requests_running") == {"0": 1.0, "1": 1.0}
+                and by_replica(server, "pagedllm_replica_num_requests_waiting") == {"0": 1.0, "1": 1.0}):
+            break
         assert time.monotonic() < deadline, server.log()
         time.sleep(0.02)
-    assert sum(s.first_data.is_set() for s in streams) == 2
     killed_at = time.monotonic()
     os.kill(core_pids[0], signal.SIGKILL)
     body = wait_health(server, "degraded", 10)
