@@ -3,8 +3,8 @@
 // one its CPU flash attention calls). torch's own bf16 matmul rounds its output to bf16 too; that rounding, as
 // large again as the inputs', is what took a 28-layer decoder's vectors under cosine 0.9999 (docs/embeddings.md).
 // Pooling models only (pagedllm/model/layers/bf16_matmul.py): the weight is packed once, in VNNI pairs, in column
-// blocks of kBlockN; a call walks its rows kChunkM at a time (the chunk's rows rounded to bf16 into a buffer that
-// stays in cache) and splits the column blocks over the threads. Outputs go to buffers kept between calls
+// blocks of kBlockN; a call splits its rows and column blocks into tasks (split_work), each rounding its rows to
+// bf16 into a buffer of the thread's that stays in cache. Outputs go to buffers kept between calls
 // (kept_output): a fresh 25 MB output a call cost as much in page faults as the products (docs/embeddings.md).
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
@@ -15,6 +15,7 @@
 #include <mutex>
 #include <vector>
 
+#include "quant_dequant_bf16.h"
 #include "thread_pool.h"
 
 namespace pagedllm {
@@ -24,7 +25,11 @@ namespace cpublas = at::native::cpublas;
 
 constexpr int64_t kBlockN = 64;   // columns of one packed block (32 and 64 measured; 64 best)
 constexpr int64_t kBlockM = 64;   // rows of one ukernel call (32 to 256 measured; 64 best)
-constexpr int64_t kChunkM = 256;  // rows whose bf16 copy the threads share before the next chunk
+constexpr int64_t kGroupTiles = 4;      // row tiles a task rounds to bf16 and multiplies by its column blocks
+constexpr int64_t kTasksPerThread = 4;  // tasks a thread gets at least, where the rows allow (split_work)
+// x's bf16 rows are this many values longer than K: at a row stride of a multiple of 4 KiB, the 16 rows a tile
+// load reads would fall in one L1 set.
+constexpr int64_t kRowPad = 32;
 // A transformer layer holds at most four linear outputs at once (q/k/v, o, up, down); two more leave room for
 // the next layer's first outputs while the previous layer's last ones are still held.
 constexpr size_t kMaxKept = 6;
@@ -63,7 +68,7 @@ at::Tensor kept_output(int64_t m, int64_t n, const at::TensorOptions& options) {
 // W [n, K] float32 or bf16 -> [ceil(n / kBlockN), K * kBlockN] bf16, each block VNNI-packed (zero columns past n).
 at::Tensor bf16_matmul_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "bf16_matmul_pack: weight must be a 2-D CPU tensor");
-  TORCH_CHECK(cpublas::could_pack(at::kBFloat16), "bf16_matmul_pack: this CPU has no AMX-BF16 ukernel");
+  TORCH_CHECK(quant::has_bf16_ukernel_path(), "bf16_matmul_pack: this CPU has no AMX-BF16 ukernel");
   const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlockN - 1) / kBlockN;
   TORCH_CHECK(k % 2 == 0, "bf16_matmul_pack: K must be even (VNNI pairs), got ", k);
   at::Tensor wt = at::zeros({k, blocks * kBlockN}, weight.options().dtype(at::kBFloat16));
@@ -73,6 +78,27 @@ at::Tensor bf16_matmul_pack(const at::Tensor& weight) {
     cpublas::pack(k, kBlockN, blocks * kBlockN, kBlockN, at::kBFloat16, at::kBFloat16,
                   wt.data_ptr<at::BFloat16>() + b * kBlockN, packed[b].data_ptr<at::BFloat16>());
   return packed;
+}
+
+// How a call's products are split: tasks of (a group of up to kGroupTiles row tiles) x (a group of column blocks),
+// row group major, at least kTasksPerThread a thread so that the pool's contiguous ranges come out even; each
+// task rounds its rows to bf16 into the thread's own buffer, so a thread whose tasks share a row group rounds it
+// once and a call is one parallel job with no OpenMP region inside (docs/embeddings.md, Speed).
+struct Split {
+  int64_t tiles, group_tiles, row_groups, col_groups, blocks_per_group;
+};
+
+Split split_work(int64_t m, int64_t blocks, int64_t threads) {
+  Split s;
+  s.tiles = (m + kBlockM - 1) / kBlockM;
+  const int64_t groups = (s.tiles + kGroupTiles - 1) / kGroupTiles;
+  s.group_tiles = (s.tiles + groups - 1) / groups;  // even groups: 5 tiles are 3 + 2, not 4 + 1
+  s.row_groups = (s.tiles + s.group_tiles - 1) / s.group_tiles;
+  const int64_t wanted = (kTasksPerThread * threads + s.row_groups - 1) / s.row_groups;
+  s.col_groups = std::max<int64_t>(1, std::min(blocks, wanted));
+  s.blocks_per_group = (blocks + s.col_groups - 1) / s.col_groups;
+  s.col_groups = (blocks + s.blocks_per_group - 1) / s.blocks_per_group;
+  return s;
 }
 
 at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -88,57 +114,65 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
               blocks, " blocks");
   if (m == 0) return at::empty({0, n}, x.options());
   at::Tensor y = kept_output(m, n, x.options());
-  // x is rounded to bf16 a chunk at a time into one chunk-sized buffer that stays in cache for the chunk's
-  // products: no [m, k] bf16 copy of x allocated and written out to memory a call. Every ukernel call is kBlockM
-  // rows (ATen keeps a generated kernel per shape it is called with: a last tile of each batch's own row count
-  // would add kernels with every new batch size); the chunk's rows past m are zeros, their products land in tail.
-  const int64_t chunk_rows = std::min(m, kChunkM);
-  at::Tensor xb = at::empty({(chunk_rows + kBlockM - 1) / kBlockM * kBlockM, k}, x.options().dtype(at::kBFloat16));
-  const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
-  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
-  float* c = y.data_ptr<float>();
   const float* bias_p = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
                 "bf16_matmul_cpu: bias must be a contiguous float32 [n] tensor");
     bias_p = bias->data_ptr<float>();
   }
-  for (int64_t m0 = 0; m0 < m; m0 += kChunkM) {
-    const int64_t m1 = std::min(m, m0 + kChunkM);
-    xb.narrow(0, 0, m1 - m0).copy_(x.narrow(0, m0, m1 - m0));
-    const int64_t padded_rows = (m1 - m0 + kBlockM - 1) / kBlockM * kBlockM;
-    if (padded_rows > m1 - m0) xb.narrow(0, m1 - m0, padded_rows - (m1 - m0)).zero_();
-    parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      float tail[kBlockM * kBlockN];  // a last tile's rows past m, the last block's columns past n
-      for (int64_t b = b0; b < b1; ++b) {
+  const at::Tensor rows_x = x.stride(1) == 1 ? x : x.contiguous();
+  const float* xp = rows_x.data_ptr<float>();
+  const int64_t ldx = rows_x.stride(0), lda = (k + 31) / 32 * 32 + kRowPad;  // 64-byte aligned rows
+  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
+  float* c = y.data_ptr<float>();
+  const Split s = split_work(m, blocks, at::get_num_threads());
+  parallel_for(0, s.row_groups * s.col_groups, 1, [&](int64_t t0, int64_t t1) {
+    // Every ukernel call is kBlockM rows (ATen keeps a generated kernel per shape it is called with: a last tile of
+    // each batch's own row count would add kernels with every new batch size); a group's rows past m are zeros,
+    // their products land in tail.
+    thread_local quant::AlignedScratch scratch;
+    uint16_t* rows_bf16 = scratch.get(kGroupTiles * kBlockM * lda);
+    const at::BFloat16* a = reinterpret_cast<const at::BFloat16*>(rows_bf16);
+    float tail[kBlockM * kBlockN];  // a last tile's rows past m, the last block's columns past n
+    int64_t rounded_group = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / s.col_groups, cg = t % s.col_groups;
+      const int64_t r0 = g * s.group_tiles * kBlockM, r1 = std::min(m, r0 + s.group_tiles * kBlockM);
+      const int64_t padded = (r1 - r0 + kBlockM - 1) / kBlockM * kBlockM;
+      if (g != rounded_group) {
+        quant::round_rows_bf16_avx512(xp + r0 * ldx, ldx, r1 - r0, k, rows_bf16, lda, padded);
+        rounded_group = g;
+      }
+      const int64_t b_end = std::min(blocks, (cg + 1) * s.blocks_per_group);
+      for (int64_t b = cg * s.blocks_per_group; b < b_end; ++b) {
         const int64_t col = b * kBlockN, cols = std::min(kBlockN, n - col);
-        for (int64_t r = m0; r < m1; r += kBlockM) {
-          const int64_t rows = std::min(kBlockM, m1 - r);
+        for (int64_t r = r0; r < r1; r += kBlockM) {
+          const int64_t rows = std::min(kBlockM, r1 - r);
           const bool direct = cols == kBlockN && rows == kBlockM;
           float* out = direct ? c + r * n + col : tail;
           const int64_t ldc = direct ? n : kBlockN;
           // the bias written first and the products added to it: no second pass over y
           if (bias_p != nullptr)
             for (int64_t i = 0; i < kBlockM; ++i) std::memcpy(out + i * ldc, bias_p + col, cols * sizeof(float));
-          cpublas::brgemm(kBlockM, kBlockN, k, k, kBlockN, ldc, bias_p != nullptr, a + (r - m0) * k,
+          cpublas::brgemm(kBlockM, kBlockN, k, lda, kBlockN, ldc, bias_p != nullptr, a + (r - r0) * lda,
                           w + b * k * kBlockN, out);
           if (!direct)
             for (int64_t i = 0; i < rows; ++i) std::memcpy(c + (r + i) * n + col, tail + i * kBlockN, cols * 4);
         }
       }
-      cpublas::brgemm_release();
-    });
-  }
+    }
+    cpublas::brgemm_release();
+  });
   return y;
 }
 
-bool bf16_matmul_available() { return cpublas::could_pack(at::kBFloat16); }
+bool bf16_matmul_available() { return quant::has_bf16_ukernel_path(); }
 
 }  // namespace
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  // Whether this CPU runs the AMX-BF16 ukernel the op needs.
+  // Whether this CPU runs the op: AMX-BF16 for the ukernel, AVX-512 BF16 for the rounding.
   m.def("bf16_matmul_available() -> bool", &pagedllm::bf16_matmul_available);
   m.def("bf16_matmul_pack(Tensor weight) -> Tensor");
   m.def("bf16_matmul_cpu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");

@@ -255,5 +255,21 @@ void dequant_bf16_vnni_avx512(int qtype, const uint8_t* packed, int64_t k, int64
   }
 }
 
+void round_rows_bf16_avx512(const float* x, int64_t ldx, int64_t rows, int64_t k, uint16_t* out, int64_t ldo,
+                            int64_t padded_rows) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (k % 16)) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * ldx;
+    uint16_t* dst = out + r * ldo;
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) store16(_mm512_loadu_ps(src + i), dst + i);
+    if (tail != 0) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, src + i));
+      _mm256_mask_storeu_epi16(dst + i, tail, reinterpret_cast<const __m256i&>(h));
+    }
+  }
+  for (int64_t r = rows; r < padded_rows; ++r) std::memset(out + r * ldo, 0, k * sizeof(uint16_t));
+}
+
 }  // namespace quant
 }  // namespace pagedllm

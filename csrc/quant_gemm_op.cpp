@@ -182,25 +182,20 @@ bool has_avx512_bf16() {
   return has;
 }
 
-// Whether this CPU runs the bf16 path: AVX-512 BF16 for the unpacking, AMX-BF16 for ATen's ukernel.
-bool has_bf16_path() {
-  static const bool has = has_avx512_bf16() && at::native::cpublas::could_pack(at::kBFloat16);
-  return has;
-}
 
 // Rows from which an int8-activation call takes the bf16 path; 0 = never. Where the CPU runs it,
 // PAGEDLLM_BF16_PREFILL_ROWS or 96 (pagedllm/envs.py validates the variable before the library loads);
 // elsewhere 0. quant_gemm_bf16_rows changes it (tests, A/B runs).
 constexpr int64_t kDefaultBf16Rows = 96;
 std::atomic<int64_t> g_bf16_rows{[] {
-  if (!has_bf16_path()) return int64_t{0};
+  if (!quant::has_bf16_ukernel_path()) return int64_t{0};
   const char* text = std::getenv("PAGEDLLM_BF16_PREFILL_ROWS");
   return text != nullptr && *text != '\0' ? static_cast<int64_t>(std::atoll(text)) : kDefaultBf16Rows;
 }()};
 
 int64_t quant_gemm_bf16_rows(int64_t rows) {
   if (rows < 0) return g_bf16_rows.load();
-  TORCH_CHECK(rows == 0 || has_bf16_path(), "quant_gemm_bf16_rows: the bf16 path needs AVX-512 BF16 and AMX-BF16");
+  TORCH_CHECK(rows == 0 || quant::has_bf16_ukernel_path(), "quant_gemm_bf16_rows: the bf16 path needs AVX-512 BF16 and AMX-BF16");
   return g_bf16_rows.exchange(rows);
 }
 
@@ -226,7 +221,7 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
   const int64_t blocks = (num_panels + panels_per_block - 1) / panels_per_block;
   const int64_t block_values = k * kVnniCols;
   const int64_t part_blocks = std::max<int64_t>(1, kBf16PartBytes / (block_values * 2));
-  const int64_t lda = k + kBf16RowPad;
+  const int64_t lda = (k + 31) / 32 * 32 + kBf16RowPad;  // 64-byte aligned rows
   // Every ukernel call is kBrgemmRows rows: ATen keeps a generated kernel for each shape it is called with, so a
   // last tile of the step's own row count would add kernels with every new prompt length (the process grew ~390
   // MiB over prompts of 90-270 tokens). The chunk's rows past m are zeros; their products land in `tail`.
@@ -236,15 +231,23 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
   const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const uint8_t* weight = packed.data_ptr<uint8_t>();
   float* c = y.data_ptr<float>();
+  const at::Tensor rows_x = x.stride(1) == 1 ? x : x.contiguous();
+  const float* xp = rows_x.data_ptr<float>();
+  const int64_t ldx = rows_x.stride(0);
+  uint16_t* xb_values = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
   for (int64_t m0 = 0; m0 < m; m0 += kBf16ChunkRows) {
     const int64_t m1 = std::min(m, m0 + kBf16ChunkRows);
-    xb.narrow(0, 0, m1 - m0).narrow(1, 0, k).copy_(x.narrow(0, m0, m1 - m0));
     const int64_t padded_rows = (m1 - m0 + kBrgemmRows - 1) / kBrgemmRows * kBrgemmRows;
-    if (padded_rows > m1 - m0) xb.narrow(0, m1 - m0, padded_rows - (m1 - m0)).zero_();
+    // rounded on the pool's threads, not by a tensor copy_: an OpenMP region here waits on the pool's spinning
+    // workers for a core (thread_pool.cpp)
+    parallel_for(0, padded_rows, quant::kPanelRows, [&](int64_t r0, int64_t r1) {
+      const int64_t valid = std::max<int64_t>(0, std::min(r1, m1 - m0) - r0);
+      quant::round_rows_bf16_avx512(xp + (m0 + r0) * ldx, ldx, valid, k, xb_values + r0 * lda, lda, r1 - r0);
+    });
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      thread_local std::vector<uint16_t> unpacked, panel;  // kept by each thread: a part's blocks, a panel
-      if (unpacked.size() < static_cast<size_t>(part_blocks * block_values))
-        unpacked.resize(part_blocks * block_values);
+      thread_local quant::AlignedScratch unpacked_scratch;  // a part's blocks, kept by each thread
+      thread_local std::vector<uint16_t> panel;
+      uint16_t* unpacked = unpacked_scratch.get(part_blocks * block_values);
       if (panel.size() < static_cast<size_t>(k * quant::kPanelRows)) panel.resize(k * quant::kPanelRows);
       float tail[kBrgemmRows * kVnniCols];  // a last tile's rows past m, the last block's columns past n
       for (int64_t pb = b0; pb < b1; pb += part_blocks) {
@@ -252,7 +255,7 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
         for (int64_t b = pb; b < pe; ++b) {
           const int64_t p0 = b * panels_per_block, p1 = std::min(num_panels, p0 + panels_per_block);
           quant::dequant_bf16_vnni_avx512(static_cast<int>(qtype), weight, k, n,
-                                          unpacked.data() + (b - pb) * block_values, panel.data(), p0, p1, kVnniCols);
+                                          unpacked + (b - pb) * block_values, panel.data(), p0, p1, kVnniCols);
         }
         for (int64_t r = m0; r < m1; r += kBrgemmRows) {
           const int64_t rows = std::min(kBrgemmRows, m1 - r);
@@ -264,7 +267,7 @@ at::Tensor bf16_gemm_path(const at::Tensor& x, const at::Tensor& packed, int64_t
             // the bias written first and the products added to it: no second pass over y
             if (bias != nullptr)
               for (int64_t i = 0; i < kBrgemmRows; ++i) std::memcpy(out + i * ldc, bias + col, cols * sizeof(float));
-            const at::BFloat16* w = reinterpret_cast<const at::BFloat16*>(unpacked.data() + (b - pb) * block_values);
+            const at::BFloat16* w = reinterpret_cast<const at::BFloat16*>(unpacked + (b - pb) * block_values);
             for (int64_t kk = 0; kk < k; kk += kBf16KStep)  // a K step's VNNI rows start at kk * kVnniCols
               cpublas::brgemm(kBrgemmRows, kVnniCols, std::min(kBf16KStep, k - kk), lda, kVnniCols, ldc,
                               bias != nullptr || kk > 0, a + (r - m0) * lda + kk, w + kk * kVnniCols, out);
@@ -367,6 +370,11 @@ at::Tensor quant_gemm_invariant_cpu(const at::Tensor& x, const at::Tensor& packe
 }  // namespace
 
 namespace quant {
+bool has_bf16_ukernel_path() {
+  static const bool has = has_avx512_bf16() && at::native::cpublas::could_pack(at::kBFloat16);
+  return has;
+}
+
 void quantize_rows(const float* x, int64_t lda, int64_t k, int8_t* xq, float* xd, int32_t* xs, int64_t r_begin,
                    int64_t r_end) {
   const int64_t nb = k / kBlockK;

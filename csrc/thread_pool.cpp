@@ -15,7 +15,10 @@
 // 3-11% fewer tok/s serving on 2 cores). So they stop spinning while the machine is contended:
 // when the pool's threads spent more than kContendedShare of a window of kWindowNs waiting on a
 // run queue (/proc/<tid>/schedstat: runnable, not running, i.e. someone else had the core), the
-// pool is passive for kBackoffNs, then tries spinning again.
+// pool hands its jobs to at::parallel_for (OpenMP's passive threads) for kBackoffNs, then tries
+// spinning again. Its own workers sleeping on a futex did worse than OpenMP there: in a model whose
+// torch ops run on OpenMP between the ops' jobs (an encoder), the pool stayed contended and a call
+// cost ~1 ms more than on OpenMP, the woken worker apparently sharing the caller's core.
 //
 // One job at a time: a second thread calling an op meanwhile, a call from a worker, or a pool
 // after fork() in the child is refused (pool::run returns false) and at::parallel_for runs it.
@@ -90,7 +93,8 @@ class Pool {
   std::atomic<bool> enabled{std::getenv("PAGEDLLM_DISABLE_OP_POOL") == nullptr ||
                             std::string(std::getenv("PAGEDLLM_DISABLE_OP_POOL")) == "0"};
   std::atomic<int64_t> spin_us{spin_us_from_env()};
-  std::atomic<int64_t> jobs{0}, worker_sleeps{0}, contended_windows{0};
+  std::atomic<bool> yield_when_contended{true};  // contended jobs to at::parallel_for (off: tests of the workers)
+  std::atomic<int64_t> jobs{0}, worker_sleeps{0}, contended_windows{0}, handed_off{0};
   std::atomic<bool> contended{false};
 
  private:
@@ -215,6 +219,10 @@ bool Pool::run(int64_t begin, int64_t end, int64_t chunk, int64_t num_tasks, Thu
   resize(at::get_num_threads() - 1);
   if (static_cast<int64_t>(workers_.size()) + 1 < num_tasks) return false;
   update_contention();
+  if (contended.load(std::memory_order_relaxed) && yield_when_contended.load(std::memory_order_relaxed)) {
+    handed_off.fetch_add(1, std::memory_order_relaxed);
+    return false;  // OpenMP's passive threads take it (above)
+  }
   jobs.fetch_add(1, std::memory_order_relaxed);
   thunk_ = thunk;
   ctx_ = ctx;
@@ -252,14 +260,17 @@ Pool& instance() {
   return *g_pool;
 }
 
-// Query and set the pool from Python: enabled (1/0), spin budget in us; a negative value keeps
-// the current setting. Returns [enabled, spin_us, jobs, worker_sleeps, contended, contended_windows].
-std::vector<int64_t> op_pool_config(int64_t enabled, int64_t spin_us) {
+// Query and set the pool from Python: enabled (1/0), spin budget in us, whether contended jobs go to
+// OpenMP (1/0); a negative value keeps the current setting. Returns [enabled, spin_us, jobs,
+// worker_sleeps, contended, contended_windows, yield_when_contended, handed_off].
+std::vector<int64_t> op_pool_config(int64_t enabled, int64_t spin_us, int64_t yield_when_contended) {
   Pool& p = instance();
   if (enabled >= 0) p.enabled.store(enabled != 0);
   if (spin_us >= 0) p.spin_us.store(std::min<int64_t>(spin_us, 10000));
+  if (yield_when_contended >= 0) p.yield_when_contended.store(yield_when_contended != 0);
   return {p.enabled.load() ? 1 : 0, p.spin_us.load(), p.jobs.load(), p.worker_sleeps.load(),
-          p.contended.load() ? 1 : 0, p.contended_windows.load()};
+          p.contended.load() ? 1 : 0, p.contended_windows.load(), p.yield_when_contended.load() ? 1 : 0,
+          p.handed_off.load()};
 }
 
 }  // namespace
@@ -272,5 +283,6 @@ bool run(int64_t begin, int64_t end, int64_t chunk, int64_t num_tasks, Thunk thu
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("op_pool_config(int enabled, int spin_us) -> int[]", &pagedllm::pool::op_pool_config);
+  m.def("op_pool_config(int enabled, int spin_us, int yield_when_contended=-1) -> int[]",
+        &pagedllm::pool::op_pool_config);
 }

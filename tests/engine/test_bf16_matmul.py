@@ -30,7 +30,8 @@ def _bf16_reference(x, w, bias=None):
 
 
 @needs_amx
-@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (37, 64, 100), (300, 384, 1536), (513, 128, 72)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (37, 64, 100), (300, 384, 1536), (513, 128, 72), (65, 34, 64),
+                                   (1100, 96, 200)])
 def test_compiled_op_sums_bf16_operands_in_float32(m, k, n):
     torch.manual_seed(0)
     x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
@@ -45,6 +46,13 @@ def test_compiled_op_sums_bf16_operands_in_float32(m, k, n):
     assert (y - emulated).abs().max() <= 1e-5 * reference.abs().max()
     wide = torch.cat([x, torch.randn(m, 3)], dim=1)  # strided rows (a slice of a fused q/k/v output)
     assert torch.equal(matmul(wide[:, :k], bias), y)
+    threads = torch.get_num_threads()
+    try:  # the split of rows and column blocks over the threads changes no bit
+        for count in (1, 3, 5):
+            torch.set_num_threads(count)
+            assert torch.equal(matmul(x, bias), y), count
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_amx

@@ -84,6 +84,15 @@ def test_every_row_and_column_is_its_own_bf16_product(m, n, k, bf16_rows):
     starts = [0, min(m // 2, m - 64), m - 64]  # 64-row calls: the threshold's, so they take the same path
     alone = torch.stack([weight.matmul(x[i:i + 64], None)[0] for i in starts])
     torch.testing.assert_close(y[starts], alone, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    wide = torch.cat([x, torch.randn(m, 5)], dim=1)  # strided rows
+    assert torch.equal(weight.matmul(wide[:, :k], None), y)
+    threads = torch.get_num_threads()
+    try:  # each thread rounds its share of the rows: the split changes no bit
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(weight.matmul(x, None), y), count
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_amx

@@ -3,7 +3,8 @@
 Each op must give the same bits whichever threads run it and however many there are (every
 range of a split runs exactly once), the pool must take the jobs it is given (its counters
 move), a worker that slept must wake for the next job, a child of fork() must get working
-threads of its own, and the workers must stop spinning while other processes want the cores.
+threads of its own, and the workers must stop spinning while other processes want the cores, handing
+their jobs to OpenMP meanwhile.
 """
 
 import os
@@ -26,9 +27,12 @@ def pool_state():
     require_compiled_cpu_ops()
     before = cpu_op.op_pool()
     threads = torch.get_num_threads()
+    # the workers' own tests: a busy test machine must not send their jobs to OpenMP
+    cpu_op.op_pool(yield_when_contended=False)
     yield
     torch.set_num_threads(threads)
-    cpu_op.op_pool(enabled=before["enabled"], spin_us=before["spin_us"])
+    cpu_op.op_pool(enabled=before["enabled"], spin_us=before["spin_us"],
+                   yield_when_contended=before["yield_when_contended"])
 
 
 def gemm_case(rows: int, k: int = 96, n: int = 200, seed: int = 0):
@@ -89,7 +93,7 @@ def test_a_forked_child_gets_its_own_workers():
         code = 1
         signal.alarm(60)  # a child that hangs dies of SIGALRM and fails the test
         try:
-            jobs = cpu_op.op_pool()["jobs"]
+            jobs = cpu_op.op_pool(yield_when_contended=False)["jobs"]  # a fresh pool: its own settings
             ok = all(torch.equal(run(), expected) for _ in range(3))
             code = 0 if ok and cpu_op.op_pool()["jobs"] > jobs else 2
         finally:
@@ -102,8 +106,9 @@ def test_workers_stop_spinning_while_other_processes_want_the_cores():
     if not os.path.exists("/proc/thread-self/schedstat"):
         pytest.skip("no schedstat here: the pool stays passive (never spins)")
     torch.set_num_threads(2)
-    cpu_op.op_pool(enabled=True, spin_us=50)
+    cpu_op.op_pool(enabled=True, spin_us=50, yield_when_contended=True)
     run = gemm_case(64, k=512, n=2048)
+    expected = run()
     windows = cpu_op.op_pool()["contended_windows"]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
@@ -117,3 +122,6 @@ def test_workers_stop_spinning_while_other_processes_want_the_cores():
     state = cpu_op.op_pool()
     assert state["contended_windows"] > windows, "busy cores were not noticed"
     assert state["contended"], "the pool went back to spinning while the cores were busy"
+    # meanwhile its jobs go to OpenMP, with the same bits
+    torch.testing.assert_close(run(), expected, atol=0, rtol=0)
+    assert cpu_op.op_pool()["handed_off"] > state["handed_off"], "a job of a contended pool was not handed off"

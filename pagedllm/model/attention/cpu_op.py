@@ -159,19 +159,24 @@ def isa_name() -> str:
     return {2: "avx512", 1: "avx2"}.get(int(torch.ops.pagedllm.cpu_isa()), "none") if load() else "none"
 
 
-def op_pool(enabled: bool | None = None, spin_us: int | None = None) -> dict | None:
+def op_pool(enabled: bool | None = None, spin_us: int | None = None,
+            yield_when_contended: bool | None = None) -> dict | None:
     """Query, and optionally set, the compiled ops' own worker threads (csrc/thread_pool.cpp): on,
     they wait for the next job spinning for ``spin_us`` microseconds (``PAGEDLLM_POOL_SPIN_US``,
-    default 50) before sleeping, except while the process is contended; off
-    (``PAGEDLLM_DISABLE_OP_POOL=1``), the ops run on torch's OpenMP threads, which the engine keeps
-    passive. Returns the state, with counters (jobs, worker sleeps, contended windows), or None
-    where the library is not loaded."""
+    default 50) before sleeping; while the process is contended the pool hands its jobs to torch's
+    OpenMP threads (``yield_when_contended``, default on; off, its workers take them, sleeping
+    between them); off (``PAGEDLLM_DISABLE_OP_POOL=1``), the ops always run on OpenMP's threads,
+    which the engine keeps passive. Returns the state, with counters (jobs, worker sleeps,
+    contended windows, jobs handed off), or None where the library is not loaded."""
     if not load():
         return None
     state = torch.ops.pagedllm.op_pool_config(-1 if enabled is None else int(enabled),
-                                              -1 if spin_us is None else int(spin_us))
-    keys = ("enabled", "spin_us", "jobs", "worker_sleeps", "contended", "contended_windows")
-    return {k: (bool(v) if k in ("enabled", "contended") else int(v)) for k, v in zip(keys, state)}
+                                              -1 if spin_us is None else int(spin_us),
+                                              -1 if yield_when_contended is None else int(yield_when_contended))
+    keys = ("enabled", "spin_us", "jobs", "worker_sleeps", "contended", "contended_windows", "yield_when_contended",
+            "handed_off")
+    flags = ("enabled", "contended", "yield_when_contended")
+    return {k: (bool(v) if k in flags else int(v)) for k, v in zip(keys, state)}
 
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
