@@ -20,8 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
+# In place, on a linear's fresh output: a new [tokens, intermediate] tensor a call is large enough to be mapped and
+# page-faulted afresh each time (worker/host_memory.py's mmap threshold), which had doubled the activation's time.
+_ACTIVATIONS = {"gelu": lambda x: torch.ops.aten.gelu_(x),
+                "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+                "relu": lambda x: F.relu(x, inplace=True), "silu": lambda x: F.silu(x, inplace=True)}
 
 
 class BertEmbeddings(nn.Module):
@@ -83,11 +87,25 @@ class BertSelfAttention(nn.Module):
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.fused_qkv = None  # set by fuse_qkv: one product for the three projections
+
+    def fuse_qkv(self, matmul_of) -> None:
+        """Multiply x by query, key and value as one [3 * hidden, hidden] weight (``matmul_of(weight)`` builds the
+        product, called as ``product(x, bias)``): x is read, and in the bf16 mode rounded, once instead of three
+        times. The three linears keep their parameters (checkpoint names) and are no longer called."""
+        projections = (self.query, self.key, self.value)
+        weight = torch.cat([p.weight.detach() for p in projections])
+        bias = torch.cat([p.bias.detach() for p in projections])
+        self.fused_qkv = (matmul_of(weight), bias)
 
     def forward(self, x: torch.Tensor, groups: AttentionGroups) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = (proj(x).view(num_tokens, self.num_heads, self.head_dim)
-                   for proj in (self.query, self.key, self.value))  # [num_tokens, heads, head_dim]
+        if self.fused_qkv is not None:
+            product, bias = self.fused_qkv
+            q, k, v = product(x, bias).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        else:
+            q, k, v = (proj(x).view(num_tokens, self.num_heads, self.head_dim)
+                       for proj in (self.query, self.key, self.value))  # [num_tokens, heads, head_dim]
         return groups.attend(q, k, v).reshape(num_tokens, -1)  # [num_tokens, hidden]
 
 
@@ -100,7 +118,7 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x).add_(residual))  # in place on the fresh output (_ACTIVATIONS)
 
 
 class BertAttention(nn.Module):

@@ -112,5 +112,9 @@ def apply(model: nn.Module) -> int:
                 elif type(child) is nn.Linear and child.weight.dtype == torch.float32:
                     setattr(parent, child_name, Bf16MatmulLinear(child, compiled))
                     count += 1
+            if hasattr(parent, "fuse_qkv"):  # an encoder's q/k/v as one product (model/bert.py)
+                parent.fuse_qkv(lambda weight: Bf16Matmul(weight, compiled))
+                for projection in (parent.query, parent.key, parent.value):
+                    projection.matmul = None  # their packed copies: the fused one replaces them
     logger.debug("%d linears in %s (%s)", count, NAME, "AMX op" if compiled else "float32 matmul of bf16 operands")
     return count
