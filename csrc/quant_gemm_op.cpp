@@ -195,7 +195,8 @@ std::atomic<int64_t> g_bf16_rows{[] {
 
 int64_t quant_gemm_bf16_rows(int64_t rows) {
   if (rows < 0) return g_bf16_rows.load();
-  TORCH_CHECK(rows == 0 || quant::has_bf16_ukernel_path(), "quant_gemm_bf16_rows: the bf16 path needs AVX-512 BF16 and AMX-BF16");
+  TORCH_CHECK(rows == 0 || quant::has_bf16_ukernel_path(),
+              "quant_gemm_bf16_rows: the bf16 path needs AVX-512 BF16 and AMX-BF16");
   return g_bf16_rows.exchange(rows);
 }
 
