@@ -5,7 +5,8 @@ llama.cpp reads for an architecture, ``TENSOR_NAMES`` how each is spelled), so a
 what it means to llama.cpp; only the HF side is written down. Read:
 
 - ``llama`` (also Mistral; Mixtral when ``llama.expert_count`` is set), ``qwen3``, ``qwen3moe``,
-  ``gemma2``, ``gemma3`` (text), ``phi3``.
+  ``gemma2``, ``gemma3`` (text), ``phi3``; and ``bert``, an encoder (embedding models such as bge,
+  e5 or MiniLM, as llama.cpp's converter writes them), read as transformers' ``BertModel``.
 - Experts are stacked in one tensor per projection, ``ffn_{gate,up,down}_exps`` [experts, ...],
   and come out as the per-expert tensors of the HF checkpoints (Qwen3-MoE's ``mlp.experts.E.*``,
   Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``; quantized ones stay quantized, one
@@ -27,8 +28,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 _ARCHES = (MODEL_ARCH.LLAMA, MODEL_ARCH.QWEN3, MODEL_ARCH.QWEN3MOE, MODEL_ARCH.GEMMA2, MODEL_ARCH.GEMMA3,
-           MODEL_ARCH.PHI3)
+           MODEL_ARCH.PHI3, MODEL_ARCH.BERT)
 SUPPORTED_ARCHITECTURES = tuple(MODEL_ARCH_NAMES[a] for a in _ARCHES)
+ENCODER_ARCHITECTURES = ("bert",)
+"""Bidirectional encoders: no rotary, no output norm; their layers are BERT's (``_BERT_LAYER``)."""
 
 _GLOBAL = {T.TOKEN_EMBD: "model.embed_tokens", T.OUTPUT_NORM: "model.norm", T.OUTPUT: "lm_head"}
 _LAYER = {
@@ -49,6 +52,22 @@ _LAYER = {
     T.FFN_DOWN: "mlp.down_proj",
     T.FFN_GATE_INP: "mlp.gate",
 }
+_BERT_GLOBAL = {
+    T.TOKEN_EMBD: "embeddings.word_embeddings",
+    T.POS_EMBD: "embeddings.position_embeddings",
+    T.TOKEN_TYPES: "embeddings.token_type_embeddings",
+    T.TOKEN_EMBD_NORM: "embeddings.LayerNorm",
+}
+_BERT_LAYER = {
+    T.ATTN_Q: "attention.self.query",
+    T.ATTN_K: "attention.self.key",
+    T.ATTN_V: "attention.self.value",
+    T.ATTN_OUT: "attention.output.dense",
+    T.ATTN_OUT_NORM: "attention.output.LayerNorm",  # post-norm: after the residual add
+    T.FFN_UP: "intermediate.dense",
+    T.FFN_DOWN: "output.dense",
+    T.LAYER_OUT_NORM: "output.LayerNorm",
+}
 EXPERT_TENSORS = {T.FFN_GATE_EXP: "gate_proj", T.FFN_UP_EXP: "up_proj", T.FFN_DOWN_EXP: "down_proj"}
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # Config, not weights: phi3's longrope factors, and llama's rope_freqs (Llama 3.1+: the divisor of each rotary
@@ -58,8 +77,12 @@ ROPE_FACTOR_TENSORS = (T.ROPE_FACTORS_LONG, T.ROPE_FACTORS_SHORT, T.ROPE_FREQS)
 
 def _name_table(arch: MODEL_ARCH) -> dict[str, T]:
     """GGUF base name ('token_embd', 'blk.{bid}.attn_q') -> tensor kind, for the kinds llama.cpp
-    reads for ``arch`` (Gemma's FFN_PRE_NORM and Llama's FFN_NORM share one spelling)."""
-    known = set(_GLOBAL) | set(_LAYER) | set(EXPERT_TENSORS) | set(ROPE_FACTOR_TENSORS)
+    reads for ``arch`` (Gemma's FFN_PRE_NORM and Llama's FFN_NORM share one spelling). A BERT file's
+    classifier head (``cls``, a reranker's) and fused ``attn_qkv`` are not among them."""
+    if MODEL_ARCH_NAMES[arch] in ENCODER_ARCHITECTURES:
+        known = set(_BERT_GLOBAL) | set(_BERT_LAYER)
+    else:
+        known = set(_GLOBAL) | set(_LAYER) | set(EXPERT_TENSORS) | set(ROPE_FACTOR_TENSORS)
     return {TENSOR_NAMES[kind]: kind for kind in MODEL_TENSORS[arch] if kind in known}
 
 
@@ -82,6 +105,10 @@ def classify(arch: str, gguf_name: str) -> tuple[T, int | None, str]:
 
 def hf_name(config: PretrainedConfig, kind: T, layer: int | None, suffix: str) -> str:
     """The HF checkpoint name; for a stacked expert tensor a template with ``{expert}``."""
+    if config.model_type == "bert":
+        if layer is None:
+            return f"{_BERT_GLOBAL[kind]}.{suffix}"
+        return f"encoder.layer.{layer}.{_BERT_LAYER[kind]}.{suffix}"
     if kind in _GLOBAL:
         return f"{_GLOBAL[kind]}.{suffix}"
     prefix = f"model.layers.{layer}"
@@ -98,11 +125,17 @@ def hf_name(config: PretrainedConfig, kind: T, layer: int | None, suffix: str) -
     return f"{prefix}.{_LAYER[kind]}.{suffix}"
 
 
-def hf_config(arch: str, meta, common: dict, tensor_names: set[str], rope_factors: dict) -> PretrainedConfig:
+def hf_config(arch: str, meta, common: dict, tensor_shapes: dict[str, tuple[int, ...]],
+              rope_factors: dict) -> PretrainedConfig:
     """The HF config of a GGUF ``arch``: ``common`` holds the Llama-like fields already read, ``meta(key,
-    default)`` reads ``{arch}.{key}`` (ModelLoadError when missing and no default), ``rope_factors``
-    the rope factor tensors by kind (phi3's long and short, llama's rope_freqs)."""
+    default)`` reads ``{arch}.{key}`` (ModelLoadError when missing and no default), ``tensor_shapes`` each
+    tensor's GGUF shape by name, ``rope_factors`` the rope factor tensors by kind (phi3's long and short,
+    llama's rope_freqs)."""
     from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+
+    tensor_names = tensor_shapes.keys()
+    if arch == "bert":
+        return _bert_config(meta, common, tensor_shapes)
 
     num_layers = common["num_hidden_layers"]
     if arch == "llama" and T.ROPE_FREQS in rope_factors:  # divides each rotary frequency (layers/rotary.py)
@@ -133,6 +166,22 @@ def hf_config(arch: str, meta, common: dict, tensor_names: set[str], rope_factor
     if arch == "phi3":
         return _phi3_config(meta, common, rope_factors)
     raise AssertionError(arch)
+
+
+def _bert_config(meta, common: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> PretrainedConfig:
+    """transformers' BertModel config. GELU is the erf form BERT checkpoints declare (llama.cpp computes a
+    tanh approximation of it); token types: the rows of ``token_types`` (one when the file has none)."""
+    from transformers import BertConfig
+
+    types = tensor_shapes.get("token_types.weight")
+    return BertConfig(vocab_size=common["vocab_size"], hidden_size=common["hidden_size"],
+                      num_hidden_layers=common["num_hidden_layers"],
+                      num_attention_heads=common["num_attention_heads"],
+                      intermediate_size=common["intermediate_size"],
+                      max_position_embeddings=common["max_position_embeddings"],
+                      layer_norm_eps=float(meta("attention.layer_norm_epsilon")),
+                      type_vocab_size=1 if types is None else int(types[-1]), hidden_act="gelu",
+                      pad_token_id=None, architectures=["BertModel"], dtype="float32")
 
 
 def _window(meta) -> int | None:

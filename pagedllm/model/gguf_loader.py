@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from typing import TYPE_CHECKING
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model import gguf_arch
+from pagedllm.model import gguf_arch, gguf_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -59,7 +59,7 @@ def hf_tensor_name(gguf_name: str, config: PretrainedConfig | None = None) -> st
 
 def _gguf_arch(config: PretrainedConfig) -> str:
     return {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2",
-            "gemma3_text": "gemma3", "phi3": "phi3"}[config.model_type]
+            "gemma3_text": "gemma3", "phi3": "phi3", "bert": "bert"}[config.model_type]
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -143,7 +143,8 @@ def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
         if kind in gguf_arch.ROPE_FACTOR_TENSORS:
             values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
             rope_factors[kind] = [float(str(np.float32(x))) for x in values]  # as _field reads floats
-    return gguf_arch.hf_config(arch, meta, common, tensor_names, rope_factors)
+    shapes = {t.name: tuple(int(d) for d in t.shape.tolist()) for t in reader.tensors}
+    return gguf_arch.hf_config(arch, meta, common, shapes, rope_factors)
 
 
 def iter_gguf_tensors(reader: GGUFReader, config: PretrainedConfig,
@@ -354,20 +355,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
 
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out_dir)
     if "tokenizer.ggml.model" in reader.fields:
-        _convert_tokenizer(gguf_path, reader, out_dir)
-
-
-def _convert_tokenizer(gguf_path: Path, reader: GGUFReader, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except Exception as e:
-        raise ModelLoadError(f"cannot build a tokenizer from GGUF {str(gguf_path)!r}: {e}") from e
-    template = _field(reader, "tokenizer.chat_template")
-    if template and not tokenizer.chat_template:
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(str(out_dir))
+        gguf_tokenizer.convert_tokenizer(gguf_path, lambda key, default=None: _field(reader, key, default), out_dir)
 
 
 def describe(gguf_path: str | os.PathLike) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from gguf import MODEL_TENSOR as T, GGUFValueType
+from gguf import MODEL_TENSOR as T, TENSOR_NAMES, GGUFValueType
 
 from pagedllm.errors import InvalidModelFileError, ModelLoadError
 from pagedllm.model import gguf_arch
@@ -24,9 +24,11 @@ MAX_HEAD_DIM = 1024
 MAX_CONTEXT = 1 << 20  # the rotary tables hold this many positions in float32
 MAX_EXPERTS = 1024
 MAX_ROPE_BASE = 1e12
-SPECIAL_TOKEN_KEYS = ("bos", "eos", "unknown", "padding", "separator", "cls", "mask", "eot", "eom")
+SPECIAL_TOKEN_KEYS = ("bos", "eos", "unknown", "padding", "separator", "seperator", "cls", "mask", "eot", "eom")
+"""(``seperator`` is how llama.cpp's converter spells the key.)"""
 
-_NORMS = (T.ATTN_NORM, T.FFN_NORM, T.FFN_PRE_NORM, T.ATTN_POST_NORM, T.FFN_POST_NORM)
+_NORMS = (T.ATTN_NORM, T.FFN_NORM, T.FFN_PRE_NORM, T.ATTN_POST_NORM, T.FFN_POST_NORM, T.TOKEN_EMBD_NORM,
+          T.ATTN_OUT_NORM, T.LAYER_OUT_NORM)
 
 
 class _Hparams:
@@ -52,10 +54,13 @@ class _Hparams:
             self.fail(key, f"is {value}, outside [{low}, {high}]")
         return value
 
-    def float(self, name: str, low: float, high: float, default: float | None = None) -> float | None:
+    def float(self, name: str, low: float, high: float, default: float | None = None,
+              required: bool = False) -> float | None:
         key = f"{self.arch}.{name}"
         found = self.metadata.fields.get(key)
         if found is None:
+            if required:
+                self.fail(key, "is missing")
             return default
         value_type, value = found
         if value_type not in FLOAT_TYPES and value_type not in INTEGER_TYPES:
@@ -105,7 +110,8 @@ def check_model(metadata: GGUFMetadata) -> None:
         h.fail(f"{arch}.attention.head_count_kv",
                f"{num_kv_heads} does not divide attention.head_count ({num_heads})")
     head_dim = h.int("attention.key_length", 2, MAX_HEAD_DIM, default=hidden // num_heads)
-    if head_dim % 2:
+    encoder = arch in gguf_arch.ENCODER_ARCHITECTURES
+    if head_dim % 2 and not encoder:
         h.fail(f"{arch}.attention.key_length", f"the head size {head_dim} is odd (rotary pairs need it even)")
     value_dim = h.int("attention.value_length", 1, MAX_HEAD_DIM, default=head_dim)
     if value_dim != head_dim:
@@ -120,6 +126,7 @@ def check_model(metadata: GGUFMetadata) -> None:
     h.int("rope.scaling.original_context_length", 0, context, default=0)
     h.int("rope.dimension_count", 0, head_dim, default=0)
     h.float("attention.layer_norm_rms_epsilon", 1e-12, 0.5)
+    h.float("attention.layer_norm_epsilon", 0.0, 0.5, required=encoder)
     h.float("attn_logit_softcapping", 0.0, 1e6)
     h.float("final_logit_softcapping", 0.0, 1e6)
     h.int("attention.sliding_window", 0, MAX_CONTEXT, default=0)
@@ -137,7 +144,7 @@ def check_model(metadata: GGUFMetadata) -> None:
     # Mixtral's experts are feed_forward_length wide; qwen3moe's dense layers expert_feed_forward_length when
     # feed_forward_length is 0 (as gguf_arch reads them)
     dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, ff or expert_ff, expert_ff or ff, num_experts,
-                 vocab=embedding.shape[-1], phi3=arch == "phi3")
+                 vocab=embedding.shape[-1], phi3=arch == "phi3", context=context)
     _check_tensors(metadata, arch, num_layers, dims)
     _check_tokenizer(metadata, h, dims.vocab)
 
@@ -145,7 +152,7 @@ def check_model(metadata: GGUFMetadata) -> None:
 class _Dims:
     """The widths the hyper-parameters imply, and each tensor kind's expected GGUF shape."""
 
-    def __init__(self, hidden, num_heads, num_kv_heads, head_dim, ff, expert_ff, num_experts, vocab, phi3):
+    def __init__(self, hidden, num_heads, num_kv_heads, head_dim, ff, expert_ff, num_experts, vocab, phi3, context):
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
         self.vocab = vocab
         self.shapes = {
@@ -158,10 +165,12 @@ class _Dims:
             T.FFN_DOWN_EXP: (expert_ff, hidden, num_experts),
             T.ROPE_FREQS: (head_dim // 2,), T.ROPE_FACTORS_LONG: (head_dim // 2,),
             T.ROPE_FACTORS_SHORT: (head_dim // 2,),
+            T.POS_EMBD: (hidden, context),
             **{norm: (hidden,) for norm in _NORMS},
         }
         self.bias_shapes = {T.ATTN_Q: (q,), T.ATTN_K: (kv,), T.ATTN_V: (kv,), T.ATTN_QKV: (q + 2 * kv,),
-                            T.ATTN_OUT: (hidden,)}
+                            T.ATTN_OUT: (hidden,), T.FFN_UP: (ff,), T.FFN_DOWN: (hidden,),
+                            **{norm: (hidden,) for norm in _NORMS}}
 
 
 def _check_tensors(metadata: GGUFMetadata, arch: str, num_layers: int, dims: _Dims) -> None:
@@ -181,11 +190,18 @@ def _check_tensors(metadata: GGUFMetadata, arch: str, num_layers: int, dims: _Di
         if expected is not None and tensor.shape != expected:
             raise InvalidModelFileError(metadata.path, where, f"has shape {list(tensor.shape)} but the "
                                         f"hyper-parameters imply {list(expected)}")
-    if "output_norm.weight" not in {t.name for t in metadata.tensors}:
-        raise InvalidModelFileError(metadata.path, "tensor 'output_norm.weight'", "is missing")
+    encoder = arch in gguf_arch.ENCODER_ARCHITECTURES
+    names = {t.name for t in metadata.tensors}
+    for name in _REQUIRED_IN_ENCODER if encoder else ("output_norm.weight",):
+        if name not in names:
+            raise InvalidModelFileError(metadata.path, f"tensor {name!r}", "is missing")
     for layer in range(num_layers):
         kinds = layers.get(layer, set())
-        missing = [name for name, alternatives in _REQUIRED_IN_LAYER if not kinds & alternatives]
+        if encoder:  # BERT's layers have one form: every weight and bias
+            missing = [f"{base}.{suffix}" for base in _REQUIRED_IN_ENCODER_LAYER for suffix in ("weight", "bias")
+                       if f"blk.{layer}.{base}.{suffix}" not in names]
+        else:
+            missing = [name for name, alternatives in _REQUIRED_IN_LAYER if not kinds & alternatives]
         if missing:
             raise InvalidModelFileError(
                 metadata.path, f"layer {layer}",
@@ -199,6 +215,10 @@ _REQUIRED_IN_LAYER = (
     ("attn_output", {T.ATTN_OUT}),
     ("ffn_down or ffn_down_exps", {T.FFN_DOWN, T.FFN_DOWN_EXP}),
 )
+
+_REQUIRED_IN_ENCODER = ("position_embd.weight", "token_embd_norm.weight", "token_embd_norm.bias")
+_REQUIRED_IN_ENCODER_LAYER = tuple(TENSOR_NAMES[kind].removeprefix("blk.{bid}.") for kind in (
+    T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT, T.ATTN_OUT_NORM, T.FFN_UP, T.FFN_DOWN, T.LAYER_OUT_NORM))
 
 
 def _check_tokenizer(metadata: GGUFMetadata, h: _Hparams, vocab: int) -> None:

@@ -265,3 +265,74 @@ def llama3_rope_freqs(cfg) -> np.ndarray:
             smooth = (original / wavelength - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(factors, dtype=np.float32)
+
+
+def write_bert_gguf(model_dir, path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                    pooling_type: int | None = 1, lowercase: bool | None = True, drop: tuple[str, ...] = ()) -> None:
+    """Write the BERT encoder saved in ``model_dir`` (weights and WordPiece tokenizer) as llama.cpp's
+    converter does (its ``BertModel``): tensor names from gguf's own map, 2-D weights but the position
+    and token-type tables in ``qtype``, the vocabulary in the converter's phantom-space form (U+2581
+    before a word-initial piece, ``##`` dropped, control tokens as they are), its special token ids and
+    ``tokenizer.ggml.normalizer.lowercase`` (left out when ``lowercase`` is None, as older converters
+    did). ``drop``: GGUF tensor names left out."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    writer = GGUFWriter(str(path), "bert")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    writer.add_causal_attention(False)
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    by_id = {token_id: piece for piece, token_id in tokenizer.get_vocab().items()}
+    special = set(tokenizer.all_special_ids)
+    pieces, types = [], []
+    for token_id in range(cfg.vocab_size):
+        if token_id in special:
+            pieces.append(by_id[token_id])
+            types.append(gguf.TokenType.CONTROL)
+        elif token_id not in by_id:  # a duplicate line of vocab.txt: the id no piece maps to
+            pieces.append(f"\u2581[PAD{token_id}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            piece = by_id[token_id]
+            pieces.append(piece[2:] if piece.startswith("##") else "\u2581" + piece)
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_token_type_count(cfg.type_vocab_size)
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(pieces)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(tokenizer.cls_token_id)
+    writer.add_eos_token_id(tokenizer.sep_token_id)
+    writer.add_unk_token_id(tokenizer.unk_token_id)
+    writer.add_sep_token_id(tokenizer.sep_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_mask_token_id(tokenizer.mask_token_id)
+    if lowercase is not None:
+        writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)  # (this gguf has no add_ for it)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, cfg.num_hidden_layers)
+    tables = ("position_embd.weight", "token_types.weight")
+    for name, array in load_file(str(model_dir / "model.safetensors")).items():
+        name = name.removeprefix("bert.")
+        if name.endswith("position_ids") or name.startswith("pooler."):
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert target is not None, name
+        if target in drop:
+            continue
+        array = np.asarray(array, dtype=np.float32)
+        if array.ndim == 2 and target not in tables and qtype != GGMLQuantizationType.F32:
+            stored = quantize(array, qtype)
+            writer.add_tensor(target, stored, raw_dtype=None if stored.dtype != np.uint8 else qtype)
+        else:
+            writer.add_tensor(target, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

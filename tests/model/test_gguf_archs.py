@@ -144,10 +144,10 @@ def test_phi3_partial_rotary_and_half_longrope_are_refused():
                   intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
     with pytest.raises(ModelLoadError, match="partial rotary"):
-        gguf_arch.hf_config("phi3", _meta({"rope.dimension_count": 12}), common, set(), {})
+        gguf_arch.hf_config("phi3", _meta({"rope.dimension_count": 12}), common, {}, {})
     with pytest.raises(ModelLoadError, match="rope_factors_long / rope_factors_short"):
-        gguf_arch.hf_config("phi3", _meta({}), common, set(), {gguf_arch.ROPE_FACTOR_TENSORS[0]: [1.0] * 8})
-    config = gguf_arch.hf_config("phi3", _meta({}), common, set(), {})  # no factors: plain rope
+        gguf_arch.hf_config("phi3", _meta({}), common, {}, {gguf_arch.ROPE_FACTOR_TENSORS[0]: [1.0] * 8})
+    config = gguf_arch.hf_config("phi3", _meta({}), common, {}, {})  # no factors: plain rope
     assert config.rope_parameters["rope_type"] == "default" and config.sliding_window is None
 
 
@@ -155,18 +155,18 @@ def test_gemma_hyperparameters_llama_cpp_fixes():
     common = dict(hidden_size=4608, num_attention_heads=32, num_key_value_heads=16, head_dim=128, num_hidden_layers=46,
                   intermediate_size=256, vocab_size=512, max_position_embeddings=8192, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)
-    big = gguf_arch.hf_config("gemma2", _meta({"attention.sliding_window": 4096}), common, set(), {})
+    big = gguf_arch.hf_config("gemma2", _meta({"attention.sliding_window": 4096}), common, {}, {})
     assert big.query_pre_attn_scalar == 144  # Gemma 2 27B: hidden / heads, not head_dim
     assert big.layer_types[:3] == ["sliding_attention", "full_attention", "sliding_attention"]
     small = gguf_arch.hf_config("gemma2", _meta({"attention.sliding_window": 4096}),
-                                dict(common, num_hidden_layers=4), set(), {})
+                                dict(common, num_hidden_layers=4), {}, {})
     assert small.query_pre_attn_scalar == 128
     stored = gguf_arch.hf_config("gemma3", _meta({"attention.sliding_window": 512,
                                                   "attention.sliding_window_pattern": [True, False, False, True]}),
-                                 dict(common, num_hidden_layers=4), set(), {})
+                                 dict(common, num_hidden_layers=4), {}, {})
     assert stored.layer_types == ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
     assert stored.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
-    unwindowed = gguf_arch.hf_config("gemma3", _meta({}), dict(common, num_hidden_layers=4), set(), {})
+    unwindowed = gguf_arch.hf_config("gemma3", _meta({}), dict(common, num_hidden_layers=4), {}, {})
     assert unwindowed.layer_types == ["full_attention"] * 4
 
 
