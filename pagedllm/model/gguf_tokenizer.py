@@ -48,6 +48,10 @@ def _wordpiece_tokenizer(gguf_path: Path, field: Callable[..., Any]):
     pieces = [str(p) for p in fields["tokenizer.ggml.tokens"].contents()]
     types_field = fields.get("tokenizer.ggml.token_type")
     types = [int(t) for t in types_field.contents()] if types_field is not None else [TokenType.NORMAL] * len(pieces)
+    broken = next((i for i, piece in enumerate(pieces) if "\n" in piece or "\r" in piece), None)
+    if broken is not None:  # a WordPiece vocabulary is one piece a line: this one would shift every id after it
+        raise ModelLoadError(f"GGUF {str(gguf_path)!r}: WordPiece token {broken} ({pieces[broken]!r}) contains a "
+                             "line break, which no WordPiece vocabulary can hold")
     vocab = []
     for piece, kind in zip(pieces, types):
         if kind in (TokenType.CONTROL, TokenType.USER_DEFINED):

@@ -83,6 +83,20 @@ def test_a_bert_file_missing_a_layer_tensor_is_refused_naming_it(encoder_dir, tm
         LLM(model=str(path), runner="pooling")
 
 
+def test_a_vocabulary_piece_with_a_line_break_is_refused(encoder_dir, tmp_path, monkeypatch):
+    """vocab.txt holds one piece a line: a piece with a line break would shift every later id."""
+    import gguf
+
+    model = st_model(encoder_dir, tmp_path / "st", "mean")
+    add_token_list = gguf.GGUFWriter.add_token_list
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_list",
+                        lambda self, tokens: add_token_list(self, [tokens[0], "\u2581two\nlines", *tokens[2:]]))
+    path = tmp_path / "newline.gguf"
+    write_bert_gguf(model, path)
+    with pytest.raises(ModelLoadError, match="token 1 .*line break"):
+        LLM(model=str(path), runner="pooling")
+
+
 def test_quantized_bert_weights_load(encoder_dir, tmp_path):
     """Q8_0 weights (llama-quantize's common choice for embedders), dequantized at load: the reference is
     sentence-transformers on the same weights rounded through Q8_0."""

@@ -18,6 +18,7 @@ import signal
 import struct
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
@@ -28,6 +29,8 @@ from pagedllm.model import load_model
 from pagedllm.model.gguf_model_checks import validate_gguf
 from tests.model.gguf_corruption import Layout, Place, write_tiny_llama
 
+BERT_FILE = Path(__file__).parent / "data" / "bert-tiny-mean-f16.gguf"
+"""A BERT encoder with a WordPiece vocabulary, written by llama.cpp's converter (tests/model/test_gguf_bert.py)."""
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
@@ -65,7 +68,8 @@ def _places(layout: Layout) -> list[tuple[str, Place]]:
 def sources(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz-sources")
     return {"vocab": _Source(write_tiny_llama(folder / "vocab.gguf")),
-            "plain": _Source(write_tiny_llama(folder / "plain.gguf", with_vocab=False))}
+            "plain": _Source(write_tiny_llama(folder / "plain.gguf", with_vocab=False)),
+            "bert": _Source(BERT_FILE)}  # an encoder with a WordPiece vocabulary, from llama.cpp's converter
 
 
 _INT_LIMITS = {"B": 0xFF, "b": 0x7F, "H": 0xFFFF, "h": 0x7FFF, "I": 0xFFFFFFFF, "i": 0x7FFFFFFF,
@@ -189,17 +193,17 @@ OUTCOMES: Counter = Counter()
 
 
 @settings(FUZZ, max_examples=400)
-@given(data=st.data())
-def test_fuzz_the_validator(sources, tmp_path, data):
-    source = sources["vocab"]
+@given(data=st.data(), which=st.sampled_from(["vocab", "vocab", "vocab", "bert"]))
+def test_fuzz_the_validator(sources, tmp_path, data, which):
+    source = sources[which]
     labels = _apply(source, data.draw(mutations(source)), tmp_path / "mutant.gguf")
     note(labels)
     OUTCOMES["validator " + _validate(tmp_path / "mutant.gguf")] += 1
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf dequantizing a scale fuzzed to NaN
-@settings(FUZZ, max_examples=30)
-@given(data=st.data(), which=st.sampled_from(["plain", "plain", "vocab"]))
+@settings(FUZZ, max_examples=40)
+@given(data=st.data(), which=st.sampled_from(["plain", "plain", "vocab", "bert"]))
 def test_fuzz_the_loader(sources, tmp_path, monkeypatch, data, which):
     source = sources[which]
     path = tmp_path / f"mutant-{which}.gguf"
