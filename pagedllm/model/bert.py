@@ -14,6 +14,8 @@ loads by name.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable
 
 import torch
@@ -103,11 +105,21 @@ class BertSelfAttention(nn.Module):
         bias = torch.cat([p.bias.detach() for p in projections])
         self.fused_qkv = (matmul_of(weight), bias)
 
+    def fuse_qkv_weights(self) -> None:
+        """q, k and v as one ``F.linear`` over a ``[3 * hidden, hidden]`` weight whose thirds the three linears'
+        parameters become views of (no copy kept): x read once, one call, q/k/v out in one tensor."""
+        projections = (self.query, self.key, self.value)
+        weight = torch.cat([p.weight.detach() for p in projections])
+        bias = torch.cat([p.bias.detach() for p in projections])
+        for p, w, b in zip(projections, weight.chunk(3), bias.chunk(3)):
+            p.weight.data, p.bias.data = w, b
+        self.fused_qkv = (functools.partial(F.linear, weight=weight), bias)
+
     def forward(self, x: torch.Tensor, groups: AttentionGroups) -> torch.Tensor:
         num_tokens = x.shape[0]
         if self.fused_qkv is not None:
             product, bias = self.fused_qkv
-            qkv = product(x, bias).view(num_tokens, 3, self.num_heads, self.head_dim)
+            qkv = product(x, bias=bias).view(num_tokens, 3, self.num_heads, self.head_dim)
         else:
             qkv = torch.stack([proj(x) for proj in (self.query, self.key, self.value)], 1)
             qkv = qkv.view(num_tokens, 3, self.num_heads, self.head_dim)
@@ -201,6 +213,10 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         return self.encode(input_ids, token_types, seq_lens)
+
+    def process_weights_after_loading(self) -> None:
+        for layer in self.encoder.layer:
+            layer.attention.self.fuse_qkv_weights()
 
     def hf_name(self, name: str) -> str | None:
         """Our parameter name for a checkpoint tensor; None for one this model does not use."""
