@@ -30,6 +30,8 @@ constexpr int64_t kTasksPerThread = 4;  // tasks a thread gets at least, where t
 // x's bf16 rows are this many values longer than K: at a row stride of a multiple of 4 KiB, the 16 rows a tile
 // load reads would fall in one L1 set.
 constexpr int64_t kRowPad = 32;
+constexpr int64_t kNoActivation = 0;
+constexpr int64_t kGelu = 1;  // the op's activation argument
 // A transformer layer holds at most four linear outputs at once (q/k/v, o, up, down); two more leave room for
 // the next layer's first outputs while the previous layer's last ones are still held.
 constexpr size_t kMaxKept = 6;
@@ -102,7 +104,9 @@ Split split_work(int64_t m, int64_t blocks, int64_t threads) {
 }
 
 at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                           int64_t n) {
+                           int64_t n, int64_t activation) {
+  TORCH_CHECK(activation == kNoActivation || activation == kGelu, "bf16_matmul_cpu: activation must be 0 (none) or ",
+              kGelu, " (GELU), got ", activation);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
               "bf16_matmul_cpu: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 && packed.is_contiguous(),
@@ -156,6 +160,7 @@ at::Tensor bf16_matmul_cpu(const at::Tensor& x, const at::Tensor& packed, const 
             for (int64_t i = 0; i < kBlockM; ++i) std::memcpy(out + i * ldc, bias_p + col, cols * sizeof(float));
           cpublas::brgemm(kBlockM, kBlockN, k, lda, kBlockN, ldc, bias_p != nullptr, a + (r - r0) * lda,
                           w + b * k * kBlockN, out);
+          if (activation == kGelu) quant::gelu_rows_avx512(out, ldc, rows, cols);  // the tile still in cache
           if (!direct)
             for (int64_t i = 0; i < rows; ++i) std::memcpy(c + (r + i) * n + col, tail + i * kBlockN, cols * 4);
         }
@@ -175,7 +180,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   // Whether this CPU runs the op: AMX-BF16 for the ukernel, AVX-512 BF16 for the rounding.
   m.def("bf16_matmul_available() -> bool", &pagedllm::bf16_matmul_available);
   m.def("bf16_matmul_pack(Tensor weight) -> Tensor");
-  m.def("bf16_matmul_cpu(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  // activation: 0 none, 1 GELU (the erf form) applied to each output tile (an encoder's FFN up projection).
+  m.def("bf16_matmul_cpu(Tensor x, Tensor packed, Tensor? bias, int n, int activation=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

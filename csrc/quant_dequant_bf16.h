@@ -52,6 +52,10 @@ void dequant_bf16_vnni_avx512(int qtype, const uint8_t* packed, int64_t k, int64
 // .to(torch.bfloat16)) into out (row stride ldo), and out's rows [rows, padded_rows) zeroed: the A operand of the
 // ukernel's fixed-height tiles. On the calling thread: the ops call it inside their own parallel work, since an
 // OpenMP region there (a tensor copy_) would wait on the ops' spinning workers for a core.
+// GELU (the erf form) in place over rows x cols floats of y (row stride ld), as torch's gelu computes it to within an
+// ulp or two: the bf16 matmul op's epilogue, on each output tile while it is in cache.
+void gelu_rows_avx512(float* y, int64_t ld, int64_t rows, int64_t cols);
+
 void round_rows_bf16_avx512(const float* x, int64_t ldx, int64_t rows, int64_t k, uint16_t* out, int64_t ldo,
                             int64_t padded_rows);
 

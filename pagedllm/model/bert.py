@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model.layers.bf16_matmul import Bf16MatmulLinear
+
 # In place, on a linear's fresh output: a new [tokens, intermediate] tensor a call is large enough to be mapped and
 # page-faulted afresh each time (worker/host_memory.py's mmap threshold), which had doubled the activation's time.
 _ACTIVATIONS = {"gelu": lambda x: torch.ops.aten.gelu_(x),
@@ -155,8 +157,11 @@ class BertIntermediate(nn.Module):
         if config.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; known: {sorted(_ACTIVATIONS)}")
         self.act = _ACTIVATIONS[config.hidden_act]
+        self.gelu = config.hidden_act == "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu and isinstance(self.dense, Bf16MatmulLinear):  # the bf16-matmul mode: GELU on the op's tiles
+            return self.dense.matmul(x, self.dense.bias, gelu=True)
         return self.act(self.dense(x))
 
 

@@ -53,6 +53,19 @@ def test_compiled_op_sums_bf16_operands_in_float32(m, k, n):
             assert torch.equal(matmul(x, bias), y), count
     finally:
         torch.set_num_threads(threads)
+    gelu = matmul(x, bias, gelu=True)  # applied on each output tile, the ragged last ones included
+    exact = torch.nn.functional.gelu(y.double())
+    assert (gelu.double() - exact).abs().max() <= 1e-6 * max(1.0, exact.abs().max().item())
+    assert (gelu.double() - exact).abs().max() <= (torch.nn.functional.gelu(y).double() - exact).abs().max() * 2
+    emulated_gelu = Bf16Matmul(w, compiled=False)(x, bias, gelu=True)
+    assert torch.allclose(gelu, emulated_gelu, rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+def test_the_op_refuses_an_unknown_activation():
+    packed = torch.ops.pagedllm.bf16_matmul_pack(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="activation must be"):
+        torch.ops.pagedllm.bf16_matmul_cpu(torch.randn(2, 32), packed, None, 64, 7)
 
 
 @needs_amx

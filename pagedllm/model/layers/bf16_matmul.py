@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 NAME = "bf16-matmul"
 """The ``--dtype`` value that asks for the mode."""
+_GELU = 1
+"""``bf16_matmul_cpu``'s activation code for GELU."""
 
 
 def compiled_available() -> bool:
@@ -46,13 +48,17 @@ class Bf16Matmul:
         self.packed = torch.ops.pagedllm.bf16_matmul_pack(weight.detach()) if usable else None
         self.weight_bf16 = None if usable else weight.detach().to(torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
+        """``gelu``: GELU (the erf form) applied to the product too, by the op on each output tile while it is in
+        cache (a pass over the output saved; within an ulp or two of torch's gelu)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.packed is not None:
-            y = torch.ops.pagedllm.bf16_matmul_cpu(x2.float(), self.packed, bias, self.n)
+            y = torch.ops.pagedllm.bf16_matmul_cpu(x2.float(), self.packed, bias, self.n, _GELU if gelu else 0)
         else:
             y = F.linear(x2.to(torch.bfloat16).float(), self.weight_bf16.float(), bias)
+            if gelu:
+                torch.ops.aten.gelu_(y)
         return y.view(*shape[:-1], self.n)
 
 
