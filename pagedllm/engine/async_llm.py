@@ -182,7 +182,8 @@ class AsyncLLM:
             tokenizer_loaded.cancel()
             client.shutdown()
             raise
-        log_generation_defaults(generation_defaults, source)
+        if engine_args.runner != "pooling":  # a pooling engine samples nothing
+            log_generation_defaults(generation_defaults, source)
         return cls(client, ready, tokenizer, metrics, num_threads, engine_args.request_limits(),
                    engine_args.scheduling_policy, engine_args.lora_config(),
                    embedder_for(engine_args.runner, ready.model_path, engine_args.model), generation_defaults)

@@ -45,7 +45,8 @@ class LLMEngine:
         self.generation_defaults, source = resolve_generation_defaults(
             self.engine_args.generation_config, self.engine_args.model, loaded.model_path)
         """The model's sampling defaults (generation_defaults.py): what a request given no params runs with."""
-        log_generation_defaults(self.generation_defaults, source)
+        if self.engine_args.runner != "pooling":  # a pooling engine samples nothing
+            log_generation_defaults(self.generation_defaults, source)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the model's generation-config sampling fields over
