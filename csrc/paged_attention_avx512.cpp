@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "exp_avx512.h"
 #include "paged_attention.h"
 
 namespace pagedllm {
@@ -50,24 +51,7 @@ static inline vf vlanes(const vf* a) {
 static inline vf vsum_lanes(const vf* a) { return vlanes<false>(a); }
 static inline vf vmax_lanes(const vf* a) { return vlanes<true>(a); }
 // exp(x - m) for x <= m; see the AVX2 file. Below -87 (and -inf) gives exactly 0.
-static inline vf vexp(vf x, vf m) {
-  x = _mm512_sub_ps(x, m);
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, vset1(-87.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, vset1(-87.f));
-  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset1(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = _mm512_fnmadd_ps(n, vset1(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
-  vf y = vset1(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, vset1(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, vset1(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, vset1(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, vset1(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, vset1(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, vset1(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
-}
+static inline vf vexp(vf x, vf m) { return exp_nonpositive_avx512(_mm512_sub_ps(x, m)); }
 
 // The tiled path's register tile: MR rows x NB vectors of accumulators (24 of the
 // 32 vector registers), plus NB loads and one broadcast.

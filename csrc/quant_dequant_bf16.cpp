@@ -9,6 +9,7 @@
 
 #include <cstring>
 
+#include "exp_avx512.h"
 #include "quant_gemm.h"
 #include "quant_gemm_int8.h"
 #include "quant_gemm_kq.h"
@@ -281,23 +282,6 @@ inline __m512 and_ps(__m512 a, __m512 b) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
 }
 
-// exp(x) (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n by scalef), within ~1 ulp of expf.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 0.5 x (1 + erf(x / sqrt 2)), erf as ATen's vectorized one computes it (Abramowitz and Stegun 7.1.26:
 // sign(x) (1 - poly(t) t exp(-x^2)), t = 1 / (1 + p |x|)), so the result is within an ulp or two of torch's GELU.
 inline __m512 gelu_ps(__m512 x) {
@@ -310,7 +294,7 @@ inline __m512 gelu_ps(__m512 x) {
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
-  const __m512 e = exp_ps(xor_ps(_mm512_mul_ps(z, z), _mm512_set1_ps(-0.0f)));
+  const __m512 e = exp_nonpositive_avx512(xor_ps(_mm512_mul_ps(z, z), _mm512_set1_ps(-0.0f)));
   const __m512 erf_abs = _mm512_fnmadd_ps(_mm512_mul_ps(e, t), poly, one);
   const __m512 erf = xor_ps(erf_abs, sign);
   return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), _mm512_add_ps(one, erf));

@@ -57,7 +57,7 @@ HEADERS = ("fused_ops.h", "paged_attention.h", "paged_attention_kernel.h", "page
            "thread_pool.h", "quant_gemm.h", "quant_gemm_kernel.h", "quant_gemm_int8.h",
            "quant_gemm_int8_kernel.h", "int8_simd_avx2.h", "int8_simd_avx512.h", "quant_gemm_kq.h",
            "quant_gemm_kq_kernel.h", "panel_tiles.h", "bf16_gemm.h", "bf16_gemm_kernel.h",
-           "lora_sgmv.h", "lora_sgmv_kernel.h", "quant_dequant_bf16.h")
+           "lora_sgmv.h", "lora_sgmv_kernel.h", "quant_dequant_bf16.h", "exp_avx512.h")
 # Baseline flags only: the ISA files pick their own targets with pragmas (never -march=native,
 # so the library built on one machine runs on any x86-64 CPU with AVX2). -fopenmp at compile
 # time only: at::parallel_for is an inline `#pragma omp parallel`, which without it runs on one
