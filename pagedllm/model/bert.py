@@ -96,15 +96,16 @@ class BertSelfAttention(nn.Module):
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
-        self.fused_qkv = None  # set by fuse_qkv: one product for the three projections
+        self.qkv = None  # (weight, bias) of the three projections as one, once fused (fuse_qkv_weights)
+        self.fused_qkv = None  # set by fuse_qkv / fuse_qkv_weights: one product for the three projections
 
     def fuse_qkv(self, matmul_of) -> None:
         """Multiply x by query, key and value as one [3 * hidden, hidden] weight (``matmul_of(weight)`` builds the
-        product, called as ``product(x, bias)``): x is read, and in the bf16 mode rounded, once instead of three
+        product, called as ``product(x, bias=bias)``): x is read, and in the bf16 mode rounded, once instead of three
         times. The three linears keep their parameters (checkpoint names) and are no longer called."""
-        projections = (self.query, self.key, self.value)
-        weight = torch.cat([p.weight.detach() for p in projections])
-        bias = torch.cat([p.bias.detach() for p in projections])
+        if self.qkv is None:
+            self.fuse_qkv_weights()
+        weight, bias = self.qkv
         self.fused_qkv = (matmul_of(weight), bias)
 
     def fuse_qkv_weights(self) -> None:
@@ -115,6 +116,7 @@ class BertSelfAttention(nn.Module):
         bias = torch.cat([p.bias.detach() for p in projections])
         for p, w, b in zip(projections, weight.chunk(3), bias.chunk(3)):
             p.weight.data, p.bias.data = w, b
+        self.qkv = (weight, bias)
         self.fused_qkv = (functools.partial(F.linear, weight=weight), bias)
 
     def forward(self, x: torch.Tensor, groups: AttentionGroups) -> torch.Tensor:
