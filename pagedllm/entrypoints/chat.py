@@ -96,7 +96,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """A message; `model_validator` applies the rules of the module doc. Each refusal is a ValueError
     whose text starts with the offending field ("content: ..."), which the body parser appends to the
-    message's location (see request_body.parse_model)."""
+    message's location (see http_intake.parse_model)."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]

@@ -68,7 +68,7 @@ def test_explicit_params_win(greedy_by_default_llm):
 
 def test_server_bodies_take_the_models_defaults_for_what_they_leave_out():
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-    from pagedllm.entrypoints.openai.request_body import parse_model
+    from pagedllm.entrypoints.openai.http_intake import parse_model
 
     defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
     chat = parse_model(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})

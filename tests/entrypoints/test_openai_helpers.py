@@ -11,7 +11,7 @@ from pagedllm.engine.async_llm import EngineStoppingError, RequestFailedError, R
 from pagedllm.entrypoints.openai.auth import find_api_key, tenant_cache_salt
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from, current_request_id
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.entrypoints.openai.request_body import parse_model
+from pagedllm.entrypoints.openai.http_intake import parse_model
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -184,7 +184,7 @@ def test_fields_the_fuzzer_broke_are_a_400_naming_them(extra, field):
 
 
 def test_strict_json_bodies():
-    from pagedllm.entrypoints.openai.request_body import parse_json_body
+    from pagedllm.entrypoints.openai.http_intake import parse_json_body
 
     assert parse_json_body(b'{"prompt": "\\ud83d\\ude00", "ids": [1, 2]}') == {"prompt": "\U0001F600", "ids": [1, 2]}
     for body, words in ((b'{"t": NaN}', "NaN"), (b'{"t": [1e999]}', "not finite"), (b'{"x": {"y": 2e400}}', "x.y"),
@@ -238,7 +238,7 @@ def test_an_unhandled_error_is_a_500_naming_only_the_request_id(caplog):
     from fastapi import FastAPI
     from starlette.testclient import TestClient
 
-    from pagedllm.entrypoints.openai.lifecycle import RequestIdMiddleware
+    from pagedllm.entrypoints.openai.http_intake import RequestIdMiddleware
 
     app = FastAPI()
 

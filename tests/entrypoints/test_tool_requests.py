@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.request_body import parse_model
+from pagedllm.entrypoints.openai.http_intake import parse_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template
 from pagedllm.entrypoints.openai.tools import plan_tools
 from pagedllm.model.loader import resolve_hf_dir

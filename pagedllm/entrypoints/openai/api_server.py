@@ -26,21 +26,19 @@ from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, add_serve_args, configs_from_args
 from pagedllm.entrypoints.openai.serving import ServingContext, now_s
 from pagedllm.entrypoints.openai.errors import APIError, api_error_from
-from pagedllm.entrypoints.openai.lifecycle import (
+from pagedllm.entrypoints.openai.http_intake import (
     DrainMiddleware,
-    Lifecycle,
-    PagedLLMServer,
     RequestIdMiddleware,
     h11_protocol_with_header_timeout,
-    replica_health,
+    read_model,
 )
+from pagedllm.entrypoints.openai.lifecycle import Lifecycle, PagedLLMServer, replica_health
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.request_body import read_model
 from pagedllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.serving_responses import add_responses_routes

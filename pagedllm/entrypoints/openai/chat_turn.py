@@ -18,7 +18,7 @@ from fastapi import Request
 
 from pagedllm.entrypoints.openai.serving import IndexedOutputs, ServingContext, final_outputs
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.request_body import parse_model
+from pagedllm.entrypoints.openai.http_intake import parse_model
 from pagedllm.entrypoints.openai.serving_chat import ChatTurn, start_chat
 from pagedllm.entrypoints.openai.tools import ChoiceParser
 from pagedllm.outputs import RequestOutput

@@ -1,5 +1,5 @@
-"""The server's life around its requests: request ids, draining on SIGTERM, exiting when the engine
-core dies, and closing connections that never finish their headers.
+"""The server's life around its requests: draining on SIGTERM, exiting when the engine core dies, and the
+replicas' health. What each request meets on its way in (ids, the drain gate, timeouts) is ``http_intake.py``.
 
     SIGTERM ─► draining: /health and new requests get 503 ─► in-flight requests finish, or at
                --shutdown-timeout are ended (error event, [DONE]) ─► uvicorn stops ─► core stops
@@ -9,57 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineStoppingError
-from pagedllm.entrypoints.openai.errors import APIError, current_request_id, internal_error
 
 logger = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _ABORTED_GRACE_S = 3.0
 """After the shutdown timeout, how long ended requests get to send their last event."""
-
-
-class RequestIdMiddleware:
-    """Take the client's X-Request-Id (if sane) or make one; echo it on the response and expose it
-    to handlers (errors.current_request_id), so a 500 can name it. An unhandled exception becomes
-    that 500 here (inside, where the id is still known), its text going to the log only."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        token = current_request_id.set(request_id)
-
-        started = False
-
-        async def send_with_id(message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception:
-            logger.exception("request %s failed", request_id)
-            if started:  # too late for a status; the connection is cut
-                raise
-            await internal_error().response()(scope, receive, send_with_id)
-        finally:
-            current_request_id.reset(token)
 
 
 class Lifecycle:
@@ -68,29 +27,6 @@ class Lifecycle:
     def __init__(self) -> None:
         self.draining = False
         self.num_in_flight = 0
-
-
-class DrainMiddleware:
-    """Counts the requests in flight in `lifecycle`; once draining, answers new ones (and /health) 503."""
-
-    def __init__(self, app, lifecycle: Lifecycle) -> None:
-        self.app = app
-        self.lifecycle = lifecycle
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.lifecycle.draining and scope.get("path") != "/metrics":
-            response = APIError(503, "the server is shutting down", code="server_shutting_down",
-                                headers={"Connection": "close"}).response()
-            await response(scope, receive, send)
-            return
-        self.lifecycle.num_in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.lifecycle.num_in_flight -= 1
 
 
 class PagedLLMServer(uvicorn.Server):
@@ -109,9 +45,9 @@ class PagedLLMServer(uvicorn.Server):
         if not keep_alive_on_engine_death:
             engine.on_dead = self._on_engine_dead
 
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()  # where a signal hands the drain over to
+        await super().startup(sockets)
 
     def handle_exit(self, sig, frame) -> None:  # a signal handler: only hand over to the loop
         if self.lifecycle.draining:
@@ -172,48 +108,3 @@ def replica_health(engine: AsyncLLM) -> tuple[int, dict] | None:
     return 200, {"status": "ok" if num_up == len(replicas) else "degraded", "replicas": replicas}
 
 
-def h11_protocol_with_header_timeout(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection that has not sent a complete request head within
-    `timeout_s` of connecting or of finishing its previous response (uvicorn waits forever)."""
-
-    class HeaderTimeoutH11Protocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_header_timer()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm_header_timer()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if not self._busy():
-                self._arm_header_timer()  # a request head is (partly) pending
-            else:
-                self._disarm_header_timer()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm_header_timer()
-
-        def _arm_header_timer(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(timeout_s, self._header_timeout)
-
-        def _disarm_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            if not self._busy():
-                self.transport.close()
-
-        def _busy(self) -> bool:
-            """A request head has arrived and its response is not complete."""
-            return self.cycle is not None and not self.cycle.response_complete
-
-    return HeaderTimeoutH11Protocol

@@ -1,5 +1,6 @@
-"""Reading a request body: content type, size and time limits, UTF-8, strict JSON, then validation
-into a protocol model.
+"""Every HTTP request's way in, before its handler runs: the connection's header timeout (uvicorn's h11
+protocol), the request id, the drain gate, then the body: content type, size and time limits, UTF-8, strict
+JSON, and validation into a protocol model.
 
 Strict JSON here means what no engine can use is a 400 up front: NaN/Infinity (and numbers that
 overflow to infinity), integers beyond 64 bits, and lone UTF-16 surrogates (valid JSON, but no
@@ -10,24 +11,139 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
+import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.errors import APIError, current_request_id, internal_error
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.lifecycle import Lifecycle
+
+logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _INNER_FIELD = re.compile(r"([a-z_][a-z0-9_.]*): ")
 """How a model validator's error names a field of the model it checks (see parse_model)."""
 _PARSE_ON_LOOP_BYTES = 64 * 1024
 """Smaller bodies are parsed on the event loop (a thread hop costs more than the parse)."""
+
+
+class RequestIdMiddleware:
+    """Take the client's X-Request-Id (if sane) or make one; echo it on the response and expose it
+    to handlers (errors.current_request_id), so a 500 can name it. An unhandled exception becomes
+    that 500 here (inside, where the id is still known), its text going to the log only."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        token = current_request_id.set(request_id)
+
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s failed", request_id)
+            if started:  # too late for a status; the connection is cut
+                raise
+            await internal_error().response()(scope, receive, send_with_id)
+        finally:
+            current_request_id.reset(token)
+
+
+class DrainMiddleware:
+    """Counts the requests in flight in `lifecycle`; once draining, answers new ones (and /health) 503."""
+
+    def __init__(self, app, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.lifecycle.draining and scope.get("path") != "/metrics":
+            response = APIError(503, "the server is shutting down", code="server_shutting_down",
+                                headers={"Connection": "close"}).response()
+            await response(scope, receive, send)
+            return
+        self.lifecycle.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.num_in_flight -= 1
+
+
+def h11_protocol_with_header_timeout(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection that has not sent a complete request head within
+    `timeout_s` of connecting or of finishing its previous response (uvicorn waits forever)."""
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self._busy():
+                self._arm_header_timer()  # a request head is (partly) pending
+            else:
+                self._disarm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(timeout_s, self._header_timeout)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if not self._busy():
+                self.transport.close()
+
+        def _busy(self) -> bool:
+            """A request head has arrived and its response is not complete."""
+            return self.cycle is not None and not self.cycle.response_complete
+
+    return HeaderTimeoutH11Protocol
 
 
 def check_content_type(request: Request) -> None:
