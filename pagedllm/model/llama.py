@@ -266,7 +266,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        logits = self.lm_head.compute_logits(hidden_states)
+        logits = fused_decoder.head_logits(self, hidden_states)  # None: not the fused path's quantized head
+        if logits is None:
+            logits = self.lm_head.compute_logits(hidden_states)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

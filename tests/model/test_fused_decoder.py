@@ -127,7 +127,11 @@ def test_quantized_fused_equals_per_op(qtype, isa, tmp_path, monkeypatch):
     assert qkv.quant_weight is not None
     if isa == "avx2":
         assert qkv.quant_weight.isa == 1
-    assert_fused_equals_per_op(model, monkeypatch)
+    head_calls = []
+    real_head = type(model.lm_head).compute_logits
+    monkeypatch.setattr(type(model.lm_head), "compute_logits", lambda head, x: head_calls.append(1) or real_head(head, x))
+    assert_fused_equals_per_op(model, monkeypatch)  # the logits too: the head's kernel called directly (head_logits)
+    assert len(head_calls) == len(STEPS)  # the per-op steps only: the fused ones left the head's module out
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -8,7 +8,8 @@ calls and checks between them cost about as much again as the norms, rotary and 
 loop, so its output equals the per-op path bit for bit (tests/model/test_fused_decoder.py); the
 per-op path (``LlamaDecoderLayer.forward``) stays the reference and runs everything else. Around
 that call the step's other ops are called directly too, without their modules: the embedding
-lookup (``quant_rows_cpu`` for a GGUF table, ``torch.embedding`` for a float32 one); the rotary
+lookup (``quant_rows_cpu`` for a GGUF table, ``torch.embedding`` for a float32 one), and after it a quantized
+LM head's product (``head_logits``: the op and arguments ``QuantizedWeight.matmul`` would pass); the rotary
 tables' row gathers (by the step's positions) and the final norm run inside the call. What does not
 change between steps (the weights, ints and the model's constants) goes to the op once, as a
 ``DecoderPlan``.
@@ -96,6 +97,22 @@ def for_step(model, input_ids: torch.Tensor) -> FusedDecoder | None:
     return fused
 
 
+def head_logits(causal_lm, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """``causal_lm.lm_head.compute_logits(hidden_states)`` by the head's quantized kernel, called directly, where
+    the model's layers take the fused call and the head is a quantized one at one rank outside the batch-invariant
+    mode; None elsewhere (the head's own ``compute_logits`` then). The weight is read at each call (a bench may
+    give the head another after the first step)."""
+    decided = causal_lm.model.__dict__.get(_ATTR)
+    if decided is None or decided[2] is None or not (_enabled[0] if _enabled else enabled()):
+        return None
+    head = causal_lm.lm_head
+    weight = head.quant_weight
+    if (weight is None or head.tp_size != 1 or head.batch_invariant or hidden_states.dim() != 2
+            or hidden_states.dtype != torch.float32 or hidden_states.stride(-1) != 1 or not hidden_states.is_cpu):
+        return None
+    return decided[2].quant_gemm(hidden_states, weight.packed, weight.kernel_type, weight.n, None, weight.isa)
+
+
 @dataclass(frozen=True, slots=True)
 class DecoderLayerParts:
     """One decoder layer as the compiled call runs it: ``input_layernorm``, ``qkv_proj``, ``attn``, ``o_proj``,
@@ -144,6 +161,7 @@ class FusedDecoder:
         self._checked_caches = None  # the KV cache list last checked (by identity), and whether it is covered
         self._caches_ok = False
         self._op = _direct(torch.ops.pagedllm.decoder_layers_cpu.default)
+        self.quant_gemm = _direct(torch.ops.pagedllm.quant_gemm_cpu.default)  # a quantized LM head's (head_logits)
         # LoRA slots: where the step's segments are read (lora/layers.py); the plan holds the slots
         self._lora_segments = None
         if lora is not None:
