@@ -279,7 +279,10 @@ class LlamaForCausalLM(nn.Module):
         then takes the argmax of compute_logits)."""
         if self.final_softcap is not None:
             return GreedyFallback.FINAL_SOFTCAP
-        return self.lm_head.greedy_token_ids(hidden_states)
+        head = self.lm_head
+        if head.greedy_head is None:  # a quantized, split or batch-invariant head (LMHead.process_weights_after_loading)
+            return GreedyFallback.NO_GREEDY_HEAD
+        return head.greedy_head.argmax(hidden_states, head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names of our parameters that were set."""

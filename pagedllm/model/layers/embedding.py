@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_all_gather, tp_all_reduce
 from pagedllm.model import batch_invariant
-from pagedllm.model.layers.greedy_head import GreedyFallback, GreedyHead
+from pagedllm.model.layers.greedy_head import GreedyHead
 from pagedllm.model.layers import quantized
 from pagedllm.model.layers.linear import NO_INVARIANT_GEMM, invariant_matmul, pack_for_cpu, packed_linear
 from pagedllm.model.layers.quantized import QuantizedWeight, QuantTensor
@@ -84,7 +84,7 @@ class LMHead(VocabEmbedding):
 
     gemm_weight: torch.Tensor | None = None  # ``weight`` packed for the compiled GEMM, or None
     packed_weight: torch.Tensor | None = None  # MKL-packed copy of ``weight`` (CPU, float32), or None
-    greedy_head: GreedyHead | None = None  # bfloat16 copy for exact greedy tokens (greedy_head.py), or None
+    greedy_head: GreedyHead | None = None  # bfloat16 copy for exact greedy tokens (greedy_head.py; the model asks it), or None
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__(vocab_size, hidden_size, tp_size, tp_rank)
@@ -100,13 +100,6 @@ class LMHead(VocabEmbedding):
                 raise ValueError(NO_INVARIANT_GEMM.format("the LM head"))
             return
         self.greedy_head = GreedyHead.build(self.weight) if self.tp_size == 1 else None
-
-    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | GreedyFallback:
-        """Each row's argmax of ``compute_logits`` without the float32 logits, or why that path does not
-        apply (then the caller takes the argmax of compute_logits: ``sampling/sampler.py`` ``greedy_tokens``)."""
-        if self.greedy_head is None:
-            return GreedyFallback.NO_GREEDY_HEAD
-        return self.greedy_head.argmax(hidden_states, self.weight)
 
     batch_invariant: bool = False  # row-count-independent sums: chosen at construction (model/batch_invariant.py)
 
