@@ -23,6 +23,8 @@
     pagedllm bench kv-disk --prefix-len 8000   (the KV disk tier: time to first token after eviction and restart)
     pagedllm bench embed --shapes minilm,qwen3-0.6b   (embeddings/s and rerank pairs/s beside sentence-transformers)
     pagedllm bench embed-mixed --rounds 2   (a generation load slowed by embedding requests in its engine)
+    pagedllm bench quant-gemm --threads 1   (the compiled quantized kernels side by side: ms per call, GB/s)
+    pagedllm bench bf16-error --shape minilm   (which bfloat16 rounding moves an embedder's vectors)
     pagedllm bench all --out docs/bench --report docs/bench/results.md   (what `make bench` runs)
 
 Each module in BENCHMARK_MODULES has `add_parser(subparsers)`, which declares its subcommands' arguments on
@@ -62,6 +64,8 @@ BENCHMARK_MODULES = (
     "pagedllm.bench.kv_disk",  # kv-disk (not in `bench all`)
     "pagedllm.bench.embed",  # embed (not in `bench all`)
     "pagedllm.bench.embed_mixed",  # embed-mixed (not in `bench all`)
+    "pagedllm.bench.quant_gemm",  # quant-gemm (not in `bench all`)
+    "pagedllm.bench.bf16_error",  # bf16-error (not in `bench all`)
 )
 """Modules light enough to import when the CLI starts (no torch at import); each declares its subcommands."""
 

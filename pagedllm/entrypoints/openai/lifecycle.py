@@ -22,7 +22,7 @@ _ABORTED_GRACE_S = 3.0
 
 
 class Lifecycle:
-    """Whether the server is draining, and how many requests are in flight (see DrainMiddleware)."""
+    """Whether the server is draining, and how many requests are in flight (counted by http_intake.DrainMiddleware)."""
 
     def __init__(self) -> None:
         self.draining = False
