@@ -22,9 +22,9 @@ RUN_BY_ALL = {cli_throughput: ("throughput", "serving"), cli_memory: ("memory", 
 
 def test_every_benchmark_is_declared_by_its_module_with_the_function_that_runs_it():
     parsers = bench_cli.benchmark_parsers()
-    assert len(parsers) == 23 and {"throughput", "agent-apis", "embed", "embed-mixed", "kv-disk", "hardening",
+    assert len(parsers) == 25 and {"throughput", "agent-apis", "embed", "embed-mixed", "kv-disk", "hardening",
                                    "speculative", "attention", "moe", "accuracy", "llamacpp",
-                                   "serve-memory"} <= set(parsers)
+                                   "serve-memory", "quant-gemm", "bf16-error"} <= set(parsers)
     for name, parser in parsers.items():
         run = parser.get_default("run")
         assert callable(run) and run.__name__ == "bench_" + name.replace("-", "_"), name
