@@ -43,6 +43,12 @@ def test_quant_gemm_kinds_are_checked(capsys):
     assert "argument --kinds: 'Q4_K:int4' is not TYPE:ACTIVATIONS" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not quantized.kernel_available(), reason="the compiled quantized kernel does not run here")
+def test_quant_gemm_refuses_columns_no_k_quant_block_fits(tmp_path):
+    with pytest.raises(SystemExit, match="--k 300: the weight's columns must be a multiple of 256"):
+        main(["bench", "quant-gemm", "--out", str(tmp_path), "--k", "300", "--kinds", "Q4_K:float"])
+
+
 @pytest.mark.parametrize("cross_encoder", [False, True])
 def test_bf16_error_bench_smoke(cross_encoder, tmp_path):
     out = tmp_path / "out"
